@@ -1,0 +1,36 @@
+"""Functional math of hybrid linear-attention models: references, chunkwise forms, kernels and their dispatch.
+
+Layout is sequence-first everywhere (`[B, T, H, D]`); gates are keyword-only, `g` before `beta`.
+See docs/math.md for the recurrences and the chunkwise derivation.
+"""
+
+from .chunk import recurrence_chunk
+from .conv import causal_conv1d, causal_conv1d_update
+from .naive import recurrence_naive
+from .norm import gated_rms_norm, l2norm, rms_norm
+from .recurrence import (
+    TRITON_KERNELS,
+    delta_rule,
+    gated_delta_rule,
+    gated_linear_attention,
+    kda,
+    linear_attention,
+    resolve_impl,
+)
+
+__all__ = [
+    "TRITON_KERNELS",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "delta_rule",
+    "gated_delta_rule",
+    "gated_linear_attention",
+    "gated_rms_norm",
+    "kda",
+    "l2norm",
+    "linear_attention",
+    "recurrence_chunk",
+    "recurrence_naive",
+    "resolve_impl",
+    "rms_norm",
+]

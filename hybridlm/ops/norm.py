@@ -1,0 +1,73 @@
+"""Normalisations used by the hybrid layers, as plain functions.
+
+Non-standard here: the released models disagree on small things, and each is an explicit argument rather than
+a class per model:
+- `rms_norm(..., zero_centered=True)` multiplies by (1 + w) (Qwen3-Next / Qwen3.5, weights initialised at 0);
+  `zero_centered=False` multiplies by w (Llama, Kimi, OLMo).
+- `cast_before_weight=True` rounds the normalised x to the input dtype before the weight multiply (Llama-style,
+  `w * x_hat.to(dtype)`); False multiplies in float32 and rounds once at the end (Qwen3-Next's zero-centred norm).
+- `gated_rms_norm` gates with SiLU (Qwen, OLMo) or sigmoid (Kimi) and can keep everything in float32 (Kimi).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim, in x's dtype (callers pass float32/float64)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    zero_centered: bool = False,
+    cast_before_weight: bool = True,
+) -> torch.Tensor:
+    """x: [..., D]; weight: [D] or None. Normalised in float32 (float64 for float64 x); output in x's dtype."""
+    dtype = x.dtype
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    xf = x.to(cd)
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is None:
+        return y.to(dtype)
+    w = (1.0 + weight.to(cd)) if zero_centered else weight
+    if cast_before_weight:
+        return (w.to(dtype) * y.to(dtype)) if not zero_centered else (y * w).to(dtype)
+    return (y * w.to(cd)).to(dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    activation: str = "silu",
+    fp32_output: bool = False,
+) -> torch.Tensor:
+    """RMSNorm(x) * act(gate), per head. x, gate: [..., D]; weight: [D] (plain w, not zero-centred).
+
+    activation "silu" (Qwen3-Next/Qwen3.5/OLMo-Hybrid): w * x_hat.to(dtype) * silu(gate.float()), cast at the end.
+    activation "sigmoid" (Kimi Linear) with fp32_output=True keeps the whole product in float32 before the cast.
+    """
+    if activation not in ("silu", "sigmoid"):
+        raise ValueError(f"activation: expected 'silu' or 'sigmoid', got {activation!r}")
+    if gate.shape != x.shape:
+        raise ValueError(f"gate: expected the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    dtype = x.dtype
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    xf = x.to(cd)
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    act = F.silu(gate.to(cd)) if activation == "silu" else torch.sigmoid(gate.to(cd))
+    if fp32_output:
+        w = weight.to(cd) if weight is not None else 1.0
+        return (w * y * act).to(dtype)
+    y = y.to(dtype)
+    if weight is not None:
+        y = weight * y
+    return (y.to(cd) * act).to(dtype)

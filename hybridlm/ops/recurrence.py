@@ -1,0 +1,270 @@
+"""Public functional API of the delta-rule family: one function per recurrence, one gate order everywhere.
+
+Non-standard here:
+- Gates are keyword-only and always in the order `g` (log-decay, <= 0) then `beta` (write strength).
+- `impl` is explicit: "naive" (token loop), "chunk" (WY/UT in PyTorch), "triton" (GPU kernels, registered by
+  `hybridlm.ops.triton` when it imports), "auto" (triton on CUDA when a kernel exists for the op, else chunk). The
+  choice "auto" makes is logged once per (op, device type, impl), never changed silently afterwards.
+- Compute dtype is float64 for float64 inputs and float32 otherwise; the state is kept in that dtype and the
+  caller's initial_state must already be in it (no silent cast). The output comes back in the input dtype.
+- Values are not range-checked (g <= 0, beta in (0, 2)): that would need a device sync on every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from .chunk import recurrence_chunk
+from .naive import recurrence_naive
+from .norm import l2norm
+from .validate import Dims, check_recurrence_inputs
+
+log = logging.getLogger("hybridlm.ops")
+
+# op name -> callable with the public signature; filled by hybridlm.ops.triton when its kernels import.
+TRITON_KERNELS: dict[str, Callable] = {}
+_LOGGED: set[tuple[str, str, str]] = set()
+
+
+def resolve_impl(op: str, impl: str, device: torch.device) -> str:
+    """Turn impl="auto" into a concrete choice and refuse impossible explicit ones."""
+    if impl == "triton" and op not in TRITON_KERNELS:
+        raise RuntimeError(
+            f"impl: 'triton' was asked for {op}, but no Triton kernel is registered for it "
+            "(import hybridlm.ops.triton on a machine with triton installed)"
+        )
+    if impl == "auto":
+        impl = "triton" if (device.type == "cuda" and op in TRITON_KERNELS) else "chunk"
+        key = (op, device.type, impl)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.info("hybridlm.ops.%s: impl='auto' picked %r on %s", op, impl, device.type)
+    return impl
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _run(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    delta: bool,
+    dims: Dims,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shared body of the five ops for the PyTorch paths (naive, chunk)."""
+    cd = _compute_dtype(q)
+    if initial_state is not None and initial_state.dtype != cd:
+        raise TypeError(f"initial_state: expected dtype {cd} for {q.dtype} inputs, got {initial_state.dtype}")
+    H, HV, K, V, N = dims.H, dims.HV, dims.K, dims.V, dims.N
+    out_dtype = q.dtype
+    scale = K**-0.5 if scale is None else float(scale)
+
+    # Everything in the compute dtype; q/k normalised (eps inside the rsqrt, as transformers and fla), q scaled.
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    if HV != H:  # grouped value attention: value head h reads key head h // (HV / H)
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    if g is not None:
+        g = g.to(cd)
+        if g.dim() == 3:
+            g = g.unsqueeze(-1)  # scalar per head: [B, T, HV, 1]
+    if beta is not None:
+        beta = beta.to(cd)
+
+    state = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V)
+    core = recurrence_naive if impl == "naive" else recurrence_chunk
+    kwargs = {} if impl == "naive" else {"chunk_size": chunk_size}
+
+    if cu_seqlens is None:
+        o, final = core(q, k, v, g=g, beta=beta, delta=delta, state_BHKV=state, **kwargs)
+    else:  # varlen: each packed sequence starts from its own state
+        bounds = cu_seqlens.tolist()
+        outs, finals = [], []
+        for n in range(N):
+            s, e = bounds[n], bounds[n + 1]
+            o_n, f_n = core(
+                q[:, s:e],
+                k[:, s:e],
+                v[:, s:e],
+                g=None if g is None else g[:, s:e],
+                beta=None if beta is None else beta[:, s:e],
+                delta=delta,
+                state_BHKV=state[n : n + 1],
+                **kwargs,
+            )
+            outs.append(o_n)
+            finals.append(f_n)
+        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    return o.to(out_dtype), (final if output_final_state else None)
+
+
+def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
+              cu_seqlens, use_qk_l2norm, chunk_size, impl):
+    dims = check_recurrence_inputs(
+        q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, impl=impl,
+    )
+    out_dtype = q.dtype
+    impl = resolve_impl(op, impl, q.device)
+    if dims.T == 0:  # nothing to run: empty output, state passed through
+        cd = _compute_dtype(q)
+        if initial_state is not None and initial_state.dtype != cd:
+            raise TypeError(f"initial_state: expected dtype {cd} for {q.dtype} inputs, got {initial_state.dtype}")
+        final = initial_state if initial_state is not None else q.new_zeros(dims.N, dims.HV, dims.K, dims.V, dtype=cd)
+        return v.new_zeros(dims.B, 0, dims.HV, dims.V, dtype=out_dtype), (final if output_final_state else None)
+    if impl == "triton":
+        return TRITON_KERNELS[op](
+            q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+        )
+    return _run(
+        op, q, k, v, g=g, beta=beta, delta=delta, dims=dims, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size, impl=impl,
+    )
+
+
+_COMMON_DOC = """
+    q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head h reads key head h // (HV / H)).
+    scale: multiplies q after the optional l2 norm; default K ** -0.5.
+    initial_state: [N, HV, K, V] in float32 (float64 for float64 inputs), N = B or the number of varlen sequences.
+    output_final_state: also return the state after the last step ([N, HV, K, V]); otherwise None is returned.
+    cu_seqlens: int32/int64 [N+1] offsets of sequences packed into one row (B must be 1), FlashAttention-style.
+    use_qk_l2norm: normalise q and k over K as x * rsqrt(sum(x^2) + 1e-6) before the recurrence.
+    chunk_size: 16, 32, 64 or 128, used by impl="chunk".
+    impl: "auto" | "naive" | "chunk" | "triton".
+    Returns (o [B, T, HV, V] in the input dtype, final_state or None).
+"""
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet: S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
+
+    g: [B, T, HV] log-decay (<= 0), one per value head; beta: [B, T, HV] write strength in (0, 2)
+    (beta > 1 gives the transition negative eigenvalues, as OLMo-Hybrid allows)."""
+    return _dispatch("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention: the gated delta rule with one log-decay per key channel,
+    S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t (v_t - (diag(e^{g_t}) S_{t-1})^T k_t)^T.
+
+    g: [B, T, HV, K] log-decay (<= 0); beta: [B, T, HV]."""
+    return _dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DeltaNet (no decay): S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T. beta: [B, T, HV]."""
+    return _dispatch("delta_rule", "none", True, q, k, v, g=None, beta=beta, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+
+
+def gated_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated linear attention (Hebbian write, no delta): S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t v_t^T.
+
+    This is seed 002's lambda/eta update: lambda_t = e^{g_t}, eta_t = beta_t. g: [B, T, HV] (scalar decay,
+    Mamba2-like) or [B, T, HV, K] (per channel, GLA); beta: optional [B, T, HV] write gate (1 when None)."""
+    return _dispatch("gated_linear_attention", "scalar_or_channel", False, q, k, v, g=g, beta=beta, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain (unnormalised) linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T q_t."""
+    return _dispatch("linear_attention", "none", False, q, k, v, g=None, beta=None, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+
+
+for _f in (gated_delta_rule, kda, delta_rule, gated_linear_attention, linear_attention):
+    _f.__doc__ = (_f.__doc__ or "") + "\n" + _COMMON_DOC
