@@ -84,7 +84,7 @@ def check_recurrence_inputs(
         raise ValueError(f"v: expected batch and time {(B, T)} to match q ([B, T, HV, V]), got {tuple(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
     if H == 0 or HV % H != 0:
-        raise ValueError(f"v: expected a number of value heads HV that is a multiple of the key heads H={H}, got HV={HV}")
+        raise ValueError(f"v: expected value heads HV to be a multiple of the key heads H={H}, got HV={HV}")
     if K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty head dims, got K={K}, V={V}")
     if not (q.dtype == k.dtype == v.dtype):
