@@ -1,0 +1,190 @@
+"""The chunkwise (WY/UT) form against the token-by-token recurrence, in float64.
+
+Tolerance: relative error (||a - b|| / ||b||) <= 1e-10 for outputs, final states and every gradient. Both paths
+are exact algebra in float64, so anything above ~1e-13 is a bug, not rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hybridlm.ops import delta_rule, gated_delta_rule, gated_linear_attention, kda, linear_attention
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def make_inputs(B, T, H, HV, K, V, *, channel_g=False, seed=None, dtype=F64, beta_max=2.0, n_states=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    g_shape = (B, T, HV, K) if channel_g else (B, T, HV)
+    # log-decays in [-1.5, 0): strong enough that a wrong decay factor shows up
+    g = -1.5 * torch.rand(*g_shape, generator=gen, dtype=dtype)
+    beta = beta_max * torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    h0 = r(n_states or B, HV, K, V)
+    return q, k, v, g, beta, h0
+
+
+GRID = list(itertools.product([1, 2, 63, 64, 65, 200], [16, 32, 64], [1, 2, 4], [False, True]))
+
+
+@pytest.mark.parametrize("T,chunk_size,ratio,with_state", GRID)
+def test_gdn_chunk_equals_naive_fp64(T, chunk_size, ratio, with_state):
+    H, K, V = 2, 32, 48
+    q, k, v, g, beta, h0 = make_inputs(2, T, H, H * ratio, K, V)
+    for l2 in (False, True):
+        kw = dict(g=g, beta=beta, initial_state=h0 if with_state else None, output_final_state=True,
+                  use_qk_l2norm=l2)
+        o_ref, s_ref = gated_delta_rule(q, k, v, impl="naive", **kw)
+        o, s = gated_delta_rule(q, k, v, impl="chunk", chunk_size=chunk_size, **kw)
+        assert o.dtype == F64 and s.dtype == F64
+        assert rel(o, o_ref) <= TOL, (l2, rel(o, o_ref))
+        assert rel(s, s_ref) <= TOL, (l2, rel(s, s_ref))
+
+
+@pytest.mark.parametrize("T,chunk_size,ratio", [(1, 16, 1), (65, 16, 2), (200, 64, 4), (63, 32, 1)])
+def test_kda_chunk_equals_naive_fp64(T, chunk_size, ratio):
+    H, K, V = 2, 32, 48
+    q, k, v, g, beta, h0 = make_inputs(1, T, H, H * ratio, K, V, channel_g=True)
+    for l2, state in ((False, None), (True, h0)):
+        kw = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm=l2)
+        o_ref, s_ref = kda(q, k, v, impl="naive", **kw)
+        o, s = kda(q, k, v, impl="chunk", chunk_size=chunk_size, **kw)
+        assert rel(o, o_ref) <= TOL and rel(s, s_ref) <= TOL
+
+
+def _family_calls(g_scalar, g_channel, beta):
+    return {
+        "delta_rule": (delta_rule, dict(beta=beta)),
+        "gla_scalar": (gated_linear_attention, dict(g=g_scalar)),
+        "gla_channel_write_gate": (gated_linear_attention, dict(g=g_channel, beta=beta)),
+        "linear_attention": (linear_attention, {}),
+    }
+
+
+@pytest.mark.parametrize("name", ["delta_rule", "gla_scalar", "gla_channel_write_gate", "linear_attention"])
+@pytest.mark.parametrize("T,chunk_size", [(1, 16), (65, 32), (130, 64)])
+def test_family_chunk_equals_naive_fp64(name, T, chunk_size):
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 4, 32, 48)
+    gc = -torch.rand(2, T, 4, 32, dtype=F64)
+    # linear attention and DeltaNet without decay grow the state: keep keys normalised so values stay O(T)
+    fn, kw = _family_calls(g, gc, beta.clamp(max=1.0))[name]
+    kw = dict(kw, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    o_ref, s_ref = fn(q, k, v, impl="naive", **kw)
+    o, s = fn(q, k, v, impl="chunk", chunk_size=chunk_size, **kw)
+    assert rel(o, o_ref) <= TOL and rel(s, s_ref) <= TOL
+
+
+def _grads(fn, impl, q, k, v, g, beta, h0, **kw):
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    q, k, v, g, beta, h0 = leaves
+    o, s = fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, impl=impl, **kw)
+    # random cotangents on both outputs so every path through the state is exercised
+    gen = torch.Generator().manual_seed(1234)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() + (
+        s * torch.randn(s.shape, generator=gen, dtype=s.dtype)
+    ).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("T,chunk_size,ratio,l2", [(1, 16, 1, False), (63, 16, 2, True), (65, 32, 4, True),
+                                                    (100, 64, 1, False)])
+def test_gdn_gradients_chunk_equal_naive_fp64(T, chunk_size, ratio, l2):
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 2 * ratio, 16, 24)
+    ref = _grads(gated_delta_rule, "naive", q, k, v, g, beta, h0, use_qk_l2norm=l2)
+    got = _grads(gated_delta_rule, "chunk", q, k, v, g, beta, h0, use_qk_l2norm=l2, chunk_size=chunk_size)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+        assert rel(a, b) <= TOL, (name, rel(a, b))
+
+
+def test_kda_gradients_chunk_equal_naive_fp64():
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 4, 16, 24, channel_g=True)
+    ref = _grads(kda, "naive", q, k, v, g, beta, h0, use_qk_l2norm=True)
+    got = _grads(kda, "chunk", q, k, v, g, beta, h0, use_qk_l2norm=True, chunk_size=32)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], got, ref):
+        assert rel(a, b) <= TOL, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("fn,channel", [(gated_delta_rule, False), (kda, True)])
+def test_gradcheck_naive(fn, channel):
+    q, k, v, g, beta, h0 = make_inputs(1, 5, 1, 2, 3, 4, channel_g=channel)
+    inputs = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+
+    def f(q, k, v, g, beta, h0):
+        return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                  impl="naive")
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunk"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_varlen_equals_one_by_one(impl, idx_dtype):
+    lens = [1, 15, 64, 37, 0, 100]
+    T = sum(lens)
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=idx_dtype)
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, 4, 16, 24, n_states=len(lens))
+    o, s = gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                            use_qk_l2norm=True, impl=impl, chunk_size=16)
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        o_n, s_n = gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                                    initial_state=h0[n : n + 1], output_final_state=True, use_qk_l2norm=True,
+                                    impl="naive")
+        if b > a:
+            assert rel(o[:, a:b], o_n) <= TOL
+        assert rel(s[n : n + 1], s_n) <= TOL
+
+
+@pytest.mark.parametrize("fn,channel", [(gated_delta_rule, False), (kda, True)])
+@pytest.mark.parametrize("split", [1, 37, 64])
+def test_split_with_state_carried_equals_one_call(fn, channel, split):
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 2, 16, 24, channel_g=channel)
+    kw = dict(output_final_state=True, use_qk_l2norm=True, impl="chunk", chunk_size=32)
+    o, s = fn(q, k, v, g=g, beta=beta, initial_state=h0, **kw)
+    o1, s1 = fn(q[:, :split], k[:, :split], v[:, :split], g=g[:, :split], beta=beta[:, :split], initial_state=h0,
+                **kw)
+    o2, s2 = fn(q[:, split:], k[:, split:], v[:, split:], g=g[:, split:], beta=beta[:, split:], initial_state=s1,
+                **kw)
+    assert rel(torch.cat([o1, o2], 1), o) <= TOL and rel(s2, s) <= TOL
+
+
+def test_empty_sequence_returns_empty_outputs():
+    q, k, v, g, beta, h0 = make_inputs(2, 0, 2, 4, 16, 24)
+    o, s = gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (2, 0, 4, 24) and torch.equal(s, h0)
+    o, s = kda(q, k, v, g=torch.zeros(2, 0, 4, 16, dtype=F64), beta=beta, output_final_state=True)
+    assert o.shape == (2, 0, 4, 24) and s.shape == (2, 4, 16, 24) and not s.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_inputs_fp32_state_and_dtype(dtype):
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 2, 16, 16)
+    o_ref, s_ref = gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm=True, impl="naive")
+    cast = lambda x: x.to(dtype)
+    o, s = gated_delta_rule(cast(q), cast(k), cast(v), g=g.float(), beta=beta.float(), initial_state=h0.float(),
+                            output_final_state=True, use_qk_l2norm=True, impl="chunk")
+    assert o.dtype == dtype and s.dtype == torch.float32
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    assert rel(o.double(), o_ref) <= tol and rel(s.double(), s_ref) <= tol
+
+
+def test_auto_picks_chunk_on_cpu_and_logs_once(caplog):
+    import hybridlm.ops.recurrence as rec
+
+    rec._LOGGED.discard(("delta_rule", "cpu", "chunk"))
+    q, k, v, g, beta, h0 = make_inputs(1, 8, 1, 1, 4, 4)
+    with caplog.at_level("INFO", logger="hybridlm.ops"):
+        delta_rule(q, k, v, beta=beta)
+        delta_rule(q, k, v, beta=beta)
+    msgs = [r.getMessage() for r in caplog.records if "delta_rule" in r.getMessage()]
+    assert msgs == ["hybridlm.ops.delta_rule: impl='auto' picked 'chunk' on cpu"]
