@@ -1,0 +1,304 @@
+"""Host side of the Triton gated delta rule: torch.library custom ops, autograd, and the public entry points.
+
+- `chunk_gated_delta_rule(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.gated_delta_rule`
+  (registered there as impl="triton"); differentiable in q, k, v, g, beta and initial_state.
+- `fused_recurrent_gated_delta_rule_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: one decode
+  step for N sequences, each reading and updating `state_pool[state_indices[n]]` in place; returns o.
+
+Custom ops (so torch.compile traces through them, with fake kernels for shapes):
+`hybridlm::gdn_chunk_fwd`, `hybridlm::gdn_chunk_bwd`, `hybridlm::gdn_decode` (mutates the pool).
+Intermediates kept for the backward (fp32): T per chunk [NC, HV, BT, BT], W [Ttot, HV, K], the chunk-initial
+states [NC, HV, K, V] and the corrected values Vn [Ttot, HV, V]; NC is bounded by Ttot // BT + N so the fake
+kernels need no data.
+"""
+
+import math
+
+import torch
+import triton
+
+from . import gdn_kernels as kern
+
+SUPPORTED_DIMS = (64, 128, 256)
+
+
+def _block_t(K: int) -> int:
+    return 64 if K <= 128 else 32
+
+
+def _max_chunks(Ttot: int, N: int, BT: int) -> int:
+    return Ttot // BT + N
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _chunk_table(cu: list[int], BT: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    seq, start, off = [], [], []
+    for n in range(len(cu) - 1):
+        off.append(len(seq))
+        for s in range(cu[n], cu[n + 1], BT):
+            seq.append(n)
+            start.append(s)
+    off.append(len(seq))
+    nc = len(seq)
+    if nc == 0:
+        seq, start = [0], [0]
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    return t(seq), t(start), t(off), nc
+
+
+def _max_seq_chunks(cu: list[int], BT: int) -> int:
+    return max((cu[n + 1] - cu[n] + BT - 1) // BT for n in range(len(cu) - 1))
+
+
+def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
+    if cu_seqlens is None:
+        return [b * T for b in range(B + 1)]
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def _num_warps(K: int) -> int:
+    return 4 if K <= 64 else 8
+
+
+@torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
+def gdn_chunk_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    output_final_state: bool, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (o, final_state or empty, T, W, h, Vn); the last four are empty unless save."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = _block_t(K)
+    BV = 32
+    dev = q.device
+    cu = _cu_list(cu_seqlens, B, T)
+    N = len(cu) - 1
+    Ttot = B * T
+    cs, cst, coff, nc = _chunk_table(cu, BT, dev)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    f32 = torch.float32
+    NCmax = _max_chunks(Ttot, N, BT)
+    Tb = torch.empty(NCmax if save else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
+    Wb = torch.empty(Ttot, HV, K, device=dev, dtype=f32)
+    Ub = torch.empty(Ttot, HV, V, device=dev, dtype=f32)
+    o = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=q.dtype)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    hb = torch.empty(NCmax, HV, K, V, device=dev, dtype=f32) if save else q.new_empty(0, dtype=f32)
+    vn = torch.empty(Ttot, HV, V, device=dev, dtype=f32) if save else q.new_empty(0, dtype=f32)
+    prec = _prec(q.dtype)
+    nw = _num_warps(K)
+    if nc > 0:
+        kern._prep_fwd[(nc, HV)](
+            k, v, g, beta, Tb, Wb, Ub, cu_t, cs, cst,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw,
+        )
+    h0 = initial_state.contiguous() if initial_state is not None else Ub
+    kern._recur_fwd[(V // BV, N * HV)](
+        q, k, g, Wb, Ub, o, h0, ht, hb, vn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save, num_warps=nw,
+    )
+    if not save:
+        Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=f32)
+    return o, ht, Tb, Wb, hb, vn
+
+
+@gdn_chunk_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    BT = _block_t(K)
+    NC = _max_chunks(B * T, N, BT)
+    f32 = torch.float32
+    o = q.new_empty(B, T, HV, V)
+    ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    if save:
+        return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=f32),
+                q.new_empty(NC, HV, K, V, dtype=f32), q.new_empty(B * T, HV, V, dtype=f32))
+    e = q.new_empty(0, dtype=f32)
+    return o, ht, e, e, e, e
+
+
+@torch.library.custom_op("hybridlm::gdn_chunk_bwd", mutates_args=())
+def gdn_chunk_bwd(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // H
+    BT = _block_t(K)
+    BV = 32
+    dev = q.device
+    cu = _cu_list(cu_seqlens, B, T)
+    N = len(cu) - 1
+    Ttot = B * T
+    cs, cst, coff, nc = _chunk_table(cu, BT, dev)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    f32 = torch.float32
+    prec = _prec(q.dtype)
+    nw = _num_warps(K)
+    dhb = torch.empty_like(hb)
+    dvn = torch.empty(Ttot, HV, V, device=dev, dtype=f32)
+    dh0 = torch.full((N, HV, K, V), float("nan"), device=dev, dtype=f32) if has_h0 else q.new_empty(0, dtype=f32)
+    kern._recur_bwd[(V // BV, N * HV)](
+        q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=nw,
+    )
+    dq = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
+    dk = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
+    dv = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=f32)
+    dg = torch.full((B, T, HV), float("nan"), device=dev, dtype=f32)
+    db = torch.full((B, T, HV), float("nan"), device=dev, dtype=f32)
+    if nc > 0:
+        kern._chunk_bwd[(nc, HV)](
+            q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw,
+        )
+    dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
+    dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)
+
+
+@gdn_chunk_bwd.register_fake
+def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dh0 = q.new_empty(N, HV, K, V, dtype=torch.float32) if has_h0 else q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+class _ChunkGDN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+        save = any(ctx.needs_input_grad[:6])
+        o, ht, Tb, Wb, hb, vn = torch.ops.hybridlm.gdn_chunk_fwd(
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save
+        )
+        ctx.save_for_backward(q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens)
+        ctx.scale, ctx.l2, ctx.has_h0 = scale, use_qk_l2norm, initial_state is not None
+        if not output_final_state:
+            ctx.mark_non_differentiable(ht)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, Tb, Wb, hb, vn, cu = ctx.saved_tensors
+        if dht is not None and dht.numel() == 0:
+            dht = None
+        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
+            do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu, ctx.scale, ctx.l2, ctx.has_h0
+        )
+        return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None
+
+
+def _check_dims(K: int, V: int) -> None:
+    if K not in SUPPORTED_DIMS:
+        raise ValueError(f"q/k: the Triton kernels support head dim K in {SUPPORTED_DIMS}, got K={K}")
+    if V not in SUPPORTED_DIMS:
+        raise ValueError(f"v: the Triton kernels support head dim V in {SUPPORTED_DIMS}, got V={V}")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked gated delta rule on the Triton kernels. Shapes as `hybridlm.ops.gated_delta_rule`."""
+    K, V = q.shape[-1], v.shape[-1]
+    _check_dims(K, V)
+    if q.dtype == torch.float64:
+        raise TypeError("q: the Triton kernels take float16/bfloat16/float32 inputs, got float64")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state: expected dtype torch.float32 for {q.dtype} inputs, got {initial_state.dtype}")
+    scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
+                            bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
+@torch.library.custom_op("hybridlm::gdn_decode", mutates_args=("state_pool",))
+def gdn_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    BV = 32 if K <= 128 else 16
+    o = torch.full((N, HV, V), float("nan"), device=q.device, dtype=q.dtype)
+    if N > 0:
+        kern._decode_step[(V // BV, N * HV)](
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
+            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BV=BV, L2=use_qk_l2norm, num_warps=4,
+        )
+    return o
+
+
+@gdn_decode.register_fake
+def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm):
+    return q.new_empty(q.shape[0], v.shape[1], v.shape[2])
+
+
+def fused_recurrent_gated_delta_rule_update(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """One decode step for N sequences (one token each).
+
+    q, k: [N, H, K] (or [N, 1, H, K]); v: [N, HV, V] (or [N, 1, HV, V]); g, beta: [N, HV] (or [N, 1, HV]);
+    state_pool: [P, HV, K, V] float32, updated in place at rows state_indices (int32/int64 [N], distinct, valid).
+    Returns o [N, HV, V] (or [N, 1, HV, V] when given 4-d inputs) in q's dtype. Not differentiable."""
+    four = q.dim() == 4
+    if four:
+        if q.shape[1] != 1:
+            raise ValueError(f"q: expected one token per sequence ([N, 1, H, K]), got {tuple(q.shape)}")
+        q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    N, H, K = q.shape
+    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
+        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    HV, V = v.shape[1], v.shape[2]
+    _check_dims(K, V)
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (N, HV):
+            raise ValueError(f"{name}: expected shape {(N, HV)} ([N, HV]), got {tuple(x.shape)}")
+    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
+                         f"{tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
+    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
+        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    scale = K**-0.5 if scale is None else float(scale)
+    o = torch.ops.hybridlm.gdn_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
+                                      bool(use_qk_l2norm))
+    return o.unsqueeze(1) if four else o
+
+
+def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> float:
+    """Matmul flops of one chunked forward as these kernels do it (per chunk: KK^T, T solve ~ BT^3/3,
+    W, U, W S, Q K^T, Q S, P Vn, K^T Vn)."""
+    nc = B * HV * math.ceil(T / BT)
+    per = 2 * (BT * BT * K) + (BT**3) / 3 * 2 + 2 * BT * BT * K + 2 * BT * BT * V
+    per += 2 * BT * K * V + 2 * BT * BT * K + 2 * BT * K * V + 2 * BT * BT * V + 2 * BT * K * V
+    return nc * per
+
+
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "gdn_chunk_fwd", "gdn_chunk_bwd",
+           "gdn_decode", "flops_chunk_fwd", "triton"]

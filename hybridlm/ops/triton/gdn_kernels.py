@@ -1,0 +1,348 @@
+"""Triton kernels of the chunked gated delta rule (forward, backward) and its one-token decode step.
+
+Layout: every kernel sees the batch flattened into packed sequences (varlen form): tokens [Ttot, heads, dim],
+sequence n spans [cu[n], cu[n+1]), and chunks of BT tokens start at each sequence's first token. A chunk table
+(chunk_seq, chunk_start) maps a global chunk index to its sequence and first token; chunk_off[n] is the global
+index of sequence n's first chunk. Value head hv reads key head hv // G (GVA).
+
+Per chunk (b = cumsum of g inside the chunk, gamma = e^b, bL = b at the chunk's last token):
+    A = strict_lower(diag(beta) K K^T * e^{b_i - b_j}),   T = (I + A)^{-1}     (forward substitution)
+    W = T diag(beta gamma) K,   U = T diag(beta) V                               (kernel `_prep_fwd`)
+    Vn = U - W S,   O = diag(gamma) Q S + (Q K^T * e^{b_i - b_j}, j <= i) Vn     (kernel `_recur_fwd`)
+    S' = e^{bL} S + (K * e^{bL - b})^T Vn
+Backward: `_recur_bwd` runs the state-gradient recurrence in reverse (dVn, dS per chunk), `_chunk_bwd` turns
+them into dq, dk, dv, dg, dbeta chunk by chunk (all chunks in parallel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _patch_interpreter_index() -> None:
+    """Triton's CPU interpreter (3.6) turns a scalar into an int with int(ndarray of shape (1,)), which
+    numpy >= 2.4 refuses; loop bounds that are launch arguments then fail. Only under TRITON_INTERPRET=1."""
+    try:
+        from triton.runtime import interpreter as itp
+    except ImportError:  # pragma: no cover
+        return
+    orig = getattr(itp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_hybridlm", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._hybridlm = True
+    itp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_index()
+
+
+@triton.jit
+def _load_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
+    x = tl.load(ptr + rows64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if L2:
+        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    return x
+
+
+@triton.jit
+def _chunk_coords(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
+    n = tl.load(chunk_seq + ic)
+    bos = tl.load(chunk_start + ic).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    nval = tl.minimum(eos - bos, BT)
+    return n, bos, nval
+
+
+@triton.jit
+def _prep_fwd(
+    k, v, g, beta, Tbuf, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+):
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    gc = tl.cumsum(gg, 0)
+    strict = rows[:, None] > rows[None, :]
+    KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
+    A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    # T = (I + A)^{-1}: row i = e_i - A[i, :] T (rows j < i already final, A[i, j >= i] = 0)
+    Tm = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)
+        t_i = -tl.sum(a_i[:, None] * Tm, 0) + tl.where(rows == i, 1.0, 0.0)
+        Tm = tl.where(rows[:, None] == i, t_i[None, :], Tm)
+    tl.store(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :], Tm)
+    kb = kk * (bb * tl.exp(gc))[:, None]
+    W = tl.dot(Tm, kb, input_precision=PREC)
+    tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], W, mask=rmask[:, None])
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
+        U = tl.dot(Tm, vv * bb[:, None], input_precision=PREC)
+        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U, mask=rmask[:, None])
+
+
+@triton.jit
+def _recur_fwd(
+    q, k, g, Wbuf, Ubuf, o, h0, ht, hbuf, vnbuf, cu, chunk_off, scale, NCH,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    n = inh // HV
+    ihv = inh % HV
+    ih = ihv // (HV // H)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    offs_v = iv * BV + tl.arange(0, BV)
+    s_off = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (n * HV + ihv).to(tl.int64) * K * V + s_off)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    incl = rows[:, None] >= rows[None, :]
+    # loop bound is the longest sequence's chunk count (a launch argument); chunks past this sequence's end
+    # have no valid rows and leave S unchanged
+    for c in range(NCH):
+        t0 = bos + c * BT
+        nval = eos - t0
+        rmask = rows < nval
+        r64 = t0 + rows
+        if STORE:
+            tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S, mask=(s_off >= 0) & (nval > 0))
+        qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
+        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+        gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        gc = tl.cumsum(gg, 0)
+        gL = tl.sum(gg, 0)
+        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+        U = tl.load(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None], other=0.0)
+        vn = U - tl.dot(W, S, input_precision=PREC)
+        if STORE:
+            tl.store(vnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], vn, mask=rmask[:, None])
+        qg = qq * (scale * tl.exp(gc))[:, None]
+        P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
+        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        oo = tl.dot(qg, S, input_precision=PREC) + tl.dot(P, vn, input_precision=PREC)
+        tl.store(o + (r64[:, None] * HV + ihv) * V + offs_v[None, :], oo.to(o.dtype.element_ty), mask=rmask[:, None])
+        kd = kk * tl.exp(gL - gc)[:, None]
+        S = S * tl.exp(gL) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
+
+
+@triton.jit
+def _recur_bwd(
+    q, k, g, Wbuf, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, scale, NCH,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    n = inh // HV
+    ihv = inh % HV
+    ih = ihv // (HV // H)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1).to(tl.int64)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    offs_v = iv * BV + tl.arange(0, BV)
+    s_off = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_DHT:
+        dS = tl.load(dht + (n * HV + ihv).to(tl.int64) * K * V + s_off)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    incl = rows[:, None] >= rows[None, :]
+    for ci in range(NCH):
+        c = NCH - 1 - ci
+        t0 = bos + c * BT
+        nval = eos - t0
+        rmask = rows < nval
+        r64 = t0 + rows
+        # gradient of the state after chunk c
+        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS, mask=(s_off >= 0) & (nval > 0))
+        qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
+        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+        gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        gc = tl.cumsum(gg, 0)
+        gL = tl.sum(gg, 0)
+        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+        dO = _load_rows(do, r64, rmask, HV * V, ihv * V, offs_v, False)
+        P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
+        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        kd = kk * tl.exp(gL - gc)[:, None]
+        qg = qq * (scale * tl.exp(gc))[:, None]
+        dvn = tl.dot(tl.trans(P), dO, input_precision=PREC) + tl.dot(kd, dS, input_precision=PREC)
+        tl.store(dvnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], dvn, mask=rmask[:, None])
+        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(qg), dO, input_precision=PREC)
+              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+    if STORE_DH0:
+        tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + s_off, dS)
+
+
+@triton.jit
+def _chunk_bwd(
+    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    cu, chunk_seq, chunk_start, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+):
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+    kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+        qq = qr * rq[:, None]
+        kk = kr * rk[:, None]
+    else:
+        qq = qr
+        kk = kr
+    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    gc = tl.cumsum(gg, 0)
+    gL = tl.sum(gg, 0)
+    gam = tl.exp(gc)
+    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
+    hb = (ic * HV + ihv).to(tl.int64) * K * V
+
+    dQS = tl.zeros([BT, K], dtype=tl.float32)
+    dKd = tl.zeros([BT, K], dtype=tl.float32)
+    dW = tl.zeros([BT, K], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    dSS = tl.zeros([K], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        s_off = offs_k[:, None] * V + offs_v[None, :]
+        S = tl.load(hbuf + hb + s_off)
+        dSn = tl.load(dhbuf + hb + s_off)
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
+        dvn = tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0)
+        dO = tl.load(do + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        dQS += tl.dot(dO, tl.trans(S), input_precision=PREC)
+        dP += tl.dot(dO, tl.trans(vn), input_precision=PREC)
+        dKd += tl.dot(vn, tl.trans(dSn), input_precision=PREC)
+        dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
+        dT += tl.dot(dvn, tl.trans(vv * bb[:, None]), input_precision=PREC)
+        dVb = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
+        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
+        db += tl.sum(vv * dVb, 1)
+        dSS += tl.sum(S * dSn, 1)
+
+    # output through the chunk-initial state: O += diag(scale gamma) Q S
+    dqn = dQS * (scale * gam)[:, None]
+    dgc = tl.sum(qq * dqn, 1)
+    # intra-chunk attention P = scale (Q K^T) * e^{b_i - b_j}, j <= i
+    incl = rows[:, None] >= rows[None, :]
+    Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+    QK = tl.dot(qq, tl.trans(kk), input_precision=PREC)
+    R = tl.where(incl, dP * QK * Gi * scale, 0.0)
+    dPg = tl.where(incl, dP * Gi * scale, 0.0)
+    dqn += tl.dot(dPg, kk, input_precision=PREC)
+    dkn = tl.dot(tl.trans(dPg), qq, input_precision=PREC)
+    dgc += tl.sum(R, 1) - tl.sum(R, 0)
+    # state write S' = e^{bL} S + (K e^{bL - b})^T Vn
+    ed = tl.exp(gL - gc)
+    dkn += dKd * ed[:, None]
+    r = tl.sum(kk * dKd, 1) * ed
+    dgc -= r
+    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+    # W = T Kb with Kb = diag(beta gamma) K
+    bg = bb * gam
+    kb = kk * bg[:, None]
+    dT += tl.dot(dW, tl.trans(kb), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+    dkn += dKb * bg[:, None]
+    t = tl.sum(kk * dKb, 1)
+    db += t * gam
+    dgc += t * bg
+    # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part
+    dA = -tl.dot(tl.dot(tl.trans(Tm), dT, input_precision=PREC), tl.trans(Tm), input_precision=PREC)
+    strict = rows[:, None] > rows[None, :]
+    Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+    KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
+    dAG = tl.where(strict, dA * Gs, 0.0)
+    dKK = dAG * bb[:, None]
+    dkn += tl.dot(dKK, kk, input_precision=PREC) + tl.dot(tl.trans(dKK), kk, input_precision=PREC)
+    RA = dAG * KK
+    db += tl.sum(RA, 1)
+    RA = RA * bb[:, None]
+    dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
+    dgc += tl.where(rows == nval - 1, dgL, 0.0)
+    dgc = tl.where(rmask, dgc, 0.0)
+    dgg = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
+    if L2:
+        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+        dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    tl.store(dq + krow, dqn, mask=rmask[:, None])
+    tl.store(dk + krow, dkn, mask=rmask[:, None])
+    tl.store(dg + r64 * HV + ihv, dgg, mask=rmask)
+    tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
+
+
+@triton.jit
+def _decode_step(
+    q, k, v, g, beta, pool, idx, o, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    inh = tl.program_id(1)
+    n = inh // HV
+    ihv = inh % HV
+    ih = ihv // (HV // H)
+    offs_k = tl.arange(0, K)
+    offs_v = iv * BV + tl.arange(0, BV)
+    slot = tl.load(idx + n).to(tl.int64)
+    sp = pool + (slot * HV + ihv) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(sp)
+    qq = tl.load(q + (n * H + ih) * K + offs_k).to(tl.float32)
+    kk = tl.load(k + (n * H + ih) * K + offs_k).to(tl.float32)
+    if L2:
+        qq = qq * tl.rsqrt(tl.sum(qq * qq, 0) + 1e-6)
+        kk = kk * tl.rsqrt(tl.sum(kk * kk, 0) + 1e-6)
+    vv = tl.load(v + (n * HV + ihv) * V + offs_v).to(tl.float32)
+    gg = tl.load(g + n * HV + ihv).to(tl.float32)
+    bb = tl.load(beta + n * HV + ihv).to(tl.float32)
+    S = S * tl.exp(gg)
+    u = bb * (vv - tl.sum(S * kk[:, None], 0))
+    S = S + kk[:, None] * u[None, :]
+    oo = tl.sum(S * qq[:, None], 0) * scale
+    tl.store(sp, S)
+    tl.store(o + (n * HV + ihv) * V + offs_v, oo.to(o.dtype.element_ty))
