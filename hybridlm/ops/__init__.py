@@ -34,3 +34,8 @@ __all__ = [
     "resolve_impl",
     "rms_norm",
 ]
+
+try:  # registers the Triton kernels (impl="triton", and "auto" on CUDA) when triton is installed
+    from . import triton as _triton  # noqa: F401
+except ImportError:
+    pass

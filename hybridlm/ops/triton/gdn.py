@@ -13,6 +13,7 @@ kernels need no data.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -204,6 +205,12 @@ class _ChunkGDN(torch.autograd.Function):
         return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None
 
 
+def _check_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
+                           f"got q on {x.device}")
+
+
 def _check_dims(K: int, V: int) -> None:
     if K not in SUPPORTED_DIMS:
         raise ValueError(f"q/k: the Triton kernels support head dim K in {SUPPORTED_DIMS}, got K={K}")
@@ -219,6 +226,7 @@ def chunk_gated_delta_rule(
     """Chunked gated delta rule on the Triton kernels. Shapes as `hybridlm.ops.gated_delta_rule`."""
     K, V = q.shape[-1], v.shape[-1]
     _check_dims(K, V)
+    _check_device(q)
     if q.dtype == torch.float64:
         raise TypeError("q: the Triton kernels take float16/bfloat16/float32 inputs, got float64")
     if initial_state is not None and initial_state.dtype != torch.float32:
@@ -274,6 +282,7 @@ def fused_recurrent_gated_delta_rule_update(
         raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
     HV, V = v.shape[1], v.shape[2]
     _check_dims(K, V)
+    _check_device(q)
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (N, HV):
             raise ValueError(f"{name}: expected shape {(N, HV)} ([N, HV]), got {tuple(x.shape)}")

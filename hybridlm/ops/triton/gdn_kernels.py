@@ -306,7 +306,7 @@ def _chunk_bwd(
     dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
     dgc += tl.where(rows == nval - 1, dgL, 0.0)
     dgc = tl.where(rmask, dgc, 0.0)
-    dgg = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
+    dgg = tl.cumsum(dgc, 0, reverse=True)
     if L2:
         dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
         dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]

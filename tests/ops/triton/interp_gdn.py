@@ -1,0 +1,115 @@
+"""Cases for the Triton gated-delta-rule kernels, run in a child process under TRITON_INTERPRET=1 (CPU).
+
+Run by tests/ops/test_triton_gdn.py (the variable must be set before triton decorates the kernels, so these
+cases cannot share the pytest process with tests that import hybridlm.ops first). Prints one JSON line:
+{case: {tensor: relative RMS error vs the float64 reference}} plus "unwritten" checks. Fresh random inputs
+every run (seed printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from hybridlm.ops import gated_delta_rule  # noqa: E402
+from hybridlm.ops.triton import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update  # noqa: E402
+
+F64 = torch.float64
+
+
+def rel(a, b):
+    a, b = a.to(F64), b.to(F64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def inputs(gen, B, T, H, HV, K, V, N, l2, dtype):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2:  # keep ||k|| ~ 1 so the recurrence stays bounded without the in-kernel norm
+        q, k = q / K**0.5, k / K**0.5
+    v = r(B, T, HV, V)
+    g = -1.5 * torch.rand(B, T, HV, generator=gen)
+    beta = 2.0 * torch.rand(B, T, HV, generator=gen)  # up to 2
+    h0 = r(N, HV, K, V)
+    return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
+
+
+def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False):
+    N = B if cu is None else len(cu) - 1
+    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    leaf = [x.clone().requires_grad_() for x in xs]
+    kw = dict(g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
+              cu_seqlens=cu_t, use_qk_l2norm=l2)
+    if public:
+        o, ht = gated_delta_rule(*leaf[:3], impl="triton", **kw)
+    else:
+        o, ht = chunk_gated_delta_rule(*leaf[:3], **kw)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
+    ref = [x.detach().to(F64).requires_grad_() for x in xs]
+    kwr = dict(g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None, output_final_state=True,
+               cu_seqlens=cu_t, use_qk_l2norm=l2)
+    o2, ht2 = gated_delta_rule(*ref[:3], impl="chunk", **kwr)
+    grads2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+    out = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, grads2):
+        out[name] = rel(a, b)
+    out["o_dtype_ok"] = float(o.dtype == dtype)
+    return out
+
+
+def decode_case(gen, *, N, P, H, HV, K, V, l2):
+    idx = torch.randperm(P, generator=gen)[:N].to(torch.int32)
+    q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
+    v = torch.randn(N, HV, V, generator=gen)
+    g = -1.5 * torch.rand(N, HV, generator=gen)
+    beta = 2.0 * torch.rand(N, HV, generator=gen)
+    pool = torch.randn(P, HV, K, V, generator=gen)
+    pool0 = pool.clone()
+    o = fused_recurrent_gated_delta_rule_update(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=idx,
+                                                use_qk_l2norm=l2)
+    # reference: one token of the float64 recurrence per sequence, from its slot
+    o2, s2 = _decode_ref(q, k, v, g, beta, pool0, idx, l2)
+    untouched = torch.ones(P, dtype=torch.bool)
+    untouched[idx.long()] = False
+    return {"o": rel(o, o2), "state": rel(pool[idx.long()], s2),
+            "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
+
+
+def _decode_ref(q, k, v, g, beta, pool0, idx, l2):
+    outs, states = [], []
+    for n in range(q.shape[0]):
+        s0 = pool0[idx[n].long()].to(F64).unsqueeze(0)
+        o, s = gated_delta_rule(q[n:n + 1, None].to(F64), k[n:n + 1, None].to(F64), v[n:n + 1, None].to(F64),
+                                g=g[n:n + 1, None].to(F64), beta=beta[n:n + 1, None].to(F64), initial_state=s0,
+                                output_final_state=True, use_qk_l2norm=l2, impl="naive")
+        outs.append(o[0, 0])
+        states.append(s[0])
+    return torch.stack(outs), torch.stack(states)
+
+
+def main() -> int:
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    res = {"seed": seed}
+    res["gva2_l2_h0_T70"] = run_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+    res["varlen_1_15_64_70"] = run_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
+                                        cu=[0, 1, 16, 80, 150])
+    res["gva4_K64_V128_T65_public"] = run_case(gen, B=1, T=65, H=1, HV=4, K=64, V=128, l2=True, h0=False,
+                                               public=True)
+    res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
