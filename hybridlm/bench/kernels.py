@@ -1,0 +1,275 @@
+"""Kernel benchmark: our Triton gated delta rule vs fla-core and PyTorch SDPA (causal, flash), on CUDA.
+
+    python -m hybridlm.bench.kernels [--out DIR] [--shapes ...] [--no-fla]      (or: hybridlm bench kernels)
+
+Median ms (triton.testing.do_bench, return_mode="median") of forward and forward+backward at
+B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 (bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
+and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each).
+Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and a bf16
+8192^3 matmul. TFLOP/s use a nominal flop count of the chunked algorithm (the same count for ours and fla,
+see `flops_gdn`), forward+backward counted as 3x forward; SDPA uses 2*B*H*T^2*D (causal fwd), 3.5x for fwd+bwd.
+fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (its #640); it is timed with that guard lifted
+(`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`), as the table says. Writes kernels.json, kernels.md and
+kernels.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench_out", help="folder for kernels.json / kernels.md / kernels.png")
+    parser.add_argument("--no-fla", action="store_true", help="skip fla-core even if installed")
+    parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
+    parser.add_argument("--quick", action="store_true", help="first shape only")
+
+
+def _bench(fn, rep):
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def flops_gdn(B, T, H, K, V, BT=64):
+    """Nominal matmul flops of one chunked GDN forward (per chunk of BT: K K^T, the triangular solve ~BT^3/3,
+    W and U, W S, Q K^T, Q S, P Vn, K^T Vn)."""
+    nc = B * H * math.ceil(T / BT)
+    per = 2 * BT * BT * K + 2 * BT**3 / 3 + 2 * BT * BT * K + 2 * BT * BT * V
+    per += 2 * BT * K * V + 2 * BT * BT * K + 2 * BT * K * V + 2 * BT * BT * V + 2 * BT * K * V
+    return nc * per
+
+
+def bytes_gdn_fwd(B, T, H, K, V, elt=2):
+    """Fewest bytes of a forward: q, k, v, beta read (elt bytes), g read (fp32), o written."""
+    return B * T * H * (2 * K * elt + V * elt + elt + 4 + V * elt)
+
+
+def ceilings(dev):
+    x = torch.empty(1 << 28, dtype=torch.float32, device=dev).normal_()  # 1 GiB
+    y = torch.empty_like(x)
+    t = _bench(lambda: y.copy_(x), 200)
+    copy_gbs = 2 * x.numel() * 4 / (t * 1e-3) / 1e9
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    t = _bench(lambda: a @ b, 200)
+    mm_tflops = 2 * n**3 / (t * 1e-3) / 1e12
+    return copy_gbs, mm_tflops
+
+
+def _bench_shape(B, T, H, D, dev, gen, fla, args):
+    from hybridlm.ops.triton import chunk_gated_delta_rule
+
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(r(B, T, H) + 3.0)
+    beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    do = r(B, T, H, D).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    fl = flops_gdn(B, T, H, D, D)
+    by = bytes_gdn_fwd(B, T, H, D, D)
+
+    def ours_f():
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]
+
+    def ours_fb():
+        o = chunk_gated_delta_rule(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm=True)[0]
+        return torch.autograd.grad(o, leaves, do)
+
+    res = {"shape": f"B{B} T{T} H{H} D{D}", "flops_fwd": fl, "bytes_fwd": by}
+    with torch.no_grad():
+        res["ours_fwd_ms"] = _bench(ours_f, args.rep)
+    res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
+    if fla is not None:
+        def fla_f():
+            return fla[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+
+        def fla_fb():
+            o = fla[0](*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)[0]
+            return torch.autograd.grad(o, leaves, do)
+
+        with torch.no_grad():
+            res["fla_fwd_ms"] = _bench(fla_f, args.rep)
+        try:
+            res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
+        except Exception as e:  # noqa: BLE001
+            res["fla_fwdbwd_error"] = repr(e)[:200]
+        # same function? (bf16, so only a sanity check of the comparison, not the correctness test)
+        with torch.no_grad():
+            a, b = ours_f().float(), fla_f().float()
+            res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
+    if not args.no_sdpa:
+        qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        ls = [x.clone().requires_grad_() for x in (qs, ks, vs)]
+        dos = do.transpose(1, 2).contiguous()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with torch.no_grad():
+                res["sdpa_fwd_ms"] = _bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                                            args.rep)
+            res["sdpa_fwdbwd_ms"] = _bench(lambda: torch.autograd.grad(
+                F.scaled_dot_product_attention(*ls, is_causal=True), ls, dos), args.rep)
+        res["sdpa_flops_fwd"] = 2 * B * H * T * T * D
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("hybridlm bench kernels: needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
+
+    dev = torch.device("cuda")
+    os.makedirs(args.out, exist_ok=True)
+    fla = None
+    fla_version = None
+    if not args.no_fla:
+        try:
+            import fla.ops.common.chunk_o as fla_chunk_o
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_rec
+
+            fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # lift fla 0.6.0's Hopper guard on its gated backward (#640)
+            fla = (fla_chunk, fla_rec)
+            from importlib.metadata import version
+
+            fla_version = version("fla-core")
+        except Exception as e:  # noqa: BLE001
+            print(f"fla-core not usable: {e!r}", file=sys.stderr)
+    copy_gbs, mm_tflops = ceilings(dev)
+    info = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "fla_core": fla_version, "python": platform.python_version(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": mm_tflops,
+        "fla_guard_lifted": fla is not None,
+    }
+    print(f"{info['device']}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    rows = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for B, T, H, D in shapes:
+        res = _bench_shape(B, T, H, D, dev, gen, fla, args)
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+        torch.cuda.empty_cache()
+
+    # decode: one token for 256 sequences, fp32 state pool [256, 32, 128, 128]
+    P, HV, K, V = 256, 32, 128, 128
+    N = 256
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    pool = r(P, HV, K, V)
+    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
+    qd, kd, vd = r(N, HV, K).to(torch.bfloat16), r(N, HV, K).to(torch.bfloat16), r(N, HV, V).to(torch.bfloat16)
+    gd = F.logsigmoid(r(N, HV) + 3.0)
+    bd = torch.sigmoid(r(N, HV)).to(torch.bfloat16)
+    dec = {"shape": f"decode N{N} pool [{P},{HV},{K},{V}] fp32", "bytes": 2 * N * HV * K * V * 4}
+    dec["ours_ms"] = _bench(lambda: fused_recurrent_gated_delta_rule_update(
+        qd, kd, vd, g=gd, beta=bd, state_pool=pool, state_indices=idx, use_qk_l2norm=True), args.rep)
+    if fla is not None:
+        h0 = r(N, HV, K, V)
+        dec["fla_ms"] = _bench(lambda: fla[1](qd[:, None], kd[:, None], vd[:, None], g=gd[:, None],
+                                              beta=bd[:, None], initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True), args.rep)
+    rows.append(dec)
+    print(json.dumps(dec), flush=True)
+
+    table = _table(info, rows)
+    print(table)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "kernels.md"), "w") as f:
+        f.write(table + "\n")
+    try:
+        _plot(rows, os.path.join(args.out, "kernels.png"))
+    except Exception as e:  # noqa: BLE001
+        print(f"plot skipped: {e!r}", file=sys.stderr)
+    return 0
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _table(info, rows):
+    cg, mm = info["copy_GBps"], info["bf16_matmul_TFLOPs"]
+    lines = [
+        f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, fla-core {info['fla_core']}, "
+        f"{info['date_utc']} UTC; ceilings measured here: copy {cg:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s"
+        + ("; fla gated backward timed with its Hopper guard lifted (TRITON_ABOVE_3_7_1 = True)"
+           if info["fla_guard_lifted"] else ""),
+        "",
+        "| shape | pass | ours ms | fla ms | fla/ours | SDPA ms | ours TFLOP/s | ours GB/s (fwd min bytes) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "ours_fwd_ms" in r:
+            for mode, key, mult in (("fwd", "fwd", 1), ("fwd+bwd", "fwdbwd", 3)):
+                o, fl, sd = r[f"ours_{key}_ms"], r.get(f"fla_{key}_ms"), r.get(f"sdpa_{key}_ms")
+                tf = mult * r["flops_fwd"] / (o * 1e-3) / 1e12
+                gbs = r["bytes_fwd"] / (o * 1e-3) / 1e9 if mode == "fwd" else None
+                ratio = None if fl is None else fl / o
+                lines.append(f"| {r['shape']} | {mode} | {o:.3f} | {_fmt(fl)} | {_fmt(ratio, '.2f')} | {_fmt(sd)} | "
+                             f"{tf:.1f} ({100 * tf / mm:.0f}% of mm) | {_fmt(gbs, '.0f')} |")
+        else:
+            o, fl = r["ours_ms"], r.get("fla_ms")
+            gbs = r["bytes"] / (o * 1e-3) / 1e9
+            ratio = None if fl is None else fl / o
+            lines.append(f"| {r['shape']} | decode | {o:.3f} | {_fmt(fl)} | {_fmt(ratio, '.2f')}"
+                         f" | - | - | {gbs:.0f} ({100 * gbs / cg:.0f}% of copy) |")
+    return "\n".join(lines)
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, ours, fla, sdpa = [], [], [], []
+    for r in rows:
+        if "ours_fwd_ms" not in r:
+            continue
+        for key in ("fwd", "fwdbwd"):
+            labels.append(f"{r['shape']}\n{key}")
+            ours.append(r[f"ours_{key}_ms"])
+            fla.append(r.get(f"fla_{key}_ms") or 0)
+            sdpa.append(r.get(f"sdpa_{key}_ms") or 0)
+    x = range(len(labels))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    w = 0.27
+    ax.bar([i - w for i in x], ours, w, label="hybridlm (Triton)")
+    ax.bar(list(x), fla, w, label="fla-core (bwd guard lifted)")
+    ax.bar([i + w for i in x], sdpa, w, label="SDPA causal (flash)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("median ms (lower is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.kernels", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""One GPU run: the Triton gated-delta-rule kernels vs the float64 reference, pass/fail table.
+
+    python scripts/gpu_check_gdn.py [--quick] [--json PATH]
+
+Cases: the benchmark shapes (bf16) and awkward ones (T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700;
+HV/H = 2, 4; K=64 V=128; K=V=256), in bf16 and fp32; the decode step on a state pool [256, 32, 128, 128].
+Fresh random inputs each run (seed printed); outputs are NaN-poisoned by the kernels' wrappers and every
+non-finite value fails. Bars (relative RMS vs float64 on the same rounded inputs): bf16 o/final state <= 5e-3,
+every gradient <= 1e-2; fp32 <= 1e-5 (TF32 off; the kernels use IEEE fp32 dots for fp32 inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from hybridlm.ops import gated_delta_rule
+from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
+
+F64 = torch.float64
+BARS = {torch.bfloat16: (5e-3, 1e-2), torch.float32: (1e-5, 1e-5)}
+
+
+def rel(a, b):
+    a, b = a.to(F64), b.to(F64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True):
+    dev = "cuda"
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if not l2:
+        q, k = q / K**0.5, k / K**0.5
+    g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)  # log-decays mostly near 0, some strong
+    beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
+    xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)] + [r(N, HV, K, V)]
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    leaf = [x.clone().requires_grad_(grads) for x in xs]
+    t0 = time.perf_counter()
+    o, ht = gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None,
+                             output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
+    do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
+    if grads:
+        gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
+    torch.cuda.synchronize()
+    t_ours = time.perf_counter() - t0
+    ref = [x.detach().to(F64).requires_grad_(grads) for x in xs]
+    o2, ht2 = gated_delta_rule(*ref[:3], g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None,
+                               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
+    res = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    if grads:
+        gr2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+        for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gr2):
+            res[n] = rel(a, b)
+    tol_o, tol_g = BARS[dtype]
+    ok = all(v <= (tol_o if n in ("o", "final_state") else tol_g) for n, v in res.items())
+    worst = max(res.items(), key=lambda kv: kv[1] / (tol_o if kv[0] in ("o", "final_state") else tol_g))
+    return {"case": name, "dtype": str(dtype).replace("torch.", ""), "pass": ok, "worst": worst[0],
+            "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
+
+
+def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bfloat16):
+    dev = "cuda"
+    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = r(N, H, K).to(dtype), r(N, H, K).to(dtype), r(N, HV, V).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(N, HV) + 3.0)
+    beta = 2.0 * torch.rand(N, HV, device=dev, generator=gen)
+    pool = r(P, HV, K, V)
+    pool0 = pool.clone()
+    o = fused_recurrent_gated_delta_rule_update(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=idx,
+                                                use_qk_l2norm=True)
+    s0 = pool0[idx.long()].to(F64)
+    o2, s2 = gated_delta_rule(q.to(F64).unsqueeze(0).transpose(0, 1), k.to(F64).unsqueeze(0).transpose(0, 1),
+                              v.to(F64).unsqueeze(0).transpose(0, 1), g=g.to(F64)[:, None],
+                              beta=beta.to(F64)[:, None], initial_state=s0, output_final_state=True,
+                              use_qk_l2norm=True, impl="naive")
+    res = {"o": rel(o, o2[:, 0]), "state": rel(pool[idx.long()], s2)}
+    mask = torch.ones(P, dtype=torch.bool, device=dev)
+    mask[idx.long()] = False
+    untouched = bool(torch.equal(pool[mask], pool0[mask]))
+    tol = BARS[dtype][0] if dtype != torch.float32 else 1e-5
+    ok = all(x <= tol for x in res.values()) and untouched
+    return {"case": f"decode P{P} N{N} HV{HV} H{H} K{K}", "dtype": str(dtype).replace("torch.", ""), "pass": ok,
+            "worst": max(res, key=res.get), "worst_rel": max(res.values()), "errors": res}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="awkward shapes only, no benchmark shapes")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    print(f"seed {seed}; device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+    cases = []
+    for dt in (torch.bfloat16, torch.float32):
+        for T in (1, 63, 65, 1000):
+            cases.append((f"T{T} B2 H2 HV4 K128 V128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
+        cases.append(("varlen 1,15,100,700 H2 HV4", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt,
+                                                         cu=[0, 1, 16, 116, 816])))
+        cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
+        cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
+        cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+    if not args.quick:
+        for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
+            cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
+                                                             dtype=torch.bfloat16, h0=False)))
+    rows = []
+    for name, kw in cases:
+        try:
+            row = check(gen, name, **kw)
+        except Exception as e:  # report and go on: one table for the whole run
+            row = {"case": name, "dtype": str(kw["dtype"]), "pass": False, "worst": "error",
+                   "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
+        rows.append(row)
+        print(f"{'PASS' if row['pass'] else 'FAIL'} {row['case']:<34} {row['dtype']:<9} worst {row['worst']:<11} "
+              f"{row['worst_rel']:.2e}", flush=True)
+        torch.cuda.empty_cache()
+    for dt in (torch.bfloat16, torch.float32):
+        try:
+            row = check_decode(gen, dtype=dt)
+        except Exception as e:
+            row = {"case": "decode", "dtype": str(dt), "pass": False, "worst": "error", "worst_rel": float("nan"),
+                   "errors": {"exception": repr(e)[:300]}}
+        rows.append(row)
+    print("\n| case | dtype | result | worst tensor | rel RMS |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['dtype']} | {'PASS' if r['pass'] else 'FAIL'} | {r['worst']} | "
+              f"{r['worst_rel']:.2e} |")
+    n_fail = sum(not r["pass"] for r in rows)
+    print(f"\n{len(rows) - n_fail}/{len(rows)} passed (seed {seed})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seed": seed, "rows": rows}, f, indent=1, default=str)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
