@@ -1,0 +1,25 @@
+"""Token mixers, norms and MLPs of hybrid linear-attention models (nn.Modules over `hybridlm.ops`)."""
+
+from .attention import GatedAttention, Rotary, apply_rotary, build_attention_mask, positions_for
+from .conv import ShortConv
+from .gdn import GatedDeltaNet
+from .kda import KimiDeltaAttention
+from .mla import MLA
+from .mlp import MoE, SwiGLU
+from .norm import GatedRMSNorm, RMSNorm
+
+__all__ = [
+    "MLA",
+    "GatedAttention",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
+    "KimiDeltaAttention",
+    "MoE",
+    "RMSNorm",
+    "Rotary",
+    "ShortConv",
+    "SwiGLU",
+    "apply_rotary",
+    "build_attention_mask",
+    "positions_for",
+]

@@ -1,0 +1,131 @@
+"""Softmax attention with the variations of the released hybrids, on PyTorch SDPA.
+
+Non-standard here:
+- Output gate (Qwen3-Next / Qwen3.5): `q_proj` emits per head `[query (hd) | gate (hd)]` ("elementwise") or
+  `[query (hd) | gate (1)]` ("headwise"); the attention output is multiplied by sigmoid(gate) before `o_proj`.
+  gate "none" is plain attention (OLMo-Hybrid).
+- QK-norm: "head" normalises each head over hd before RoPE (Qwen, zero-centred); "full" normalises the whole
+  q / k projection before the head split (OLMo-Hybrid); "none".
+- Partial RoPE: rotate_half RoPE on the first `rotary_dim` channels, the rest pass through; rotary_dim 0 is NoPE.
+  cos/sin are float32 and cast to the activations' dtype.
+- The mask is an explicit boolean [B, 1, T, T] built by `build_attention_mask` (causal, key padding, packed
+  documents). Each query may always see itself, so fully padded rows stay finite (their outputs are unused).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm
+
+
+def build_attention_mask(T: int, *, attention_mask: torch.Tensor | None = None,
+                         cu_seqlens: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """-> bool [B or 1, 1, T, T], True = may attend. attention_mask [B, T] (1 token / 0 pad); cu_seqlens [N+1]."""
+    idx = torch.arange(T, device=device)
+    allowed = (idx[None, :] <= idx[:, None])[None, None]  # causal
+    if cu_seqlens is not None:  # block-diagonal: documents packed in one row never see each other
+        doc = torch.bucketize(idx, cu_seqlens.to(device=device, dtype=torch.long)[1:], right=True)
+        allowed = allowed & (doc[None, :] == doc[:, None])[None, None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    return allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
+
+
+def positions_for(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Default position ids [1, T]: 0..T-1, restarting at each packed document."""
+    pos = torch.arange(T, device=device)
+    if cu_seqlens is not None:
+        starts = cu_seqlens.to(device=device, dtype=torch.long)
+        doc = torch.bucketize(pos, starts[1:], right=True)
+        pos = pos - starts[doc]
+    return pos[None]
+
+
+class Rotary(nn.Module):
+    """cos/sin [B, T, rotary_dim] (float32) for position ids [B, T]."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, h, T, hd]; cos/sin: [B, T, rd]. Rotates pairs (i, i + rd/2) of the first rd channels."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, h, T, d]; k, v: [B, hkv, S, d]; GQA by repeat_interleave (query head i reads kv head i // groups)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class GatedAttention(nn.Module):
+    """x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 gate: str = "elementwise", qk_norm: str = "head", norm_kind: str = "zero_centered",
+                 norm_eps: float = 1e-6, rotary_dim: int = 0, rope_theta: float | None = 10000.0,
+                 bias: bool = False):
+        super().__init__()
+        if gate not in ("elementwise", "headwise", "none"):
+            raise ValueError(f"gate: expected 'elementwise', 'headwise' or 'none', got {gate!r}")
+        if qk_norm not in ("head", "full", "none"):
+            raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
+        self.nH, self.nKV, self.hd, self.gate, self.qk_norm = num_heads, num_kv_heads, head_dim, gate, qk_norm
+        gate_width = {"elementwise": head_dim, "headwise": 1, "none": 0}[gate]
+        self.gate_width = gate_width
+        D = hidden_size
+        self.q_proj = nn.Linear(D, num_heads * (head_dim + gate_width), bias=bias)
+        self.k_proj = nn.Linear(D, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(D, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, D, bias=bias)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, norm_eps, norm_kind)
+            self.k_norm = RMSNorm(head_dim, norm_eps, norm_kind)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, norm_kind)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind)
+        self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """x: [B, T, D]; mask: bool [B|1, 1, T, T] from build_attention_mask; position_ids: [B|1, T]."""
+        if cache is not None:
+            raise NotImplementedError("GatedAttention: generation cache is not implemented yet")
+        B, T, _ = x.shape
+        q = self.q_proj(x)
+        gate = None
+        if self.gate_width:
+            q, gate = q.view(B, T, self.nH, self.hd + self.gate_width).split([self.hd, self.gate_width], dim=-1)
+        k, v = self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q.reshape(B, T, -1)), self.k_norm(k)
+        q = q.reshape(B, T, self.nH, self.hd)
+        k = k.view(B, T, self.nKV, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.nKV, self.hd).transpose(1, 2)
+        if self.rotary is not None:
+            cos, sin = self.rotary(position_ids)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = sdpa(q, k, v, mask, self.hd**-0.5).transpose(1, 2)  # [B, T, nH, hd]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)  # headwise gate [.., 1] broadcasts over hd
+        return self.o_proj(o.reshape(B, T, self.nH * self.hd))

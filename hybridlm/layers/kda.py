@@ -1,0 +1,66 @@
+"""KimiDeltaAttention: the delta rule with a per-channel forget gate and low-rank gates (Kimi Linear).
+
+Non-standard here:
+- The forget gate is low rank: f = f_b_proj(f_a_proj(x)) + dt_bias (float32, [B, T, H, dk]),
+  g = -exp(A_log) * softplus(f) with softplus(f) = f for f > 20 (as Kimi writes it).
+- The output gate is low rank too: gate = g_b_proj(g_a_proj(x)); the output norm is RMSNorm in float32 with a
+  sigmoid gate (not SiLU).
+- One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.interop` concatenates them).
+- H query/key heads == H value heads (no GVA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.ops import kda
+
+from .conv import ShortConv
+from .norm import GatedRMSNorm
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel: int = 4,
+                 norm_eps: float = 1e-5, impl: str = "auto"):
+        super().__init__()
+        self.H, self.dk, self.impl = num_heads, head_dim, impl
+        dim = num_heads * head_dim
+        self.dim = dim
+        D = hidden_size
+        self.q_proj = nn.Linear(D, dim, bias=False)
+        self.k_proj = nn.Linear(D, dim, bias=False)
+        self.v_proj = nn.Linear(D, dim, bias=False)
+        self.conv1d = ShortConv(3 * dim, conv_kernel, activation="silu")
+        self.f_a_proj = nn.Linear(D, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(dim))
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1).uniform_(1, 16).log())
+        self.b_proj = nn.Linear(D, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(D, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, dim, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="sigmoid", fp32_output=True)
+        self.o_proj = nn.Linear(dim, D, bias=False)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> g [B, T, H, dk] float32 (<= 0)."""
+        B, T, _ = x.shape
+        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.H, self.dk)
+        soft = torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))
+        return -self.A_log.float().exp() * soft
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """x: [B, T, D] (normed); attention_mask [B, T]; cu_seqlens [N+1] with B == 1."""
+        if cache is not None:
+            raise NotImplementedError("KimiDeltaAttention: generation cache is not implemented yet")
+        if attention_mask is not None:
+            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        B, T, _ = x.shape
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v = self.conv1d(qkv, cu_seqlens).view(B, T, 3, self.H, self.dk).unbind(2)
+        beta = torch.sigmoid(self.b_proj(x))
+        o, _ = kda(q, k, v, g=self.forget_gate(x), beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                   impl=self.impl)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.dim))

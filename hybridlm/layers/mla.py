@@ -1,0 +1,44 @@
+"""MLA as Kimi Linear uses it: multi-head latent attention with no rotary anywhere and no output gate.
+
+Non-standard here: `kv_a_proj_with_mqa` gives a latent (kv_lora_rank) and a shared key part k_rot
+(qk_rope_head_dim) that gets NO rotary embedding; the latent goes through `kv_a_layernorm` (Llama-style RMSNorm,
+eps 1e-6 by default, not the model's rms_norm_eps) and `kv_b_proj` expands it per head to `[k_nope | v]`.
+k = cat(k_nope, k_rot broadcast over heads); scale = (nope + rope) ** -0.5. The generation cache (issue 4)
+stores the normed latent and k_rot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import sdpa
+from .norm import RMSNorm
+
+
+class MLA(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, latent_norm_eps: float = 1e-6, bias: bool = False):
+        super().__init__()
+        self.nH, self.r, self.nope, self.rope, self.vd = (num_heads, kv_lora_rank, qk_nope_head_dim,
+                                                          qk_rope_head_dim, v_head_dim)
+        D = hidden_size
+        self.q_proj = nn.Linear(D, num_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, latent_norm_eps, "llama")
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, D, bias=bias)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """x: [B, T, D]; mask bool [B|1, 1, T, T]; position_ids unused (no rotary)."""
+        if cache is not None:
+            raise NotImplementedError("MLA: generation cache is not implemented yet")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.nH, self.nope + self.vd).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vd], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None].expand(B, self.nH, T, self.rope)], dim=-1)
+        o = sdpa(q, k, v, mask, (self.nope + self.rope) ** -0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nH * self.vd))

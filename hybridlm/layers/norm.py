@@ -1,0 +1,52 @@
+"""RMSNorm flavours as modules over `hybridlm.ops` norms.
+
+Non-standard here: `kind` picks the exact rounding of each released model (checked against transformers):
+- "zero_centered": (x_hat * (1 + w)) in float32, cast once (Qwen3-Next / Qwen3.5; weight initialised at 0).
+- "llama": w * x_hat.to(dtype) (Kimi Linear; weight initialised at 1).
+- "fp32_weight": (w * x_hat) in float32, cast once (OLMo-Hybrid; weight initialised at 1).
+`GatedRMSNorm` normalises per head over the last dim and multiplies by act(gate); the weight is plain w.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.ops import gated_rms_norm, rms_norm
+
+NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
+
+
+class RMSNorm(nn.Module):
+    """x: [..., D] -> [..., D] (same dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "llama"):
+        super().__init__()
+        if kind not in NORM_KINDS:
+            raise ValueError(f"kind: expected one of {NORM_KINDS}, got {kind!r}")
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.zeros(dim) if kind == "zero_centered" else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "zero_centered":
+            return rms_norm(x, self.weight, self.eps, zero_centered=True)
+        return rms_norm(x, self.weight, self.eps, cast_before_weight=self.kind == "llama")
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, kind={self.kind}"
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * act(gate) per head. x, gate: [..., D]; weight [D] shared by heads.
+
+    activation "silu" (Qwen, OLMo: w * x_hat.to(dtype) * silu(gate) in float32, cast once) or
+    "sigmoid" with fp32_output=True (Kimi: the whole product in float32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu", fp32_output: bool = False):
+        super().__init__()
+        self.eps, self.activation, self.fp32_output = eps, activation, fp32_output
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps, activation=self.activation,
+                              fp32_output=self.fp32_output)

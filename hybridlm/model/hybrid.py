@@ -1,0 +1,174 @@
+"""`HybridLM`: embedding, a stack of hybrid blocks, final norm, lm head.
+
+Non-standard here:
+- A block's token mixer is chosen per layer from `config.layer_types` (linear: GDN or KDA; full: gated / plain
+  softmax attention or MLA) and its MLP from `config.mlp_types` (SwiGLU or MoE).
+- block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
+  linear blocks stay pre-norm.
+- `cu_seqlens` (documents packed into one row, B == 1) reaches every mixer: the linear ops restart their state,
+  the short conv restarts, attention gets a block-diagonal causal mask, and default positions restart.
+- Default positions are 0..T-1 even with left padding (transformers' forward does the same).
+- `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridlm.layers import (
+    MLA,
+    GatedAttention,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    MoE,
+    RMSNorm,
+    SwiGLU,
+    build_attention_mask,
+    positions_for,
+)
+
+from .config import HybridConfig
+
+
+@dataclass
+class HybridOutput:
+    logits: torch.Tensor  # [B, T, vocab]
+    hidden_states: torch.Tensor | None = None  # [B, T, D] after the final norm
+
+
+def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module:
+    c = config
+    if c.layer_types[layer] == "linear_attention":
+        if c.linear_kind == "kda":
+            return KimiDeltaAttention(c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim,
+                                      conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl)
+        return GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, layout=c.gdn_layout,
+                             beta_scale=c.linear_beta_scale, norm_eps=c.linear_norm_eps, impl=impl)
+    if c.attention_kind == "mla":
+        return MLA(c.hidden_size, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank,
+                   qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                   latent_norm_eps=c.mla_norm_eps, bias=c.attention_bias)
+    return GatedAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          gate=c.attn_gate if c.attention_kind == "gated" else "none", qk_norm=c.qk_norm,
+                          norm_kind=c.norm_kind, norm_eps=c.rms_norm_eps, rotary_dim=c.rotary_dim,
+                          rope_theta=c.rope_theta, bias=c.attention_bias)
+
+
+def build_mlp(config: HybridConfig, layer: int) -> nn.Module:
+    c = config
+    if c.mlp_types[layer] == "dense":
+        return SwiGLU(c.hidden_size, c.intermediate_size)
+    return MoE(c.moe_kind, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+               c.shared_expert_intermediate_size, norm_topk_prob=c.norm_topk_prob, n_group=c.n_group,
+               topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, config: HybridConfig, layer: int, impl: str = "auto"):
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        self.linear = self.layer_type == "linear_attention"
+        self.post_norm = config.block_style == "olmo" and not self.linear
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)  # noqa: E731
+        self.mixer = build_mixer(config, layer, impl)
+        self.mlp = build_mlp(config, layer)
+        self.norm1, self.norm2 = norm(), norm()  # pre-norms, or post-norms of an OLMo attention block
+
+    def forward(self, x: torch.Tensor, *, attention_mask, cu_seqlens, attn_mask, position_ids,
+                cache=None) -> torch.Tensor:
+        if self.linear:
+            mix = lambda h: self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=cache)  # noqa
+        else:
+            mix = lambda h: self.mixer(h, attn_mask, position_ids, cache=cache)  # noqa: E731
+        if self.post_norm:
+            x = x + self.norm1(mix(x))
+            return x + self.norm2(self.mlp(x))
+        x = x + mix(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class HybridLM(nn.Module):
+    """model(input_ids [B, T], attention_mask [B, T] = None, cu_seqlens [N+1] = None) -> HybridOutput."""
+
+    def __init__(self, config: HybridConfig, impl: str = "auto"):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridBlock(config, i, impl) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) for linear / embedding weights; norms, A_log, dt_bias and convs keep their inits."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cache=None) -> HybridOutput:
+        """input_ids: [B, T] int; attention_mask: [B, T] (1 token / 0 pad, left padding);
+        cu_seqlens: int32 [N+1] offsets of documents packed in one row (B must be 1); position_ids: [B, T].
+        cache: reserved for generation (issue 4)."""
+        B, T = input_ids.shape
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens: packed documents need batch size 1, got input_ids of shape {(B, T)}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask: expected shape {(B, T)}, got {tuple(attention_mask.shape)}")
+        x = self.embed_tokens(input_ids)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # nothing padded: skip the masking work
+        mask2d = None if attention_mask is None else attention_mask.to(x.dtype)
+        attn_mask = None
+        if any(not blk.linear for blk in self.layers):
+            attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                             device=x.device)
+        if position_ids is None:
+            position_ids = positions_for(T, cu_seqlens, x.device)
+        for i, blk in enumerate(self.layers):
+            x = blk(x, attention_mask=mask2d, cu_seqlens=cu_seqlens, attn_mask=attn_mask,
+                    position_ids=position_ids, cache=None if cache is None else cache[i])
+        h = self.norm(x)
+        return HybridOutput(logits=self.lm_head(h), hidden_states=h)
+
+    # --- parameters ---
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters (tied weights once); active=True counts only top-k routed experts per MoE layer."""
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            if active and ".experts." in name:
+                c = self.config
+                n = n * c.num_experts_per_tok // c.num_experts
+            total += n
+        return total
+
+    # --- Hugging Face checkpoints ---
+    @classmethod
+    def from_pretrained(cls, folder: str, *, dtype: torch.dtype | None = None, impl: str = "auto",
+                        strict: bool = True) -> HybridLM:
+        from hybridlm.interop.hf import load_pretrained
+
+        return load_pretrained(folder, dtype=dtype, impl=impl, strict=strict)
+
+    def save_pretrained(self, folder: str, *, max_shard_size: int | str = "5GB",
+                        model_type: str | None = None) -> None:
+        from hybridlm.interop.hf import save_pretrained
+
+        save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)
