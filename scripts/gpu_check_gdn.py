@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['case']} | {r['dtype']} | {'PASS' if r['pass'] else 'FAIL'} | {r['worst']} | "
               f"{r['worst_rel']:.2e} |")
+    from hybridlm.ops.triton import gdn
+
+    print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in gdn._BT_OK.items()})
     n_fail = sum(not r["pass"] for r in rows)
     print(f"\n{len(rows) - n_fail}/{len(rows)} passed (seed {seed})")
     if args.json:

@@ -17,14 +17,23 @@ import os
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import gdn_kernels as kern
 
 SUPPORTED_DIMS = (64, 128, 256)
 
 
-def _block_t(K: int) -> int:
-    return 64 if K <= 128 else 32
+BT_CHOICES = (64, 32, 16)
+# (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
+_BT_OK: dict[tuple, int] = {}
+
+
+def _bt_for(K: int, V: int, dtype: torch.dtype, save: bool) -> int:
+    bt = _BT_OK.get((K, V, dtype, "fwd"), 64 if K <= 128 else 32)
+    if save:
+        bt = min(bt, _BT_OK.get((K, V, dtype, "bwd"), bt))
+    return bt
 
 
 def _max_chunks(Ttot: int, N: int, BT: int) -> int:
@@ -64,16 +73,14 @@ def _num_warps(K: int) -> int:
     return 4 if K <= 64 else 8
 
 
-@torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
-def gdn_chunk_fwd(
+def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
-    output_final_state: bool, save: bool,
+    output_final_state: bool, save: bool, BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (o, final_state or empty, T, W, h, Vn); the last four are empty unless save."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BT = _block_t(K)
     BV = 32
     dev = q.device
     cu = _cu_list(cu_seqlens, B, T)
@@ -96,17 +103,39 @@ def gdn_chunk_fwd(
     if nc > 0:
         kern._prep_fwd[(nc, HV)](
             k, v, g, beta, Tb, Wb, Ub, cu_t, cs, cst,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw, num_stages=1,
         )
     h0 = initial_state.contiguous() if initial_state is not None else Ub
     kern._recur_fwd[(V // BV, N * HV)](
         q, k, g, Wb, Ub, o, h0, ht, hb, vn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save, num_warps=nw,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save, num_warps=nw, num_stages=1,
     )
     if not save:
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=f32)
     return o, ht, Tb, Wb, hb, vn
+
+
+@torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
+def gdn_chunk_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    output_final_state: bool, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (o, final_state or empty, T, W, h, Vn); the last four are empty unless save."""
+    K, V = q.shape[-1], v.shape[-1]
+    first = _bt_for(K, V, q.dtype, save)
+    err = None
+    for BT in (b for b in BT_CHOICES if b <= first):
+        try:
+            out = _fwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
+                            save, BT)
+        except OutOfResources as e:  # the kernels did not fit this block size on this device: try a smaller one
+            err = e
+            continue
+        _BT_OK[(K, V, q.dtype, "fwd")] = BT
+        return out
+    raise err
 
 
 @gdn_chunk_fwd.register_fake
@@ -114,7 +143,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    BT = _block_t(K)
+    BT = _bt_for(K, V, q.dtype, save)
     NC = _max_chunks(B * T, N, BT)
     f32 = torch.float32
     o = q.new_empty(B, T, HV, V)
@@ -126,8 +155,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     return o, ht, e, e, e, e
 
 
-@torch.library.custom_op("hybridlm::gdn_chunk_bwd", mutates_args=())
-def gdn_chunk_bwd(
+def _bwd_impl(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
@@ -136,7 +164,7 @@ def gdn_chunk_bwd(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
-    BT = _block_t(K)
+    BT = Tb.shape[-1]
     BV = 32
     dev = q.device
     cu = _cu_list(cu_seqlens, B, T)
@@ -154,7 +182,7 @@ def gdn_chunk_bwd(
     kern._recur_bwd[(V // BV, N * HV)](
         q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=nw,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=nw, num_stages=1,
     )
     dq = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
     dk = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
@@ -164,15 +192,42 @@ def gdn_chunk_bwd(
     if nc > 0:
         kern._chunk_bwd[(nc, HV)](
             q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)
 
 
+@torch.library.custom_op("hybridlm::gdn_chunk_bwd", mutates_args=())
+def gdn_chunk_bwd(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool, h0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
+    K, V = q.shape[-1], v.shape[-1]
+    try:
+        return _bwd_impl(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0)
+    except OutOfResources as e:
+        err = e
+    # the backward kernels need a smaller chunk than the forward used: recompute the forward's intermediates
+    for BT in (b for b in BT_CHOICES if b < Tb.shape[-1]):
+        try:
+            _, _, Tb2, Wb2, hb2, vn2 = _fwd_impl(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False,
+                                                 True, BT)
+            out = _bwd_impl(do, dht, q, k, v, g, beta, Tb2, Wb2, hb2, vn2, cu_seqlens, scale, use_qk_l2norm,
+                            has_h0)
+        except OutOfResources as e:
+            err = e
+            continue
+        _BT_OK[(K, V, q.dtype, "bwd")] = BT
+        return out
+    raise err
+
+
 @gdn_chunk_bwd.register_fake
-def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0):
+def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -188,7 +243,7 @@ class _ChunkGDN(torch.autograd.Function):
         o, ht, Tb, Wb, hb, vn = torch.ops.hybridlm.gdn_chunk_fwd(
             q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save
         )
-        ctx.save_for_backward(q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, initial_state)
         ctx.scale, ctx.l2, ctx.has_h0 = scale, use_qk_l2norm, initial_state is not None
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
@@ -196,11 +251,11 @@ class _ChunkGDN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, Tb, Wb, hb, vn, cu = ctx.saved_tensors
+        q, k, v, g, beta, Tb, Wb, hb, vn, cu, h0 = ctx.saved_tensors
         if dht is not None and dht.numel() == 0:
             dht = None
         dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
-            do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu, ctx.scale, ctx.l2, ctx.has_h0
+            do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu, ctx.scale, ctx.l2, ctx.has_h0, h0
         )
         return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None
 
