@@ -1,0 +1,5 @@
+"""Training: `hybridlm train` / `python -m hybridlm.train` (also under torchrun, with FSDP2 on several GPUs).
+
+Modules: data (corpus, documents, packing with cu_seqlens), tokenizer, optim (AdamW groups, schedule),
+checkpoint (atomic save / exact resume), parallel (torch.distributed, FSDP2, DCP), main (the CLI and the loop).
+"""

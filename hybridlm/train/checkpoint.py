@@ -1,0 +1,210 @@
+"""Atomic training checkpoints: weights (safetensors) + config + optimizer + data position + RNG.
+
+Layout under `OUT/checkpoints/`:
+    step_000200/             a complete checkpoint (a loader only ever sees complete ones)
+        model.safetensors    the model's state dict, float32 as trained
+        config.json          HybridConfig.to_json
+        optimizer.pt         optimizer.state_dict() (torch.save; loads with weights_only=True)
+        rng.pt               torch / cuda / python RNG states
+        train_state.json     step, micro-batch index (the data position), tokens seen, best val, run settings
+    latest                   text file naming the newest complete checkpoint (replaced atomically)
+
+Atomicity: everything is written into `.tmp-step_000200-<pid>/`, each file fsync'd, then the folder is renamed to
+its final name (one rename) and `latest` is replaced (write `latest.tmp`, fsync, os.replace). A crash at any point
+leaves either the previous checkpoints untouched or the new one complete; stray `.tmp-*` folders are ignored by
+loaders and removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import TrainError
+
+CKPT_DIR = "checkpoints"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(_py_state_to_list(random.getstate()))}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _py_state_to_list(s):
+    version, internal, gauss = s
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as contiguous CPU tensors, shared (tied) tensors stored once under their first name."""
+    out, seen = {}, {}
+    for k, v in model.state_dict().items():
+        key = (v.data_ptr(), v.shape, v.stride()) if v.numel() else None
+        if key is not None and key in seen:
+            continue  # tied weight: load_state_dict(strict=False) restores it through the first name
+        if key is not None:
+            seen[key] = k
+        out[k] = v.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def begin_checkpoint(out_dir: str, step: int, tag: str | None = None) -> str:
+    """Create the temp folder of checkpoint `step` (removing leftovers of crashed saves); returns its path."""
+    root = os.path.join(out_dir, CKPT_DIR)
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+        if name.startswith(".tmp-") or name.startswith(".old-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    tmp = os.path.join(root, f".tmp-{step_name(step)}-{tag or (str(os.getpid()) + '-' + uuid.uuid4().hex[:8])}")
+    os.makedirs(tmp, exist_ok=True)
+    return tmp
+
+
+def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.Tensor] | None, config_json: str,
+                           optimizer_state: dict | None, train_state: dict, rng: dict | None = None) -> None:
+    """Write the parts into the temp folder, each fsync'd (model/optimizer may be None when DCP holds them)."""
+    files = {"config.json": lambda p: open(p, "w", encoding="utf-8").write(config_json)}
+    if model_state is not None:
+        files["model.safetensors"] = lambda p: save_file(model_state, p, metadata={"format": "pt", "step": str(step)})
+    if optimizer_state is not None:
+        files["optimizer.pt"] = lambda p: torch.save(optimizer_state, p)
+    files["rng.pt"] = lambda p: torch.save(rng if rng is not None else rng_state(), p)
+    for name, write in files.items():
+        path = os.path.join(tmp, name)
+        write(path)
+        _fsync_file(path)
+    # train_state.json last: a folder holding it is complete
+    with open(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
+        json.dump(train_state, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+def commit_checkpoint(out_dir: str, step: int, tmp: str, keep: int = 3) -> str:
+    """Rename the complete temp folder into place, point `latest` at it, prune old ones. Returns its path."""
+    root = os.path.join(out_dir, CKPT_DIR)
+    final = os.path.join(root, step_name(step))
+    if os.path.exists(final):  # the same step saved again (e.g. after a resume): swap, then drop the old one
+        old = os.path.join(root, f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    atomic_write_text(os.path.join(root, LATEST), step_name(step) + "\n")
+    if keep > 0:
+        for s in list_checkpoints(out_dir)[:-keep]:
+            shutil.rmtree(s, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(out_dir: str, step: int, *, model_state: dict[str, torch.Tensor], config_json: str,
+                    optimizer_state: dict, train_state: dict, rng: dict | None = None, keep: int = 3) -> str:
+    """Single-process save of checkpoint `step`, atomically; keeps the newest `keep` (0: all). Returns its path."""
+    tmp = begin_checkpoint(out_dir, step)
+    write_checkpoint_files(tmp, step, model_state=model_state, config_json=config_json,
+                           optimizer_state=optimizer_state, train_state=train_state, rng=rng)
+    return commit_checkpoint(out_dir, step, tmp, keep)
+
+
+def list_checkpoints(out_dir: str) -> list[str]:
+    """Complete checkpoints under OUT/checkpoints, oldest first."""
+    root = os.path.join(out_dir, CKPT_DIR)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(path: str) -> str:
+    """A checkpoint folder from `--resume PATH`: a checkpoint itself, or a run folder (its `latest`)."""
+    if os.path.isfile(os.path.join(path, "train_state.json")):
+        return path
+    root = os.path.join(path, CKPT_DIR)
+    latest = os.path.join(root, LATEST)
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            cand = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(cand, "train_state.json")):
+            return cand
+    ckpts = list_checkpoints(path)
+    if ckpts:
+        return ckpts[-1]
+    raise TrainError(f"--resume: no checkpoint in {path} (expected {path}/{CKPT_DIR}/step_NNNNNN or a checkpoint "
+                     "folder with train_state.json); start without --resume")
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    """Read every part of a checkpoint (raises if any is missing or corrupt)."""
+    try:
+        with open(os.path.join(path, "train_state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config_json = f.read()
+        model_state = load_file(os.path.join(path, "model.safetensors"), device=str(map_location))
+        opt_path = os.path.join(path, "optimizer.pt")
+        optimizer_state = (torch.load(opt_path, map_location=map_location, weights_only=True)
+                           if os.path.exists(opt_path) else None)  # None: sharded, in dcp/
+        rng = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); resume from an earlier one "
+                         f"(ls {os.path.dirname(path)})") from e
+    return {"train_state": state, "config_json": config_json, "model": model_state,
+            "optimizer": optimizer_state, "rng": rng, "path": path}

@@ -1,0 +1,481 @@
+"""`hybridlm train`: the training job, from a 2-core CPU (no arguments) to many GPUs (torchrun + FSDP2).
+
+With no arguments: the `cpu-tiny` 3:1 hybrid (or `gpu-30m` on a GPU) on the bundled Shakespeare, byte tokens,
+output under runs/train. Every flag has a help line; `hybridlm train --help` lists them.
+
+Non-standard here:
+- Packing: documents are packed into rows of --seq-len; a row that holds a document boundary is run flattened with
+  cu_seqlens (see data.Batch.pieces), so documents never see each other.
+- The loss of a step is the sum over its micro-batches of token losses divided by the step's total target count
+  (all ranks), so grad accumulation and sharding give the same gradient as one big batch.
+- Val loss is reported in nats per byte of text (for the byte tokenizer: nats per token) with the add-one unigram
+  of the training split beside it, and perplexity per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint as ckpt
+from .data import IGNORE, RowSampler, load_corpus, make_batch, unigram_nats
+from .errors import TrainError
+from .optim import build_optimizer, lr_at, set_lr
+from .parallel import (
+    Dist,
+    all_reduce_sum,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    barrier,
+    dcp_load,
+    dcp_save,
+    full_model_state,
+    init_distributed,
+)
+from .presets import TRAIN_PRESETS, build_config
+from .tokenizer import load_tokenizer
+
+DEFAULT_OUT = os.path.join("runs", "train")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=None,
+                   help=f"model preset: {', '.join(TRAIN_PRESETS)} or a hybridlm.model preset name "
+                        "(default: cpu-tiny on CPU, gpu-30m on GPU)")
+    g.add_argument("--config", default=None, help="HybridConfig JSON file (overrides --preset)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="+", default=None,
+                   help="text files, folders of .txt/.md/.jsonl, or .jsonl files with a \"text\" field "
+                        "(default: the bundled Shakespeare)")
+    g.add_argument("--tokenizer", default="bytes", help="'bytes' (UTF-8 bytes, vocab 256) or a tokenizer.json path")
+    g.add_argument("--val-fraction", type=float, default=0.02, help="held-out tail of each document (default 0.02)")
+    g.add_argument("--packing", choices=("auto", "flat"), default="auto",
+                   help="flat: every micro-batch as one [1, B*T] row with cu_seqlens; auto (default): rows without a "
+                        "document boundary as a plain [b, T] batch (same math, no B*T x B*T attention mask)")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per row (preset default: 256 on CPU)")
+    g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of matrices (default 0.1)")
+    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default from the preset)")
+    g.add_argument("--max-tokens", type=float, default=None,
+                   help="train for this many tokens instead of --max-steps (e.g. 2e6)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (and at the end)")
+    g.add_argument("--eval-tokens", type=int, default=32768, help="val tokens per evaluation (default 32768)")
+    g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (and at the end; 0: end)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
+    g.add_argument("--out", default=DEFAULT_OUT, help=f"run folder (default {DEFAULT_OUT})")
+    g.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                   help="continue from a checkpoint folder or a run folder's latest (no PATH: --out's latest)")
+    g.add_argument("--sample-tokens", type=int, default=400, help="tokens of the sample printed at the end")
+    g.add_argument("--prompt", default=None, help="prompt of the final sample")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    g = p.add_argument_group("system")
+    g.add_argument("--seed", type=int, default=0, help="seed of the init, the data order and the sample")
+    g.add_argument("--device", default="auto", help="auto (a GPU if one is visible), cpu, cuda, cuda:N")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="auto: bf16 autocast on GPU, fp32 on CPU")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in the backward (less memory, ~30%% more compute)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the cores not already busy, by the 1-minute load average)")
+
+
+def cpu_threads() -> int:
+    """Cores not already busy (1-minute load average): OpenMP threads that compete with other processes for the
+    same cores spin and can make a step 10x slower than using fewer threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return max(1, min(cores, int(cores - load + 0.5)))
+
+
+def _log(dist: Dist, msg: str, bar=None) -> None:
+    if not dist.is_main:
+        return
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line; on resume, records past the resumed step are dropped."""
+
+    def __init__(self, path: str, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        self.records: list[dict] = []
+        if enabled and resume_step is not None and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    with contextlib.suppress(json.JSONDecodeError):
+                        r = json.loads(line)
+                        if r.get("step", 0) <= resume_step:
+                            self.records.append(r)
+            ckpt.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+        elif enabled:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            open(path, "w").close()
+
+    def add(self, **rec) -> None:
+        if not self.enabled:
+            return
+        self.records.append(rec)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def plot_curve(records: list[dict], unigram: float, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [(r["step"], r["loss_per_byte"]) for r in records if "loss" in r]
+    va = [(r["step"], r["val_nats_per_byte"]) for r in records if "val_nats_per_byte" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if tr:
+        ax.plot(*zip(*tr), lw=0.8, alpha=0.8, label="train")
+    if va:
+        ax.plot(*zip(*va), "o-", label="val")
+    ax.axhline(unigram, color="gray", ls="--", lw=1, label=f"unigram {unigram:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _autocast(device: torch.device, bf16: bool):
+    if bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
+    with _autocast(device, bf16):
+        logits = model(ids, cu_seqlens=cu).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, stream, args, dist: Dist, device, bf16) -> tuple[float, int]:
+    """Sum of val token losses / count over the first --eval-tokens of the val split (rows split over ranks)."""
+    was_training = model.training
+    model.eval()
+    T = args.seq_len
+    n_rows = min(stream.n_rows(T), max(1, args.eval_tokens // T))
+    rows = list(range(n_rows))[dist.rank :: dist.world]
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
+    eb = args.batch_size * 4  # no activations kept: bigger batches
+    for i in range(0, len(rows), eb):
+        b = make_batch(stream, rows[i : i + eb], T)
+        for ids, tg, cu in b.pieces(args.packing):
+            ids, tg = ids.to(device), tg.to(device)
+            cu = None if cu is None else cu.to(device)
+            tot[0] += _loss_sum(model, ids, tg, cu, device, bf16).double()
+            tot[1] += (tg != IGNORE).sum()
+    all_reduce_sum(tot, dist)
+    model.train(was_training)
+    return float(tot[0] / tot[1].clamp(min=1)), int(tot[1])
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt_ids: list[int], n: int, temperature: float, seed: int, max_len: int,
+           device) -> list[int]:
+    """Re-run the model on the growing sequence (no cache), temperature sampling with a fixed generator."""
+    was_training = model.training
+    model.eval()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(prompt_ids)
+    for _ in range(n):
+        x = torch.tensor([ids[-max_len:]], dtype=torch.long, device=device)
+        logits = model(x).logits[0, -1].float().cpu()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = int(torch.multinomial(probs, 1, generator=g))
+        ids.append(nxt)
+    model.train(was_training)
+    return ids
+
+
+def _oom_message(args, err) -> str:
+    return (f"a micro-batch of {args.batch_size} x {args.seq_len} tokens does not fit in memory ({err}); "
+            "lower --batch-size (raise --grad-accum to keep the same global batch), use --activation-checkpointing, "
+            "or shorten --seq-len")
+
+
+def train(args) -> dict:
+    """The training job; returns a summary dict (also written to OUT/summary.json)."""
+    t_start = time.time()
+    dist = init_distributed(args.device)
+    device = dist.device
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or cpu_threads())
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+
+    cfg, preset_name, defaults = build_config(args.preset, args.config, device.type)
+    for name in ("seq_len", "batch_size", "lr", "warmup", "eval_every", "save_every"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
+    if args.seq_len < 2:
+        raise TrainError(f"--seq-len: must be >= 2, got {args.seq_len}")
+    if args.batch_size < 1 or args.grad_accum < 1:
+        raise TrainError("--batch-size and --grad-accum must be >= 1")
+    if args.seq_len > cfg.max_position_embeddings:
+        raise TrainError(f"--seq-len {args.seq_len} is longer than this model supports "
+                         f"(max_position_embeddings = {cfg.max_position_embeddings} in {preset_name}); "
+                         f"use --seq-len <= {cfg.max_position_embeddings} or a --config with a larger "
+                         "max_position_embeddings")
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        if args.config:
+            raise TrainError(f"--tokenizer has {tokenizer.vocab_size} tokens but --config's vocab_size is "
+                             f"{cfg.vocab_size}; raise vocab_size in the config")
+        cfg.vocab_size = tokenizer.vocab_size
+        cfg.validate()
+
+    corpus = load_corpus(args.data, tokenizer, args.val_fraction)
+    if corpus.val.n_rows(args.seq_len) < 1:
+        raise TrainError(f"the val split ({corpus.val.n_tokens} tokens) is shorter than one row of --seq-len "
+                         f"{args.seq_len}; raise --val-fraction, lower --seq-len, or give more --data")
+    sampler = RowSampler(corpus.train.n_rows(args.seq_len), args.batch_size, args.seed, dist.rank, dist.world)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dist.world
+    if args.max_tokens is not None:
+        max_steps = max(1, math.ceil(args.max_tokens / tokens_per_step))
+    else:
+        max_steps = args.max_steps if args.max_steps is not None else defaults.max_steps
+    bytes_per_token = corpus.val.n_bytes / max(1, corpus.val.n_tokens)
+    unigram = unigram_nats(corpus.train, corpus.val, cfg.vocab_size) / bytes_per_token
+
+    # --- model ---
+    from hybridlm.model.hybrid import HybridLM
+
+    _seed_all(args.seed)
+    model = HybridLM(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dist.enabled:
+        apply_fsdp(model, bf16)
+    fwd_model = torch.compile(model) if args.compile else model
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+
+    # --- resume ---
+    step, micro, tokens_seen, best_val = 0, 0, 0, math.inf
+    resume_step = None
+    if args.resume is not None:
+        path = ckpt.resolve_resume(args.resume or args.out)
+        state = ckpt.load_checkpoint(path)
+        ts = state["train_state"]
+        if ts.get("seq_len") != args.seq_len or ts.get("batch_size") != args.batch_size \
+                or ts.get("world") != dist.world or ts.get("grad_accum") != args.grad_accum:
+            raise TrainError(f"--resume: {path} was written with seq_len={ts.get('seq_len')}, batch_size="
+                             f"{ts.get('batch_size')}, grad_accum={ts.get('grad_accum')}, world={ts.get('world')}; "
+                             "resume with the same --seq-len, --batch-size, --grad-accum and number of ranks")
+        if dist.enabled:
+            dcp_load(os.path.join(path, "dcp"), model, optimizer)
+        else:
+            missing, unexpected = model.load_state_dict(state["model"], strict=False)
+            tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+            if set(missing) - tied or unexpected:
+                raise TrainError(f"--resume: {path} does not match the model (missing {missing}, unexpected "
+                                 f"{unexpected}); use the --preset/--config it was trained with")
+            optimizer.load_state_dict(state["optimizer"])
+        step, micro, tokens_seen = ts["step"], ts["micro"], ts["tokens_seen"]
+        best_val = ts.get("best_val", math.inf)
+        rng = state["rng"]
+        if dist.enabled:
+            rpath = os.path.join(path, f"rng_rank{dist.rank}.pt")
+            if os.path.exists(rpath):
+                rng = torch.load(rpath, weights_only=True)
+        ckpt.set_rng_state(rng)
+        resume_step = step
+        _log(dist, f"resumed from {path} at step {step}")
+
+    os.makedirs(args.out, exist_ok=True) if dist.is_main else None
+    metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), dist.is_main, resume_step)
+    if dist.is_main and resume_step is None:
+        with open(os.path.join(args.out, "run.json"), "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "preset": preset_name, "config": cfg.to_dict(), "params": n_params,
+                       "max_steps": max_steps, "device": str(device), "world": dist.world}, f, indent=2)
+
+    _log(dist, f"hybridlm train: {preset_name} ({n_params / 1e6:.2f}M params, layers {cfg.layer_types}), "
+               f"{corpus.description}: {corpus.n_docs} documents, {corpus.train.n_tokens:,} train / "
+               f"{corpus.val.n_tokens:,} val tokens ({tokenizer.name} tokenizer)")
+    _log(dist, f"device {device} x{dist.world}, {'bf16 autocast' if bf16 else 'fp32'}, threads "
+               f"{torch.get_num_threads()}, {max_steps} steps of {tokens_per_step:,} tokens "
+               f"(batch {args.batch_size} x seq {args.seq_len} x accum {args.grad_accum} x {dist.world} rank(s)), "
+               f"lr {args.lr:g} warmup {args.warmup} cosine, unigram baseline {unigram:.3f} nats/byte")
+
+    def save(at_step: int) -> None:
+        rng = ckpt.rng_state()
+        train_state = {"step": at_step, "micro": micro, "tokens_seen": tokens_seen, "best_val": best_val,
+                       "seq_len": args.seq_len, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+                       "world": dist.world, "preset": preset_name, "tokenizer": tokenizer.name,
+                       "max_steps": max_steps, "seed": args.seed}
+        if dist.enabled:
+            tag = f"dist{at_step}"
+            if dist.is_main:
+                ckpt.begin_checkpoint(args.out, at_step, tag)
+            barrier(dist)
+            tmp = os.path.join(args.out, ckpt.CKPT_DIR, f".tmp-{ckpt.step_name(at_step)}-{tag}")
+            dcp_save(os.path.join(tmp, "dcp"), model, optimizer)
+            torch.save(rng, os.path.join(tmp, f"rng_rank{dist.rank}.pt"))
+            full = full_model_state(model, dist)
+            barrier(dist)
+            if dist.is_main:
+                ckpt.write_checkpoint_files(tmp, at_step, model_state=full, config_json=cfg.to_json(),
+                                            optimizer_state=None, train_state=train_state, rng=rng)
+                ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
+            barrier(dist)
+        else:
+            ckpt.save_checkpoint(args.out, at_step, model_state=ckpt.plain_state_dict(model),
+                                 config_json=cfg.to_json(), optimizer_state=optimizer.state_dict(),
+                                 train_state=train_state, rng=rng, keep=args.keep)
+
+    def run_eval(at_step: int, bar=None) -> float:
+        nonlocal best_val
+        loss, count = evaluate(fwd_model, corpus.val, args, dist, device, bf16)
+        per_byte = loss / bytes_per_token
+        best_val = min(best_val, per_byte)
+        metrics.add(step=at_step, tokens=tokens_seen, val_loss=loss, val_nats_per_byte=per_byte,
+                    val_ppl=math.exp(loss), unigram_nats_per_byte=unigram, val_tokens=count,
+                    elapsed=time.time() - t_start)
+        _log(dist, f"step {at_step}/{max_steps} | val {per_byte:.4f} nats/byte (ppl {math.exp(loss):.2f}/token) | "
+                   f"unigram {unigram:.3f} | {unigram - per_byte:+.3f} below unigram | "
+                   f"{time.time() - t_start:.0f}s", bar)
+        return per_byte
+
+    # --- loop ---
+    from tqdm import tqdm
+
+    bar = tqdm(total=max_steps, initial=step, disable=not dist.is_main or args.no_progress, unit="step",
+               dynamic_ncols=True, file=sys.stderr)
+    model.train()
+    last_loss = math.nan
+    ema_tps = None
+    val = math.nan
+    while step < max_steps:
+        t0 = time.time()
+        set_lr(optimizer, lr_at(step, lr=args.lr, warmup=args.warmup, total=max_steps, min_ratio=args.min_lr_ratio))
+        batches = [make_batch(corpus.train, sampler.rows(micro + a), args.seq_len) for a in range(args.grad_accum)]
+        n_tg = torch.tensor(float(sum(b.n_targets for b in batches)), dtype=torch.float64, device=device)
+        all_reduce_sum(n_tg, dist)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        try:
+            for b in batches:
+                for ids, tg, cu in b.pieces(args.packing):
+                    ids, tg = ids.to(device, non_blocking=True), tg.to(device, non_blocking=True)
+                    cu = None if cu is None else cu.to(device, non_blocking=True)
+                    loss = _loss_sum(fwd_model, ids, tg, cu, device, bf16)
+                    (loss / n_tg.float()).backward()
+                    loss_sum += loss.detach().double()
+        except torch.OutOfMemoryError as e:
+            raise TrainError(_oom_message(args, e)) from e
+        except RuntimeError as e:
+            if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
+                raise TrainError(_oom_message(args, e)) from e
+            raise
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0
+                                                   else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        all_reduce_sum(loss_sum, dist)
+        step += 1
+        micro += args.grad_accum
+        tokens_seen += tokens_per_step
+        last_loss = float(loss_sum / n_tg)
+        dt = time.time() - t0
+        tps = tokens_per_step / max(dt, 1e-9)
+        ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
+        metrics.add(step=step, tokens=tokens_seen, loss=last_loss, loss_per_byte=last_loss / bytes_per_token,
+                    lr=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm), tokens_per_s=tps,
+                    epoch=sampler.epoch_of(micro), elapsed=time.time() - t_start)
+        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{ema_tps:,.0f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        bar.update(1)
+        if not math.isfinite(last_loss):
+            raise TrainError(f"the loss became {last_loss} at step {step}; lower --lr or raise --warmup")
+        if args.eval_every and step % args.eval_every == 0 and step < max_steps:
+            val = run_eval(step, bar)
+        if args.save_every and step % args.save_every == 0 and step < max_steps:
+            save(step)
+    bar.close()
+
+    val = run_eval(step)
+    save(step)
+    summary = {"final_step": step, "final_train_loss": last_loss, "final_val_nats_per_byte": val,
+               "best_val_nats_per_byte": best_val, "unigram_nats_per_byte": unigram,
+               "below_unigram": unigram - val, "params": n_params, "tokens_seen": tokens_seen,
+               "wall_s": time.time() - t_start, "preset": preset_name}
+
+    # --- sample, plot ---
+    if args.sample_tokens > 0:
+        if args.prompt is not None:
+            prompt = args.prompt
+        elif not args.data:
+            prompt = "ROMEO.\n"
+        else:
+            prompt = tokenizer.decode(corpus.val.tokens[:16].tolist())
+        pids = tokenizer.encode(prompt).tolist()
+        out = sample(fwd_model, tokenizer, pids, args.sample_tokens, args.temperature, args.seed,
+                     args.seq_len, device)
+        text = tokenizer.decode(out)
+        summary["sample"] = text
+        if dist.is_main:
+            with open(os.path.join(args.out, "sample.txt"), "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        _log(dist, f"--- sample (temperature {args.temperature}) ---\n{text}\n--- end of sample ---")
+    if dist.is_main:
+        plot_curve(metrics.records, unigram, os.path.join(args.out, "loss_curve.png"),
+                   f"{preset_name} on {corpus.description.split(' (')[0]}")
+        with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    _log(dist, f"done in {summary['wall_s']:.0f}s: final train loss {last_loss:.6f}, val {val:.4f} nats/byte "
+               f"(best {best_val:.4f}), unigram {unigram:.3f} ({unigram - val:.3f} below); "
+               f"outputs in {args.out}/ (metrics.jsonl, loss_curve.png, sample.txt, checkpoints/)")
+    return summary
+
+
+def run(args) -> int:
+    try:
+        train(args)
+    except TrainError as e:
+        print(f"hybridlm train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0

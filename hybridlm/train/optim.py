@@ -1,0 +1,53 @@
+"""AdamW with weight-decay groups, and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Parameters whose name contains one of these get no weight decay (besides every 1-D parameter).
+NO_DECAY_NAMES = ("norm", "bias", "embed", "A_log", "dt_bias", "wte")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: matrices decay; norms, biases, embeddings, A_log, dt_bias and every vector do not."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.ndim < 2 or any(k in name for k in NO_DECAY_NAMES):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def no_decay_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.ndim < 2 or any(k in n for k in NO_DECAY_NAMES)]
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                             **({"fused": True} if fused else {"foreach": True}))
+
+
+def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup from lr/warmup to lr over `warmup` steps, then cosine down to `min_ratio * lr` at `total`."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    if total <= warmup:
+        return lr
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, value: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = value

@@ -1,0 +1,133 @@
+"""Several GPUs from outside the model: torch.distributed set-up, FSDP2, activation checkpointing, DCP checkpoints.
+
+Non-standard here: the model code knows nothing of sharding. `apply_fsdp` finds the model's block list (the
+`nn.ModuleList` with `num_hidden_layers` entries), calls `fully_shard` on each block and then on the root with a
+`MixedPrecisionPolicy` (bf16 params/compute, fp32 gradient reduction). Sharded checkpoints use
+torch.distributed.checkpoint (each rank writes its shards into the same temp folder, rank 0 renames it);
+`export_full` gathers a full state dict onto rank 0 for a single-safetensors folder that `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_arg: str) -> Dist:
+    """Read torchrun's environment; with WORLD_SIZE > 1 start the process group (nccl on GPU, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_type = torch.device(device_arg).type
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible; use --device cpu")
+        idx = local_rank if world > 1 or device_arg in ("auto", "cuda") else torch.device(device_arg).index or 0
+        device = torch.device("cuda", idx)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10),
+                                             **({"device_id": device} if device.type == "cuda" else {}))
+    return Dist(rank, world, local_rank, device)
+
+
+def barrier(dist: Dist) -> None:
+    if dist.enabled:
+        torch.distributed.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, dist: Dist) -> torch.Tensor:
+    if dist.enabled:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The block list of a HybridLM: the ModuleList with config.num_hidden_layers entries (first found)."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and (n is None or len(mod) == n):
+            return mod
+    raise RuntimeError("could not find the model's block list (an nn.ModuleList with num_hidden_layers entries)")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = find_blocks(model)
+    for block in blocks:
+        inner = block.forward
+
+        def fwd(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = fwd
+    return len(blocks)
+
+
+def apply_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
+    """FSDP2: fully_shard every block, then the root; bf16 compute with fp32 reduction when `bf16`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for block in find_blocks(model):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def dcp_save(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Sharded model + optimizer state into `folder` (every rank calls this)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+
+
+def dcp_load(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_model_state(model: nn.Module, dist: Dist) -> dict[str, torch.Tensor] | None:
+    """The unsharded float32 state dict on rank 0's CPU (None on other ranks); every rank must call this."""
+    if not dist.enabled:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if dist.is_main else None

@@ -1,0 +1,124 @@
+"""Atomic checkpoints (a crash mid-save leaves the previous one loadable) and exact resume, in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hybridlm.train import checkpoint as ckpt
+from hybridlm.train.errors import TrainError
+from hybridlm.train.main import train
+from hybridlm.train.optim import lr_at, no_decay_names, param_groups
+
+
+def _save(out, step, value):
+    model_state = {"w": torch.full((3, 2), float(value))}
+    return ckpt.save_checkpoint(out, step, model_state=model_state, config_json="{}",
+                                optimizer_state={"state": {}, "param_groups": []},
+                                train_state={"step": step, "micro": step, "tokens_seen": 0}, keep=0)
+
+
+def test_checkpoint_roundtrip_and_latest(tmp_path):
+    out = str(tmp_path)
+    _save(out, 1, 1.0)
+    p2 = _save(out, 2, 2.0)
+    assert ckpt.resolve_resume(out) == p2
+    st = ckpt.load_checkpoint(p2)
+    assert st["train_state"]["step"] == 2 and float(st["model"]["w"][0, 0]) == 2.0
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(out)] == ["step_000001", "step_000002"]
+    _save(out, 2, 3.0)  # the same step again replaces it whole
+    assert float(ckpt.load_checkpoint(p2)["model"]["w"][0, 0]) == 3.0
+
+
+def test_crash_mid_save_keeps_previous(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    p1 = _save(out, 1, 1.0)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt("simulated crash while writing the optimizer state")
+
+    monkeypatch.setattr(ckpt.torch, "save", boom)
+    with pytest.raises(KeyboardInterrupt):
+        _save(out, 2, 2.0)
+    monkeypatch.undo()
+    # the half-written folder is a .tmp-*: no loader picks it; latest still names step 1
+    root = os.path.join(out, ckpt.CKPT_DIR)
+    assert any(n.startswith(".tmp-") for n in os.listdir(root))
+    assert ckpt.list_checkpoints(out) == [p1]
+    assert ckpt.resolve_resume(out) == p1
+    assert ckpt.load_checkpoint(p1)["train_state"]["step"] == 1
+    # the next save cleans up the leftover
+    _save(out, 2, 2.0)
+    assert not any(n.startswith(".tmp-") for n in os.listdir(root))
+
+
+def test_crash_between_rename_and_latest(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    _save(out, 1, 1.0)
+    real_replace = os.replace
+
+    def fail_latest(src, dst):
+        if os.path.basename(dst) == ckpt.LATEST:
+            raise KeyboardInterrupt("simulated crash before latest moved")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", fail_latest)
+    with pytest.raises(KeyboardInterrupt):
+        _save(out, 2, 2.0)
+    monkeypatch.undo()
+    for p in ckpt.list_checkpoints(out):  # both complete, both load
+        ckpt.load_checkpoint(p)
+    assert os.path.basename(ckpt.resolve_resume(out)) == "step_000001"
+
+
+def test_resume_errors(tmp_path):
+    with pytest.raises(TrainError, match="no checkpoint"):
+        ckpt.resolve_resume(str(tmp_path))
+    bad = tmp_path / "checkpoints" / "step_000003"
+    bad.mkdir(parents=True)
+    (bad / "train_state.json").write_text("{}")
+    with pytest.raises(TrainError, match="cannot be read"):
+        ckpt.load_checkpoint(str(bad))
+
+
+def test_schedule_and_decay_groups():
+    assert lr_at(0, lr=1.0, warmup=10, total=100) == pytest.approx(0.1)
+    assert lr_at(9, lr=1.0, warmup=10, total=100) == pytest.approx(1.0)
+    assert lr_at(100, lr=1.0, warmup=10, total=100, min_ratio=0.1) == pytest.approx(0.1)
+    assert 0.1 < lr_at(55, lr=1.0, warmup=10, total=100) < 1.0
+    from hybridlm.model.hybrid import HybridLM
+    from hybridlm.train.presets import build_config
+
+    m = HybridLM(build_config("test-micro", None, "cpu")[0])
+    names = no_decay_names(m)
+    assert "embed_tokens.weight" in names
+    assert any("A_log" in n for n in names) and any("dt_bias" in n for n in names)
+    assert any("norm" in n for n in names)
+    decay, nodecay = param_groups(m, 0.1)
+    assert decay["weight_decay"] == 0.1 and nodecay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"])
+
+
+def test_resume_is_exact(tmp_path, small_corpus, micro_args):
+    """8 steps straight == resume from the step-4 checkpoint and run 4 more: same final train and val loss."""
+    a = train(micro_args(small_corpus, str(tmp_path / "a"), "--max-steps", "8", "--save-every", "4",
+                         "--eval-every", "4", "--keep", "0"))
+    step4 = os.path.join(str(tmp_path / "a"), "checkpoints", "step_000004")
+    assert os.path.isdir(step4)
+    b = train(micro_args(small_corpus, str(tmp_path / "b"), "--max-steps", "8", "--save-every", "4",
+                         "--eval-every", "4", "--resume", step4))
+    assert abs(a["final_train_loss"] - b["final_train_loss"]) <= 1e-6
+    assert abs(a["final_val_nats_per_byte"] - b["final_val_nats_per_byte"]) <= 1e-6
+    assert a["final_train_loss"] == b["final_train_loss"]  # bitwise, in fact
+    sa = ckpt.load_checkpoint(os.path.join(str(tmp_path / "a"), "checkpoints", "step_000008"))
+    sb = ckpt.load_checkpoint(os.path.join(str(tmp_path / "b"), "checkpoints", "step_000008"))
+    for k, v in sa["model"].items():
+        assert torch.equal(v, sb["model"][k]), k
+    # outputs of a run
+    for name in ("metrics.jsonl", "loss_curve.png", "summary.json"):
+        assert os.path.exists(tmp_path / "a" / name)
+    recs = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert any("val_nats_per_byte" in r for r in recs) and any("loss" in r for r in recs)

@@ -1,0 +1,173 @@
+"""Corpus reading, splitting, packing with cu_seqlens, row sampling, and the data-path errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridlm.train.data import (
+    IGNORE,
+    RowSampler,
+    Stream,
+    load_corpus,
+    make_batch,
+    read_documents,
+    split_train_val,
+    split_works,
+    unigram_nats,
+)
+from hybridlm.train.errors import TrainError
+from hybridlm.train.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def _stream(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 256, (n,), generator=g, dtype=torch.int32) for n in lengths]
+    return Stream.from_docs(docs, sum(lengths)), docs
+
+
+def _doc_of(stream):
+    doc = torch.zeros(stream.n_tokens, dtype=torch.long)
+    for d in range(len(stream.starts) - 1):
+        doc[stream.starts[d] : stream.starts[d + 1]] = d
+    return doc
+
+
+@pytest.mark.parametrize("T", [8, 13, 64])
+def test_packing_cu_seqlens_never_straddle(T):
+    st, _ = _stream([5, 1, 30, 7, 64, 3, 100, 2, 17])
+    doc = _doc_of(st)
+    n_rows = st.n_rows(T)
+    rows = list(range(n_rows))
+    b = make_batch(st, rows, T)
+    cu = b.cu_seqlens.long()
+    assert b.cu_seqlens.dtype == torch.int32
+    assert cu[0] == 0 and cu[-1] == n_rows * T and bool((cu[1:] > cu[:-1]).all())
+    # every row start is a cut
+    assert set(range(0, n_rows * T + 1, T)) <= set(cu.tolist())
+    flat_doc = doc[: n_rows * T]
+    assert torch.equal(b.input_ids[0], st.tokens[: n_rows * T].long())
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert flat_doc[s:e].unique().numel() == 1, f"piece {s}:{e} straddles documents"
+        assert (s // T) == ((e - 1) // T), "piece crosses a row"
+    # every document start inside the rows is a cut
+    for d_start in st.starts[1:-1].tolist():
+        if d_start < n_rows * T:
+            assert d_start in set(cu.tolist())
+    # targets: next token of the same document, else ignored
+    tg = b.targets[0]
+    for p in range(n_rows * T):
+        if p + 1 < st.n_tokens and doc[p + 1] == doc[p]:
+            assert tg[p] == st.tokens[p + 1]
+        else:
+            assert tg[p] == IGNORE
+
+
+def test_packing_conserves_tokens_over_an_epoch():
+    st, _ = _stream([50, 3, 200, 41, 9, 77, 120], seed=1)
+    T, B = 16, 3
+    s = RowSampler(st.n_rows(T), B, seed=5)
+    seen = []
+    n_targets = 0
+    for m in range(s.per_epoch):
+        b = make_batch(st, s.rows(m), T)
+        seen.extend(s.rows(m))
+        n_targets += b.n_targets
+    assert len(set(seen)) == len(seen) == s.per_epoch * B  # each row at most once per epoch
+    assert all(0 <= r < st.n_rows(T) for r in seen)
+    full = make_batch(st, list(range(st.n_rows(T))), T)
+    assert full.input_ids.numel() == st.n_rows(T) * T
+    # over whole rows: targets = tokens whose successor is in the same document
+    n = st.n_rows(T) * T
+    doc = _doc_of(st)
+    if st.n_tokens > n:
+        nxt_same = doc[1 : n + 1] == doc[:n]
+    else:
+        nxt_same = torch.cat([doc[1:n] == doc[: n - 1], torch.tensor([False])])
+    assert full.n_targets == int(nxt_same.sum())
+
+
+def test_pieces_auto_matches_flat():
+    st, _ = _stream([40, 10, 100, 5, 70], seed=2)
+    T = 16
+    b = make_batch(st, [3, 0, 7, 1, 9], T)
+    flat = b.pieces("flat")
+    assert len(flat) == 1
+    auto = b.pieces("auto")
+    assert 1 <= len(auto) <= 2
+    # same tokens and targets overall, and every auto piece respects document bounds
+    n = sum(p[0].numel() for p in auto)
+    assert n == b.input_ids.numel()
+    assert sum(int((p[1] != IGNORE).sum()) for p in auto) == b.n_targets
+    for ids, _tg, cu in auto:
+        if cu is None:
+            assert ids.dim() == 2 and ids.shape[1] == T
+        else:
+            assert ids.shape[0] == 1 and int(cu[-1]) == ids.shape[1] and cu.dtype == torch.int32
+
+
+def test_sampler_shards_by_rank_and_is_deterministic():
+    a0 = RowSampler(100, 4, seed=3, rank=0, world=2)
+    a1 = RowSampler(100, 4, seed=3, rank=1, world=2)
+    for m in range(a0.per_epoch * 2):
+        r0, r1 = a0.rows(m), a1.rows(m)
+        assert not set(r0) & set(r1)
+        assert r0 == RowSampler(100, 4, seed=3, rank=0, world=2).rows(m)
+    assert a0.rows(0) != a0.rows(a0.per_epoch)  # a new permutation each epoch
+
+
+def test_split_works_of_bundled_corpus():
+    docs, desc = read_documents(None)
+    assert len(docs) >= 40 and "Shakespeare" in desc
+    assert docs[0].startswith("ALL'S WELL THAT ENDS WELL")
+    assert all("by William Shakespeare" in d[:300] for d in docs)
+    assert sum(len(d) for d in docs) > 5_000_000
+    assert split_works("A\n\nby William Shakespeare\nx\n\nB\n\nby William Shakespeare\ny") == [
+        "A\n\nby William Shakespeare\nx", "B\n\nby William Shakespeare\ny"]
+
+
+def test_train_val_split_and_unigram():
+    docs = [torch.arange(1000, dtype=torch.int32) % 7, torch.ones(10, dtype=torch.int32)]
+    tr, va = split_train_val(docs, 0.1)
+    assert sum(d.numel() for d in tr) + sum(d.numel() for d in va) == 1010
+    assert any(d.numel() == 100 for d in va)
+    u = unigram_nats(Stream.from_docs(tr, 0), Stream.from_docs(va, 0), 256)
+    assert 0 < u < 5.6
+
+
+def test_data_sources_text_folder_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    sub = tmp_path / "d"
+    sub.mkdir()
+    (sub / "b.md").write_text("second doc\n" * 50)
+    (sub / "c.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} " * 20}) for i in range(5)) + "\n")
+    docs, _ = read_documents([str(tmp_path / "a.txt"), str(sub)])
+    assert len(docs) == 1 + 1 + 5
+    c = load_corpus([str(sub)], ByteTokenizer(), 0.1)
+    assert c.train.n_tokens + c.val.n_tokens == sum(len(d.encode()) for d in read_documents([str(sub)])[0])
+
+
+def test_data_errors(tmp_path):
+    with pytest.raises(TrainError, match="no such file or folder"):
+        read_documents([str(tmp_path / "missing.txt")])
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(TrainError, match="empty"):
+        read_documents([str(tmp_path / "empty.txt")])
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(TrainError, match='"text"'):
+        read_documents([str(tmp_path / "bad.jsonl")])
+    (tmp_path / "e").mkdir()
+    with pytest.raises(TrainError, match="no .txt"):
+        read_documents([str(tmp_path / "e")])
+    with pytest.raises(TrainError, match="fewer than one global batch"):
+        RowSampler(3, 4, seed=0)
+    with pytest.raises(TrainError, match="tokenizer"):
+        load_tokenizer(str(tmp_path / "nope.json"))
+
+
+def test_tokenizers():
+    t = ByteTokenizer()
+    ids = t.encode("héllo")
+    assert ids.dtype == torch.int32 and t.decode(ids.tolist()) == "héllo"
