@@ -75,6 +75,7 @@ def save_sharded(tensors: dict[str, torch.Tensor], folder: str, max_shard_size: 
         size += n
     if len(shards) == 1:
         atomic_save_tensors(shards[0], os.path.join(folder, SINGLE_NAME))
+        _remove_if_present(os.path.join(folder, INDEX_NAME))  # a stale index would shadow the new file
         return [SINGLE_NAME]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
@@ -84,7 +85,13 @@ def save_sharded(tensors: dict[str, torch.Tensor], folder: str, max_shard_size: 
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write_text(os.path.join(folder, INDEX_NAME), json.dumps(index, indent=2) + "\n")
+    _remove_if_present(os.path.join(folder, SINGLE_NAME))
     return names
+
+
+def _remove_if_present(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
 
 
 class TensorSource:
@@ -110,12 +117,12 @@ class TensorSource:
             path = os.path.join(folder, name)
             if not os.path.exists(path):
                 raise CheckpointError(f"{path}: listed in {INDEX_NAME} but missing")
+            self._check_size(path)
             try:
                 h = safe_open(path, framework="pt")
                 keys = list(h.keys())
-            except Exception as e:  # safetensors raises its own error types for truncated headers / data
+            except Exception as e:  # safetensors raises its own error types for bad headers / data
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
-            self._check_size(path)
             self._handles[name] = h
             for k in keys:
                 self.where[k] = name
@@ -123,14 +130,16 @@ class TensorSource:
     @staticmethod
     def _check_size(path: str) -> None:
         """safe_open only reads the header: compare the data the header promises with the file's length."""
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-        # The header's offsets are not exposed; read the JSON header ourselves.
-        with open(path, "rb") as f:
-            f.seek(8)
-            header = json.loads(f.read(header_len))
-        data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         actual = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                if actual < 8 + header_len:
+                    raise CheckpointError(f"{path}: truncated (header of {header_len} bytes, file has {actual})")
+                header = json.loads(f.read(header_len))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file (bad header: {e})") from e
+        data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         if actual < 8 + header_len + data_end:
             raise CheckpointError(
                 f"{path}: truncated (header promises {8 + header_len + data_end} bytes, file has {actual})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,9 +13,11 @@ from hybridlm import HybridLM
 from hybridlm.interop.compare import compare_layers
 
 _CACHE: dict[str, tuple] = {}
+_OURS: dict[str, HybridLM] = {}
 
 
 def hf_and_folder(family: str, tmp_path_factory):
+    """(transformers model, folder it saved itself to), built once per family for the whole module."""
     if family not in _CACHE:
         hf = make_hf(family)
         folder = tmp_path_factory.mktemp(family)
@@ -23,11 +26,19 @@ def hf_and_folder(family: str, tmp_path_factory):
     return _CACHE[family]
 
 
-def inputs(B: int = 2, T: int = 48, seed: int = 1) -> torch.Tensor:
+def ours_from(folder) -> HybridLM:
+    """Our float32 model loaded from the folder transformers wrote (cached: loading is what the first test checks)."""
+    key = str(folder)
+    if key not in _OURS:
+        _OURS[key] = HybridLM.from_pretrained(key, dtype=torch.float32)
+    return _OURS[key]
+
+
+def inputs(B: int = 2, T: int = 32, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def ragged_mask(B: int, T: int, pads=(0, 9)) -> torch.Tensor:
+def ragged_mask(B: int, T: int, pads=(0, 7)) -> torch.Tensor:
     mask = torch.ones(B, T, dtype=torch.long)
     for b, p in enumerate(pads[:B]):
         mask[b, :p] = 0
@@ -43,7 +54,7 @@ def report(ours, hf, x, mask=None) -> str:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_logits_match(family, tmp_path_factory):
     hf, folder = hf_and_folder(family, tmp_path_factory)
-    ours = HybridLM.from_pretrained(str(folder), dtype=torch.float32)
+    ours = ours_from(folder)
     x = inputs()
     with torch.no_grad():
         a, b = ours(x).logits, hf(input_ids=x).logits
@@ -54,7 +65,7 @@ def test_float32_logits_match(family, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_left_padded_ragged_batch(family, tmp_path_factory):
     hf, folder = hf_and_folder(family, tmp_path_factory)
-    ours = HybridLM.from_pretrained(str(folder), dtype=torch.float32)
+    ours = ours_from(folder)
     x = inputs()
     mask = ragged_mask(*x.shape)
     x = x.masked_fill(mask == 0, 0)
@@ -70,8 +81,8 @@ def test_left_padded_ragged_batch(family, tmp_path_factory):
 def test_bfloat16_agrees(family, tmp_path_factory):
     hf, folder = hf_and_folder(family, tmp_path_factory)
     ours = HybridLM.from_pretrained(str(folder), dtype=torch.bfloat16)
-    hf16 = make_hf(family).to(torch.bfloat16)
-    x = inputs()
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    x = inputs(T=16)  # bf16 matmuls are slow on CPU
     with torch.no_grad():
         a, b = ours(x).logits.float(), hf16(input_ids=x).logits.float()
     scale = b.abs().max().item()
@@ -84,7 +95,7 @@ def test_bfloat16_agrees(family, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_through_transformers(family, tmp_path_factory, tmp_path):
     hf, folder = hf_and_folder(family, tmp_path_factory)
-    ours = HybridLM.from_pretrained(str(folder), dtype=torch.float32)
+    ours = ours_from(folder)
     ours.save_pretrained(str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     back.set_attn_implementation("eager")
@@ -114,13 +125,13 @@ def test_round_trip_through_transformers(family, tmp_path_factory, tmp_path):
                 assert torch.equal(cat(f1), cat(f2)), k
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
-def test_sharded_save_loads(family, tmp_path_factory, tmp_path):
-    hf, folder = hf_and_folder(family, tmp_path_factory)
-    ours = HybridLM.from_pretrained(str(folder), dtype=torch.float32)
+def test_sharded_save_loads(tmp_path_factory, tmp_path):
+    hf, folder = hf_and_folder("kimi_linear", tmp_path_factory)
+    ours = ours_from(folder)
     ours.save_pretrained(str(tmp_path), max_shard_size=40_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / "model.safetensors").exists()
     again = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     back.set_attn_implementation("eager")
@@ -131,7 +142,7 @@ def test_sharded_save_loads(family, tmp_path_factory, tmp_path):
         assert (back.eval()(input_ids=x).logits - ours(x).logits).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "kimi_linear", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "olmo_hybrid"])
 def test_in_memory_fused_layout_loads(family, tmp_path_factory, tmp_path):
     """transformers' in-memory names (fused experts, one conv, Kimi's forget_gate.*) written by hand."""
     from safetensors.torch import save_file
