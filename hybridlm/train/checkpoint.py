@@ -2,8 +2,10 @@
 
 Layout under `OUT/checkpoints/`:
     step_000200/             a complete checkpoint (a loader only ever sees complete ones)
-        model.safetensors    the model's state dict, float32 as trained
-        config.json          HybridConfig.to_json
+        config.json +        when the config has an hf_model_type: a `HybridLM.from_pretrained` folder
+        model.safetensors    (transformers' layout, float32 as trained); otherwise model.safetensors is the
+                             plain state dict and there is no config.json
+        hybrid_config.json   HybridConfig.to_json (what resume rebuilds the model from)
         optimizer.pt         optimizer.state_dict() (torch.save; loads with weights_only=True)
         rng.pt               torch / cuda / python RNG states
         train_state.json     step, micro-batch index (the data position), tokens seen, best val, run settings
@@ -23,6 +25,7 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from .errors import TrainError
 
 CKPT_DIR = "checkpoints"
+HYBRID_CONFIG = "hybrid_config.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -112,18 +116,25 @@ def begin_checkpoint(out_dir: str, step: int, tag: str | None = None) -> str:
 
 
 def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.Tensor] | None, config_json: str,
-                           optimizer_state: dict | None, train_state: dict, rng: dict | None = None) -> None:
-    """Write the parts into the temp folder, each fsync'd (model/optimizer may be None when DCP holds them)."""
-    files = {"config.json": lambda p: open(p, "w", encoding="utf-8").write(config_json)}
-    if model_state is not None:
+                           optimizer_state: dict | None, train_state: dict, rng: dict | None = None,
+                           export: Callable[[str], None] | None = None) -> None:
+    """Write the parts into the temp folder, each fsync'd (model/optimizer may be None when DCP holds them).
+
+    `export(folder)`, when given, writes the weights as a `HybridLM.from_pretrained` folder (config.json +
+    safetensors in transformers' layout) instead of the plain state dict."""
+    files = {HYBRID_CONFIG: lambda p: open(p, "w", encoding="utf-8").write(config_json)}
+    if export is not None:
+        export(tmp)
+    elif model_state is not None:
         files["model.safetensors"] = lambda p: save_file(model_state, p, metadata={"format": "pt", "step": str(step)})
     if optimizer_state is not None:
         files["optimizer.pt"] = lambda p: torch.save(optimizer_state, p)
     files["rng.pt"] = lambda p: torch.save(rng if rng is not None else rng_state(), p)
     for name, write in files.items():
-        path = os.path.join(tmp, name)
-        write(path)
-        _fsync_file(path)
+        write(os.path.join(tmp, name))
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            _fsync_file(os.path.join(root, name))
     # train_state.json last: a folder holding it is complete
     with open(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
         json.dump(train_state, f, indent=2, sort_keys=True)
@@ -196,14 +207,19 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     try:
         with open(os.path.join(path, "train_state.json"), encoding="utf-8") as f:
             state = json.load(f)
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(path, HYBRID_CONFIG), encoding="utf-8") as f:
             config_json = f.read()
-        model_state = load_file(os.path.join(path, "model.safetensors"), device=str(map_location))
+        if os.path.exists(os.path.join(path, "config.json")):  # a from_pretrained folder (transformers layout)
+            from hybridlm.model.hybrid import HybridLM
+
+            model_state = {k: v.to(map_location) for k, v in HybridLM.from_pretrained(path).state_dict().items()}
+        else:
+            model_state = load_file(os.path.join(path, "model.safetensors"), device=str(map_location))
         opt_path = os.path.join(path, "optimizer.pt")
         optimizer_state = (torch.load(opt_path, map_location=map_location, weights_only=True)
                            if os.path.exists(opt_path) else None)  # None: sharded, in dcp/
         rng = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint is unusable
         raise TrainError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); resume from an earlier one "
                          f"(ls {os.path.dirname(path)})") from e
     return {"train_state": state, "config_json": config_json, "model": model_state,

@@ -236,6 +236,15 @@ def _oom_message(args, err) -> str:
             "or shorten --seq-len")
 
 
+def _cpu_model(cfg, state: dict[str, torch.Tensor]):
+    """A plain CPU HybridLM holding a full state dict (to export what FSDP trained)."""
+    from hybridlm.model.hybrid import HybridLM
+
+    m = HybridLM(cfg)
+    m.load_state_dict(state, strict=not cfg.tie_word_embeddings)
+    return m
+
+
 def train(args) -> dict:
     """The training job; returns a summary dict (also written to OUT/summary.json)."""
     t_start = time.time()
@@ -357,14 +366,20 @@ def train(args) -> dict:
             full = full_model_state(model, dist)
             barrier(dist)
             if dist.is_main:
+                export = None
+                if cfg.hf_model_type:
+                    export = lambda folder: _cpu_model(cfg, full).save_pretrained(folder)  # noqa: E731
                 ckpt.write_checkpoint_files(tmp, at_step, model_state=full, config_json=cfg.to_json(),
-                                            optimizer_state=None, train_state=train_state, rng=rng)
+                                            optimizer_state=None, train_state=train_state, rng=rng, export=export)
                 ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
             barrier(dist)
         else:
-            ckpt.save_checkpoint(args.out, at_step, model_state=ckpt.plain_state_dict(model),
-                                 config_json=cfg.to_json(), optimizer_state=optimizer.state_dict(),
-                                 train_state=train_state, rng=rng, keep=args.keep)
+            tmp = ckpt.begin_checkpoint(args.out, at_step)
+            ckpt.write_checkpoint_files(
+                tmp, at_step, model_state=None if cfg.hf_model_type else ckpt.plain_state_dict(model),
+                config_json=cfg.to_json(), optimizer_state=optimizer.state_dict(), train_state=train_state, rng=rng,
+                export=model.save_pretrained if cfg.hf_model_type else None)
+            ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
 
     def run_eval(at_step: int, bar=None) -> float:
         nonlocal best_val

@@ -23,31 +23,35 @@ class TrainDefaults:
     save_every: int
 
 
-# 3 Gated DeltaNet blocks : 1 gated-attention block, byte vocabulary.
+# 3 Gated DeltaNet blocks : 1 gated-attention block, byte vocabulary; Qwen3.5 layout, so checkpoints are
+# `HybridLM.from_pretrained` folders (and transformers' qwen3_5_text).
 TRAIN_PRESETS: dict[str, dict] = {
     # ~1M parameters: the no-argument CPU run (a few minutes on 2 cores)
     "cpu-tiny": dict(
         vocab_size=256, hidden_size=192, num_hidden_layers=4, intermediate_size=512,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=48, linear_value_head_dim=48,
         num_attention_heads=4, num_key_value_heads=2, head_dim=48, max_position_embeddings=4096,
+        hf_model_type="qwen3_5_text",
     ),
     # ~30M parameters: one GPU, the same corpus
     "gpu-30m": dict(
         vocab_size=256, hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+        hf_model_type="qwen3_5_text",
     ),
     # the smallest thing that runs: tests
     "test-micro": dict(
         vocab_size=256, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        hf_model_type="qwen3_5_text",
     ),
 }
 
 TRAIN_DEFAULTS: dict[str, TrainDefaults] = {
-    "cpu-tiny": TrainDefaults(seq_len=256, batch_size=16, lr=3e-3, warmup=30, max_steps=400, eval_every=100,
-                              save_every=100),
+    "cpu-tiny": TrainDefaults(seq_len=256, batch_size=16, lr=3e-3, warmup=20, max_steps=200, eval_every=50,
+                              save_every=50),
     "gpu-30m": TrainDefaults(seq_len=1024, batch_size=32, lr=2e-3, warmup=200, max_steps=3000, eval_every=250,
                              save_every=500),
     "test-micro": TrainDefaults(seq_len=64, batch_size=4, lr=3e-3, warmup=2, max_steps=8, eval_every=4,
