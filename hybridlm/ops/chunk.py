@@ -34,6 +34,37 @@ def _decayed_products(x: torch.Tensor, y: torch.Tensor, decay: torch.Tensor) -> 
     return torch.einsum("...id,...jd,...ijd->...ij", x, y, decay)
 
 
+def _masked_products(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, inclusive: bool, sub: int = 16) -> torch.Tensor:
+    """sum_d x_id y_jd e^{b_id - b_jd} for j <= i (j < i if not inclusive), else 0. x, y: [..., C, K]; b: [..., C, D].
+
+    Scalar decay (D = 1) is one matmul. Per-channel decay (D = K) would need the [C, C, K] tensor of factors; instead
+    split the chunk into sub-blocks of `sub` steps: diagonal sub-blocks use the exact pairwise form, and an
+    off-diagonal block (rows i after column block c) factors e^{b_i - b_j} = e^{b_i - r_c} e^{r_c - b_j} through
+    r_c = b at the end of block c. Since b does not increase, both factors are <= 1: exact, no overflow, two matmuls.
+    """
+    if b.shape[-1] == 1:
+        return _decayed_products(x, y, _pairwise_decay(b, inclusive))
+    C, K = x.shape[-2:]
+    S = min(sub, C)
+    NS = C // S
+    lead = x.shape[:-2]
+    xs, ys, bs = (t.reshape(*lead, NS, S, K) for t in (x, y, b))
+    # diagonal sub-blocks, exact pairwise: [..., NS, S, S] placed on the block diagonal
+    diag = _decayed_products(xs, ys, _pairwise_decay(bs, inclusive))
+    eye = torch.eye(NS, dtype=x.dtype, device=x.device).view(NS, 1, NS, 1)
+    out = (diag.unsqueeze(-2) * eye).reshape(*lead, C, C)
+    if NS == 1:
+        return out
+    # off-diagonal blocks through the reference point r_c of each column block c
+    r = bs[..., -1, :]  # [..., NS, K]
+    y_f = ys * (r.unsqueeze(-2) - bs).exp()  # [..., NS, S, K], factors <= 1
+    later = (torch.arange(C, device=x.device) // S)[None, :] > torch.arange(NS, device=x.device)[:, None]  # [NS, C]
+    expo = (b.unsqueeze(-3) - r.unsqueeze(-2)).masked_fill(~later[..., None], float("-inf"))  # [..., NS, C, K]
+    x_f = x.unsqueeze(-3) * expo.exp()  # rows not after block c are exactly 0
+    off = x_f @ y_f.transpose(-1, -2)  # [..., NS (column block), C (row), S]
+    return out + off.movedim(-3, -2).reshape(*lead, C, C)
+
+
 def recurrence_chunk(
     q_BTHK: torch.Tensor,
     k_BTHK: torch.Tensor,
@@ -71,12 +102,12 @@ def recurrence_chunk(
     b_last = b[..., -1:, :]  # [B, HV, NC, 1, D]
 
     # 2. Intra-chunk attention of queries on keys, with the decay between the two positions (j <= i).
-    P = _decayed_products(q, k, _pairwise_decay(b, inclusive=True))  # [B, HV, NC, C, C]
+    P = _masked_products(q, k, b, inclusive=True)  # [B, HV, NC, C, C]
 
     # 3. The UT transform. Delta rule: solve (I + A) X = RHS once for the values and once for the keys that read
     #    the chunk's initial state. Hebbian write: u is just beta * v and no key reads the state.
     if delta:
-        A = bt * _decayed_products(k, k, _pairwise_decay(b, inclusive=False))  # strictly lower
+        A = bt * _masked_products(k, k, b, inclusive=False)  # strictly lower
         eye = torch.eye(C, dtype=dtype, device=q.device)
         unit_lower = A + eye
         U0 = torch.linalg.solve_triangular(unit_lower, bt * v, upper=False, unitriangular=True)

@@ -188,3 +188,17 @@ def test_auto_picks_chunk_on_cpu_and_logs_once(caplog):
         delta_rule(q, k, v, beta=beta)
     msgs = [r.getMessage() for r in caplog.records if "delta_rule" in r.getMessage()]
     assert msgs == ["hybridlm.ops.delta_rule: impl='auto' picked 'chunk' on cpu"]
+
+
+@pytest.mark.parametrize("fn,channel", [(gated_delta_rule, False), (kda, True)])
+def test_strong_decay_float32_stays_finite_and_exact(fn, channel):
+    """log-decays down to -30 per step: exp(+sum g) would overflow float32 in a naive factorisation."""
+    q, k, v, g, beta, h0 = make_inputs(1, 130, 2, 2, 16, 16, channel_g=channel)
+    g = g * 20
+    o_ref, s_ref = fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                      impl="naive")
+    f = lambda x: x.float()
+    o, s = fn(f(q), f(k), f(v), g=f(g), beta=f(beta), initial_state=f(h0), output_final_state=True,
+              use_qk_l2norm=True, impl="chunk", chunk_size=128)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel(o.double(), o_ref) <= 1e-5 and rel(s.double(), s_ref) <= 1e-5
