@@ -22,16 +22,22 @@ from .norm import RMSNorm
 
 
 def build_attention_mask(T: int, *, attention_mask: torch.Tensor | None = None,
-                         cu_seqlens: torch.Tensor | None = None, device=None) -> torch.Tensor:
-    """-> bool [B or 1, 1, T, T], True = may attend. attention_mask [B, T] (1 token / 0 pad); cu_seqlens [N+1]."""
-    idx = torch.arange(T, device=device)
-    allowed = (idx[None, :] <= idx[:, None])[None, None]  # causal
+                         cu_seqlens: torch.Tensor | None = None, past: int = 0, device=None) -> torch.Tensor:
+    """-> bool [B or 1, 1, T, past + T], True = may attend. Queries sit at positions past..past+T-1.
+
+    attention_mask: [B, past + T] (1 token / 0 pad) over the whole history; cu_seqlens: [N+1] (no past)."""
+    S = past + T
+    qi = torch.arange(past, S, device=device)
+    ki = torch.arange(S, device=device)
+    allowed = (ki[None, :] <= qi[:, None])[None, None]  # causal
     if cu_seqlens is not None:  # block-diagonal: documents packed in one row never see each other
-        doc = torch.bucketize(idx, cu_seqlens.to(device=device, dtype=torch.long)[1:], right=True)
+        if past:
+            raise ValueError("cu_seqlens: packed documents cannot be combined with a generation cache")
+        doc = torch.bucketize(ki, cu_seqlens.to(device=device, dtype=torch.long)[1:], right=True)
         allowed = allowed & (doc[None, :] == doc[:, None])[None, None]
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]
-    return allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
+    return allowed | (ki[None, :] == qi[:, None])[None, None]
 
 
 def positions_for(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -106,9 +112,8 @@ class GatedAttention(nn.Module):
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None) -> torch.Tensor:
-        """x: [B, T, D]; mask: bool [B|1, 1, T, T] from build_attention_mask; position_ids: [B|1, T]."""
-        if cache is not None:
-            raise NotImplementedError("GatedAttention: generation cache is not implemented yet")
+        """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask; position_ids: [B|1, T].
+        cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V."""
         B, T, _ = x.shape
         q = self.q_proj(x)
         gate = None
@@ -125,6 +130,8 @@ class GatedAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary(position_ids)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
         o = sdpa(q, k, v, mask, self.hd**-0.5).transpose(1, 2)  # [B, T, nH, hd]
         if gate is not None:
             o = o * torch.sigmoid(gate)  # headwise gate [.., 1] broadcasts over hd

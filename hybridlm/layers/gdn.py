@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridlm.ops import gated_delta_rule
 
-from .conv import ShortConv
+from .conv import ShortConv, step_impl
 from .norm import GatedRMSNorm
 
 LAYOUTS = ("fused", "split", "olmo")
@@ -96,18 +96,20 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """x: [B, T, D] (already normed); attention_mask: [B, T] (1 = token, 0 = pad); cu_seqlens: [N+1] (B == 1).
-        cache: reserved for generation (issue 4)."""
-        if cache is not None:
-            raise NotImplementedError("GatedDeltaNet: generation cache is not implemented yet")
+        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place."""
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        qkv = self.conv1d(qkv, cu_seqlens)
+        qkv = self.conv1d(qkv, cu_seqlens, cache)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
         g, beta = self.gates(a, b)
-        o, _ = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens, impl=self.impl)
+        o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                                    initial_state=None if cache is None else cache.recurrent,
+                                    output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
+        if cache is not None:
+            cache.recurrent = state
         norm, out = (self.o_norm, self.o_proj) if self.layout == "olmo" else (self.norm, self.out_proj)
         return out(norm(o, z).reshape(B, T, self.value_dim))

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridlm.ops import kda
 
-from .conv import ShortConv
+from .conv import ShortConv, step_impl
 from .norm import GatedRMSNorm
 
 
@@ -51,16 +51,18 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """x: [B, T, D] (normed); attention_mask [B, T]; cu_seqlens [N+1] with B == 1."""
-        if cache is not None:
-            raise NotImplementedError("KimiDeltaAttention: generation cache is not implemented yet")
+        """x: [B, T, D] (normed); attention_mask [B, T]; cu_seqlens [N+1] with B == 1.
+        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place."""
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        q, k, v = self.conv1d(qkv, cu_seqlens).view(B, T, 3, self.H, self.dk).unbind(2)
+        q, k, v = self.conv1d(qkv, cu_seqlens, cache).view(B, T, 3, self.H, self.dk).unbind(2)
         beta = torch.sigmoid(self.b_proj(x))
-        o, _ = kda(q, k, v, g=self.forget_gate(x), beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                   impl=self.impl)
+        o, state = kda(q, k, v, g=self.forget_gate(x), beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                       initial_state=None if cache is None else cache.recurrent, output_final_state=cache is not None,
+                       impl=step_impl(self.impl, cache, T))
+        if cache is not None:
+            cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.dim))

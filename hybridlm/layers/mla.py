@@ -31,14 +31,17 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
-        """x: [B, T, D]; mask bool [B|1, 1, T, T]; position_ids unused (no rotary)."""
-        if cache is not None:
-            raise NotImplementedError("MLA: generation cache is not implemented yet")
+        """x: [B, T, D]; mask bool [B|1, 1, T, S]; position_ids unused (no rotary).
+        cache: a LatentState (hybridlm.model.cache) that receives the normed latent and k_rot."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.nH, self.nope + self.vd).transpose(1, 2)
+        latent = self.kv_a_layernorm(latent)
+        if cache is not None:
+            latent, k_rot = cache.append(latent, k_rot)
+        S = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(B, S, self.nH, self.nope + self.vd).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.vd], dim=-1)
-        k = torch.cat([k_nope, k_rot[:, None].expand(B, self.nH, T, self.rope)], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None].expand(B, self.nH, S, self.rope)], dim=-1)
         o = sdpa(q, k, v, mask, (self.nope + self.rope) ** -0.5)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nH * self.vd))

@@ -37,6 +37,7 @@ from .config import HybridConfig
 class HybridOutput:
     logits: torch.Tensor  # [B, T, vocab]
     hidden_states: torch.Tensor | None = None  # [B, T, D] after the final norm
+    cache: object | None = None  # the HybridCache passed in, after this call
 
 
 def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module:
@@ -120,29 +121,45 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache=None) -> HybridOutput:
-        """input_ids: [B, T] int; attention_mask: [B, T] (1 token / 0 pad, left padding);
-        cu_seqlens: int32 [N+1] offsets of documents packed in one row (B must be 1); position_ids: [B, T].
-        cache: reserved for generation (issue 4)."""
+        """input_ids: [B, T] int; attention_mask: [B, T] (1 token / 0 pad, left padding), or [B, past + T] (the whole
+        history) with a cache; cu_seqlens: int32 [N+1] offsets of documents packed in one row (B must be 1);
+        position_ids: [B, T]; cache: a HybridCache (hybridlm.model.cache), updated in place."""
         B, T = input_ids.shape
+        past = cache.seen_tokens if cache is not None else 0
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"cu_seqlens: packed documents need batch size 1, got input_ids of shape {(B, T)}")
-        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask: expected shape {(B, T)}, got {tuple(attention_mask.shape)}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(f"attention_mask: expected shape {(B, past + T)} (batch, past + new tokens), "
+                             f"got {tuple(attention_mask.shape)}")
         x = self.embed_tokens(input_ids)
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # nothing padded: skip the masking work
-        mask2d = None if attention_mask is None else attention_mask.to(x.dtype)
+        mask2d = None if attention_mask is None else attention_mask[:, past:].to(x.dtype)
         attn_mask = None
         if any(not blk.linear for blk in self.layers):
-            attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+            attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens, past=past,
                                              device=x.device)
         if position_ids is None:
-            position_ids = positions_for(T, cu_seqlens, x.device)
+            position_ids = positions_for(T, cu_seqlens, x.device) + past
         for i, blk in enumerate(self.layers):
             x = blk(x, attention_mask=mask2d, cu_seqlens=cu_seqlens, attn_mask=attn_mask,
                     position_ids=position_ids, cache=None if cache is None else cache[i])
+        if cache is not None:
+            cache.seen_tokens += T
         h = self.norm(x)
-        return HybridOutput(logits=self.lm_head(h), hidden_states=h)
+        return HybridOutput(logits=self.lm_head(h), hidden_states=h, cache=cache)
+
+    def new_cache(self):
+        """An empty HybridCache for this model's layer types (filled by the first forward that gets it)."""
+        from .cache import HybridCache
+
+        return HybridCache.for_config(self.config)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """See hybridlm.model.generate.generate."""
+        from .generate import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     # --- parameters ---
     def num_parameters(self, active: bool = False) -> int:

@@ -1,0 +1,84 @@
+"""Issue 4: the hybrid cache (prefill + steps + continuation == one forward), generate's contract and errors,
+and the memory formulas against the real cache tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import small_variants
+
+from hybridlm import HybridConfig, HybridLM
+from hybridlm.model.info import cache_bytes
+
+
+def variants_with_rope():
+    out = dict(small_variants())
+    base = out["gdn_split_headwise"].to_dict()
+    base.update(rope_theta=10000.0, partial_rotary_factor=0.5, attn_gate="elementwise")
+    out["gdn_split_partial_rope"] = HybridConfig.from_dict(base)
+    return out
+
+
+@pytest.mark.parametrize("name", list(variants_with_rope()))
+def test_prefill_steps_and_continuation_equal_one_forward(name):
+    torch.manual_seed(0)
+    model = HybridLM(variants_with_rope()[name]).eval()
+    x = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache()
+        outs = [model(x[:, :29], cache=cache).logits]
+        outs += [model(x[:, i:i + 1], cache=cache).logits for i in range(29, 35)]
+        outs.append(model(x[:, 35:], cache=cache).logits)
+    assert (torch.cat(outs, dim=1) - full).abs().max() <= 1e-4
+    assert cache.seen_tokens == 40
+
+
+@pytest.mark.parametrize("name", ["gdn_fused_qwen_moe", "kda_mla_kimi_moe"])
+def test_cache_bytes_match_formula_and_linear_state_is_constant(name):
+    cfg = variants_with_rope()[name]
+    model = HybridLM(cfg).eval().to(torch.bfloat16)
+    cb = cache_bytes(cfg, dtype_bytes=2)
+    sizes = {}
+    for T in (16, 48):
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(torch.randint(0, 64, (3, T)), cache=cache)
+        assert cache.nbytes() == cb.total(T, batch=3)
+        sizes[T] = sum(t.numel() * t.element_size() for st, lt in zip(cache.layers, cfg.layer_types)
+                       if lt == "linear_attention" for t in vars(st).values())
+        rec = [st.recurrent for st, lt in zip(cache.layers, cfg.layer_types) if lt == "linear_attention"]
+        assert all(r.dtype == torch.float32 for r in rec)
+    assert sizes[16] == sizes[48]
+
+
+def test_generate_returns_prompt_then_tokens_and_stops():
+    torch.manual_seed(0)
+    model = HybridLM(small_variants()["gdn_split_headwise"]).eval()
+    x = torch.randint(1, 64, (2, 6))
+    seen = []
+    out = model.generate(x, max_new_tokens=5, streamer=seen.append)
+    assert out.shape == (2, 11) and torch.equal(out[:, :6], x) and len(seen) == 5
+    eos = int(out[0, 7])  # make row 0 stop at its 2nd new token
+    stopped = model.generate(x, max_new_tokens=5, eos_token_id=eos, pad_token_id=63)
+    assert stopped[0, 7] == eos and (stopped[0, 8:] == 63).all()
+    a = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=10, top_p=0.9, seed=3)
+    b = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=10, top_p=0.9, seed=3)
+    assert torch.equal(a, b)
+    assert model.generate(x, max_new_tokens=0).shape == (2, 6)
+
+
+def test_generate_bad_input():
+    model = HybridLM(small_variants()["gdn_split_headwise"]).eval()
+    x = torch.randint(1, 64, (1, 4))
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(x, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        model.generate(torch.zeros(1, model.config.max_position_embeddings + 1, dtype=torch.long), max_new_tokens=1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(x, do_sample=True, temperature=0.0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            model.generate(x, do_sample=True, top_p=bad)
