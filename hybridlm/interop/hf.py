@@ -388,9 +388,36 @@ def _checkpoint_dtype(d: dict) -> torch.dtype:
     return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
+NATIVE_CONFIG = "hybridlm_config.json"
+
+
+def _load_native(folder: str, dtype: torch.dtype | None, impl: str) -> HybridLM:
+    """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names."""
+    cfg = HybridConfig.from_json(os.path.join(folder, NATIVE_CONFIG))
+    src = TensorSource(folder)
+    model = HybridLM(cfg, impl=impl)
+    expected = model.state_dict()
+    wanted = [k for k in expected if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    missing = [k for k in wanted if k not in src.where]
+    if missing:
+        raise CheckpointError(f"{folder}: missing key(s) {missing[:5]} ({len(missing)} missing)")
+    state = {}
+    for k in wanted:
+        if src.shape(k) != tuple(expected[k].shape):
+            raise CheckpointError(f"{folder}: {k}: expected shape {list(expected[k].shape)}, got {list(src.shape(k))}")
+        state[k] = src.get(k)
+    model.load_state_dict(state, strict=False)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
 def load_pretrained(folder: str, *, dtype: torch.dtype | None = None, impl: str = "auto",
                     strict: bool = True) -> HybridLM:
-    """Build a HybridLM from a transformers checkpoint folder (config.json + safetensors)."""
+    """Build a HybridLM from a transformers checkpoint folder (config.json + safetensors), or from our own format
+    (hybridlm_config.json + safetensors) when the folder has no config.json."""
+    if not os.path.exists(os.path.join(folder, "config.json")) and os.path.exists(os.path.join(folder, NATIVE_CONFIG)):
+        return _load_native(folder, dtype, impl)
     d = read_hf_config(folder)
     cfg = config_from_hf(d)
     src = TensorSource(folder)
@@ -433,12 +460,17 @@ def load_pretrained(folder: str, *, dtype: torch.dtype | None = None, impl: str 
 
 def save_pretrained(model: HybridLM, folder: str, *, max_shard_size: int | str = "5GB",
                     model_type: str | None = None) -> None:
-    """Write config.json + safetensors in transformers' on-disk layout for model_type (default: the config's)."""
+    """Write config.json + safetensors in transformers' on-disk layout for model_type (default: the config's);
+    with no model type at all, write our own format (hybridlm_config.json + safetensors)."""
     cfg = model.config
     mt = model_type or cfg.hf_model_type
-    if mt is None:
-        raise ValueError("save_pretrained: config.hf_model_type is None; pass model_type= (one of "
-                         f"{sorted(ARCHITECTURES)})")
+    os.makedirs(folder, exist_ok=True)
+    if mt is None:  # not a transformers architecture: our own format, our own key names
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+                 if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+        save_sharded(state, folder, max_shard_size)
+        cfg.to_json(os.path.join(folder, NATIVE_CONFIG))
+        return
     hf = config_to_hf(cfg, mt)
     mt = hf["model_type"]
     params = next(model.parameters())

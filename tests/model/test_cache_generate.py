@@ -82,3 +82,36 @@ def test_generate_bad_input():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="top_p"):
             model.generate(x, do_sample=True, top_p=bad)
+
+
+def test_native_format_round_trip_for_configs_transformers_cannot_express(tmp_path):
+    cfg = small_variants()["gdn_split_headwise"]  # headwise gate: no transformers model has it
+    assert cfg.hf_model_type is None
+    model = HybridLM(cfg).eval()
+    model.save_pretrained(str(tmp_path))
+    again = HybridLM.from_pretrained(str(tmp_path))
+    x = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+
+
+def test_memory_subcommand_table_and_plot(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    from hybridlm.cli import main
+
+    png = tmp_path / "mem.png"
+    assert main(["memory", "--preset", "kimi-linear-48b-a3b", "--max-context", "65536", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for label in ("full attention (MHA)", "full attention (GQA)", "MLA", "all GDN", "all KDA", "hybrid"):
+        assert label in out
+    img = imread(str(png))
+    assert img.shape[0] == 500 and img.shape[1] == 800
+
+
+def test_generate_subcommand_streams(capsys):
+    from hybridlm.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt", "ab", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("ab") and "tokens/s" in captured.err
