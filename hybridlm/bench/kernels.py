@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sdpa", action="store_true")
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of ours, first shape")
 
 
 def _bench(fn, rep):
@@ -90,6 +91,18 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
         return torch.autograd.grad(o, leaves, do)
 
     res = {"shape": f"B{B} T{T} H{H} D{D}", "flops_fwd": fl, "bytes_fwd": by}
+    if getattr(args, "profile", False) and not getattr(args, "_profiled", False):
+        args._profiled = True
+        ours_fb()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                ours_fb()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+        from hybridlm.ops.triton import gdn
+
+        print("chunk sizes in use:", {str(k): v for k, v in gdn._BT_OK.items()}, flush=True)
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
