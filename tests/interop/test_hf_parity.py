@@ -177,3 +177,29 @@ def test_qwen3_5_multimodal_prefix_mtp_and_vision_ignored(tmp_path_factory, tmp_
     x = inputs(seed=6)
     with torch.no_grad():
         assert (ours(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-4
+
+
+def test_hand_written_per_expert_layout_loads(tmp_path_factory, tmp_path):
+    """Experts one by one (as released checkpoints store them), split by hand from transformers' fused tensors."""
+    from safetensors.torch import save_file
+
+    hf, folder = hf_and_folder("qwen3_5_moe", tmp_path_factory)
+    state = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(v):
+                gate, up = w.chunk(2, dim=0)
+                state[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.contiguous()
+                state[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.contiguous()
+        elif k.endswith("experts.down_proj"):
+            for e, w in enumerate(v):
+                state[k.replace("down_proj", f"{e}.down_proj.weight")] = w.contiguous()
+        else:
+            state[k] = v.contiguous()
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in state
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    x = inputs(seed=8)
+    with torch.no_grad():
+        assert (ours(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-4
