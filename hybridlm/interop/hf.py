@@ -449,10 +449,6 @@ def load_pretrained(folder: str, *, dtype: torch.dtype | None = None, impl: str 
     left = [k for k in missing_ours if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if left:
         raise CheckpointError(f"{folder}: parameters not filled from the checkpoint: {left[:5]}")
-    for mod in model.modules():  # buffers that are not in checkpoints (rotary tables) are rebuilt
-        if hasattr(mod, "inv_freq"):
-            rd, theta = mod.rotary_dim, cfg.rope_theta
-            mod.inv_freq = 1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

@@ -51,16 +51,20 @@ def positions_for(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tens
 
 
 class Rotary(nn.Module):
-    """cos/sin [B, T, rotary_dim] (float32) for position ids [B, T]."""
+    """cos/sin [B, T, rotary_dim] (float32) for position ids [B, T].
+
+    The inverse frequencies are recomputed in float32 at each call instead of kept in a buffer, so casting the
+    model to bf16 (or building it on the meta device) never rounds them."""
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim, self.theta = rotary_dim, float(theta)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        rd = self.rotary_dim
+        exponent = torch.arange(0, rd, 2, dtype=torch.float32, device=position_ids.device) / rd
+        inv_freq = 1.0 / (self.theta**exponent)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
