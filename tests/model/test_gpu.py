@@ -11,6 +11,16 @@ from hybridlm import HybridLM
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def gpu_variants():
+    """The CPU variants with head dims the Triton kernels support (64)."""
+    out = {}
+    for name, cfg in small_variants().items():
+        d = cfg.to_dict()
+        d.update(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=64, head_dim=32)
+        out[name] = type(cfg).from_dict(d)
+    return out
+
+
 @pytest.mark.parametrize("name", list(small_variants()))
 def test_cuda_bf16_forward_backward_packed_and_generate(name):
     try:
@@ -18,8 +28,8 @@ def test_cuda_bf16_forward_backward_packed_and_generate(name):
     except Exception:
         pass
     torch.manual_seed(0)
-    cpu = HybridLM(small_variants()[name]).eval()
-    gpu = HybridLM(small_variants()[name]).cuda().eval()
+    cpu = HybridLM(gpu_variants()[name]).eval()
+    gpu = HybridLM(gpu_variants()[name]).cuda().eval()
     gpu.load_state_dict(cpu.state_dict())
     x = torch.randint(0, 64, (1, 64))
     cu = torch.tensor([0, 20, 64], dtype=torch.int32)
