@@ -25,6 +25,8 @@ SUPPORTED_DIMS = (64, 128, 256)
 
 
 BT_CHOICES = (64, 32, 16)
+# launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
+TUNE = {"bwd_warps": None, "bwd_bv": 32}
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
 _BT_OK: dict[tuple, int] = {}
 
@@ -192,7 +194,8 @@ def _bwd_impl(
     if nc > 0:
         kern._chunk_bwd[(nc, HV)](
             q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw, num_stages=1,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"], V), L2=use_qk_l2norm, PREC=prec,
+            num_warps=TUNE["bwd_warps"] or nw, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
