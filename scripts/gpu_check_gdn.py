@@ -96,6 +96,7 @@ def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bf
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="awkward shapes only, no benchmark shapes")
+    ap.add_argument("--bench-only", action="store_true", help="benchmark shapes and decode only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -112,6 +113,8 @@ def main(argv=None) -> int:
         cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+    if args.bench_only:
+        cases = []
     if not args.quick:
         for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
             cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
