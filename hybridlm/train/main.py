@@ -181,6 +181,17 @@ def _autocast(device: torch.device, bf16: bool):
     return contextlib.nullcontext()
 
 
+def _forward_calls(batch, packing: str, dist: Dist):
+    """The (input_ids, targets, cu_seqlens) calls of a micro-batch. Under FSDP every rank must make the same number
+    of forward/backward calls: with "auto" packing a rank with one call adds a dummy one (one row, every target
+    ignored: zero loss and zero gradient, but the same collectives)."""
+    calls = batch.pieces(packing)
+    if dist.enabled and packing == "auto" and len(calls) < 2:
+        ids = batch.input_ids.view(-1)[: batch.seq_len].view(1, -1)
+        calls.append((ids, torch.full_like(ids, IGNORE), None))
+    return calls
+
+
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
     with _autocast(device, bf16):
         logits = model(ids, cu_seqlens=cu).logits
@@ -194,12 +205,13 @@ def evaluate(model, stream, args, dist: Dist, device, bf16) -> tuple[float, int]
     model.eval()
     T = args.seq_len
     n_rows = min(stream.n_rows(T), max(1, args.eval_tokens // T))
-    rows = list(range(n_rows))[dist.rank :: dist.world]
+    n_rows = max(dist.world, n_rows - n_rows % dist.world)  # the same number of batches on every rank
+    rows = [r % stream.n_rows(T) for r in range(n_rows)][dist.rank :: dist.world]
     tot = torch.zeros(2, dtype=torch.float64, device=device)
     eb = args.batch_size * 4  # no activations kept: bigger batches
     for i in range(0, len(rows), eb):
         b = make_batch(stream, rows[i : i + eb], T)
-        for ids, tg, cu in b.pieces(args.packing):
+        for ids, tg, cu in _forward_calls(b, args.packing, dist):
             ids, tg = ids.to(device), tg.to(device)
             cu = None if cu is None else cu.to(device)
             tot[0] += _loss_sum(model, ids, tg, cu, device, bf16).double()
@@ -412,7 +424,7 @@ def train(args) -> dict:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         try:
             for b in batches:
-                for ids, tg, cu in b.pieces(args.packing):
+                for ids, tg, cu in _forward_calls(b, args.packing, dist):
                     ids, tg = ids.to(device, non_blocking=True), tg.to(device, non_blocking=True)
                     cu = None if cu is None else cu.to(device, non_blocking=True)
                     loss = _loss_sum(fwd_model, ids, tg, cu, device, bf16)
