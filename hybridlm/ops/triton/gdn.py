@@ -26,7 +26,8 @@ SUPPORTED_DIMS = (64, 128, 256)
 
 BT_CHOICES = (64, 32, 16)
 # launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
-TUNE = {"bwd_warps": None, "bwd_bv": 32}
+# (H100, B4 T4096 H16 D128 bf16, BT 32: warps 8 / BV 64 gave fwd+bwd 8.4 ms, warps 8 / BV 32 61.6 ms; 2026-11-22)
+TUNE = {"bwd_warps": None, "bwd_bv": None}
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
 _BT_OK: dict[tuple, int] = {}
 
@@ -194,8 +195,8 @@ def _bwd_impl(
     if nc > 0:
         kern._chunk_bwd[(nc, HV)](
             q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"], V), L2=use_qk_l2norm, PREC=prec,
-            num_warps=TUNE["bwd_warps"] or nw, num_stages=1,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V), L2=use_qk_l2norm,
+            PREC=prec, num_warps=TUNE["bwd_warps"] or 8, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
