@@ -122,3 +122,18 @@ def test_resume_is_exact(tmp_path, small_corpus, micro_args):
         assert os.path.exists(tmp_path / "a" / name)
     recs = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert any("val_nats_per_byte" in r for r in recs) and any("loss" in r for r in recs)
+
+
+def test_grad_accum_and_options_match(tmp_path, small_corpus, micro_args):
+    """batch 8 == batch 4 x grad-accum 2; flat packing and activation checkpointing change no loss."""
+    common = ("--max-steps", "4", "--eval-every", "0", "--save-every", "0")
+    base = train(micro_args(small_corpus, str(tmp_path / "a"), *common, "--batch-size", "8"))
+    acc = train(micro_args(small_corpus, str(tmp_path / "b"), *common, "--batch-size", "4", "--grad-accum", "2"))
+    assert abs(base["final_train_loss"] - acc["final_train_loss"]) <= 1e-5
+    flat = train(micro_args(small_corpus, str(tmp_path / "c"), *common, "--batch-size", "8", "--packing", "flat"))
+    assert abs(base["final_train_loss"] - flat["final_train_loss"]) <= 1e-4
+    ac = train(micro_args(small_corpus, str(tmp_path / "d"), *common, "--batch-size", "8",
+                          "--activation-checkpointing"))
+    assert abs(base["final_train_loss"] - ac["final_train_loss"]) <= 1e-6
+    tok = train(micro_args(small_corpus, str(tmp_path / "e"), "--max-tokens", "1000", "--eval-every", "0"))
+    assert tok["final_step"] == 4  # ceil(1000 / (4 rows x 64 tokens))
