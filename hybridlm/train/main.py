@@ -346,7 +346,16 @@ def train(args) -> dict:
         resume_step = step
         _log(dist, f"resumed from {path} at step {step}")
 
-    os.makedirs(args.out, exist_ok=True) if dist.is_main else None
+    if dist.is_main:
+        os.makedirs(args.out, exist_ok=True)
+        old_ckpts = os.path.join(args.out, ckpt.CKPT_DIR)
+        if resume_step is None and os.path.isdir(old_ckpts) and os.listdir(old_ckpts):
+            # a fresh run into a used folder: keep the earlier run's checkpoints, out of the way
+            kept = f"{old_ckpts}.prev-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(old_ckpts, kept)
+            _log(dist, f"note: {args.out} held checkpoints of an earlier run; moved them to {kept} "
+                       "(pass --resume to continue a run instead)")
+    barrier(dist)
     metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), dist.is_main, resume_step)
     if dist.is_main and resume_step is None:
         with open(os.path.join(args.out, "run.json"), "w", encoding="utf-8") as f:
