@@ -35,7 +35,7 @@ TRAIN_PRESETS: dict[str, dict] = {
     ),
     # ~30M parameters: one GPU, the same corpus
     "gpu-30m": dict(
-        vocab_size=256, hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
+        vocab_size=256, hidden_size=512, num_hidden_layers=8, intermediate_size=1792,
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
         hf_model_type="qwen3_5_text",
