@@ -40,7 +40,7 @@ def split_works(text: str) -> list[str]:
 
 
 def bundled_corpus_text() -> str:
-    with resources.files("hybridlm.data").joinpath(BUNDLED_NAME).open("rb") as f:
+    with resources.files("hybridlm").joinpath("data", BUNDLED_NAME).open("rb") as f:
         return lzma.decompress(f.read()).decode("utf-8")
 
 
