@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (and at the end)")
-    g.add_argument("--eval-tokens", type=int, default=32768, help="val tokens per evaluation (default 32768)")
+    g.add_argument("--eval-tokens", type=int, default=None,
+                   help="val tokens per evaluation (default: 32768 on CPU, up to 1M on GPU)")
     g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (and at the end; 0: end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
     g.add_argument("--out", default=DEFAULT_OUT, help=f"run folder (default {DEFAULT_OUT})")
@@ -267,6 +268,8 @@ def train(args) -> dict:
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
     cfg, preset_name, defaults = build_config(args.preset, args.config, device.type)
+    if args.eval_tokens is None:
+        args.eval_tokens = 32768 if device.type == "cpu" else 1 << 20
     for name in ("seq_len", "batch_size", "lr", "warmup", "eval_every", "save_every"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
