@@ -27,7 +27,13 @@ SUPPORTED_DIMS = (64, 128, 256)
 BT_CHOICES = (64, 32, 16)
 # launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
 # (H100, B4 T4096 H16 D128 bf16, BT 32: warps 8 / BV 64 gave fwd+bwd 8.4 ms, warps 8 / BV 32 61.6 ms; 2026-11-22)
-TUNE = {"bwd_warps": None, "bwd_bv": None}
+# fwd_bv: V block of the forward recurrence (grid V/BV x sequences x heads); fwd_warps: its warps;
+# fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
+# store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
+TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
+        "fwd_lowp": True}
+# tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
+POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
 _BT_OK: dict[tuple, int] = {}
 
@@ -47,7 +53,33 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the intermediates W, U, chunk states and Vn (also the dot operands of the recurrence)."""
+    return torch.float32 if dtype == torch.float32 or TUNE["store_fp32"] else dtype
+
+
+def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+_TABLES: dict[tuple, tuple] = {}
+
+
 def _chunk_table(cu: list[int], BT: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(chunk -> sequence, chunk -> first token, sequence -> first chunk, number of chunks), cached per layout
+    so a training step does not rebuild and copy it to the device each call."""
+    key = (tuple(cu), BT, str(device))
+    hit = _TABLES.get(key)
+    if hit is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        hit = _TABLES[key] = _build_chunk_table(cu, BT, device)
+    return hit
+
+
+def _build_chunk_table(cu: list[int], BT: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     seq, start, off = [], [], []
     for n in range(len(cu) - 1):
         off.append(len(seq))
@@ -64,6 +96,15 @@ def _chunk_table(cu: list[int], BT: int, device) -> tuple[torch.Tensor, torch.Te
 
 def _max_seq_chunks(cu: list[int], BT: int) -> int:
     return max((cu[n + 1] - cu[n] + BT - 1) // BT for n in range(len(cu) - 1))
+
+
+def _cu_tensor(cu: list[int], cu_seqlens: torch.Tensor | None, dev) -> torch.Tensor:
+    if cu_seqlens is not None:
+        return cu_seqlens.to(torch.int32)
+    key = ("cu", tuple(cu), str(dev))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(cu, dtype=torch.int32, device=dev)
+    return _TABLES[key]
 
 
 def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
@@ -84,38 +125,40 @@ def _fwd_impl(
     """Returns (o, final_state or empty, T, W, h, Vn); the last four are empty unless save."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BV = 32
     dev = q.device
     cu = _cu_list(cu_seqlens, B, T)
     N = len(cu) - 1
     Ttot = B * T
     cs, cst, coff, nc = _chunk_table(cu, BT, dev)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    cu_t = _cu_tensor(cu, cu_seqlens, dev)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     f32 = torch.float32
+    sd = _store_dtype(q.dtype)
     NCmax = _max_chunks(Ttot, N, BT)
     Tb = torch.empty(NCmax if save else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
-    Wb = torch.empty(Ttot, HV, K, device=dev, dtype=f32)
-    Ub = torch.empty(Ttot, HV, V, device=dev, dtype=f32)
-    o = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=q.dtype)
-    ht = torch.empty(N, HV, K, V, device=dev, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
-    hb = torch.empty(NCmax, HV, K, V, device=dev, dtype=f32) if save else q.new_empty(0, dtype=f32)
-    vn = torch.empty(Ttot, HV, V, device=dev, dtype=f32) if save else q.new_empty(0, dtype=f32)
+    Wb = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
+    o = _out((B, T, HV, V), q, q.dtype)
+    ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
+    hb = torch.empty(NCmax, HV, K, V, device=dev, dtype=sd) if save else q.new_empty(0, dtype=sd)
+    vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if save else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
     nw = _num_warps(K)
     if nc > 0:
         kern._prep_fwd[(nc, HV)](
             k, v, g, beta, Tb, Wb, Ub, cu_t, cs, cst,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec, num_warps=nw, num_stages=1,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=4, num_stages=1,
         )
-    h0 = initial_state.contiguous() if initial_state is not None else Ub
+    h0 = initial_state.contiguous() if initial_state is not None else ht
+    BV = min(TUNE["fwd_bv"] or (64 if K <= 128 else 32), V)
     kern._recur_fwd[(V // BV, N * HV)](
         q, k, g, Wb, Ub, o, h0, ht, hb, vn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save, num_warps=nw, num_stages=1,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
     )
     if not save:
-        Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=f32)
+        Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
     return o, ht, Tb, Wb, hb, vn
 
 
@@ -151,11 +194,12 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     f32 = torch.float32
     o = q.new_empty(B, T, HV, V)
     ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    sd = _store_dtype(q.dtype)
     if save:
-        return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=f32),
-                q.new_empty(NC, HV, K, V, dtype=f32), q.new_empty(B * T, HV, V, dtype=f32))
-    e = q.new_empty(0, dtype=f32)
-    return o, ht, e, e, e, e
+        return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=sd),
+                q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd))
+    e, es = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
+    return o, ht, e, es, es, es
 
 
 def _bwd_impl(
@@ -174,24 +218,24 @@ def _bwd_impl(
     N = len(cu) - 1
     Ttot = B * T
     cs, cst, coff, nc = _chunk_table(cu, BT, dev)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    cu_t = _cu_tensor(cu, cu_seqlens, dev)
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     f32 = torch.float32
     prec = _prec(q.dtype)
     nw = _num_warps(K)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=f32)
-    dh0 = torch.full((N, HV, K, V), float("nan"), device=dev, dtype=f32) if has_h0 else q.new_empty(0, dtype=f32)
+    dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
         q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=nw, num_stages=1,
     )
-    dq = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
-    dk = torch.full((Ttot, HV, K), float("nan"), device=dev, dtype=f32)
-    dv = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=f32)
-    dg = torch.full((B, T, HV), float("nan"), device=dev, dtype=f32)
-    db = torch.full((B, T, HV), float("nan"), device=dev, dtype=f32)
+    dq = _out((Ttot, HV, K), q, f32)
+    dk = _out((Ttot, HV, K), q, f32)
+    dv = _out((B, T, HV, V), q, f32)
+    dg = _out((B, T, HV), q, f32)
+    db = _out((B, T, HV), q, f32)
     if nc > 0:
         kern._chunk_bwd[(nc, HV)](
             q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
@@ -306,7 +350,7 @@ def gdn_decode(
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     BV = 32 if K <= 128 else 16
-    o = torch.full((N, HV, V), float("nan"), device=q.device, dtype=q.dtype)
+    o = _out((N, HV, V), q, q.dtype)
     if N > 0:
         kern._decode_step[(V // BV, N * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,

@@ -54,6 +54,14 @@ def _load_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
 
 
 @triton.jit
+def _op(x, DT: tl.constexpr, LOWP: tl.constexpr):
+    """A dot operand: rounded to the 16-bit storage dtype DT when LOWP, else fp32."""
+    if LOWP:
+        return x.to(DT)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _chunk_coords(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
     n = tl.load(chunk_seq + ic)
     bos = tl.load(chunk_start + ic).to(tl.int64)
@@ -63,11 +71,41 @@ def _chunk_coords(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
 
 
 @triton.jit
+def _blk(ptr, r0, c0, BT: tl.constexpr):
+    """The [16, 16] block of a row-major [BT, BT] fp32 matrix at (r0, c0)."""
+    r = tl.arange(0, 16)
+    return tl.load(ptr + (r0 + r)[:, None] * BT + (c0 + r)[None, :])
+
+
+@triton.jit
+def _inv_diag(ptr, r0, BT: tl.constexpr):
+    """(I + A_ii)^{-1} of the strictly lower [16, 16] diagonal block of A at row/column r0, by forward
+    substitution: row i = e_i - a_i T (rows < i are final). Rows of A are read from memory, not extracted
+    from registers, so each step costs one small reduction."""
+    r = tl.arange(0, 16)
+    Ti = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, 16):
+        a_i = tl.load(ptr + (r0 + i) * BT + r0 + r, mask=r < i, other=0.0)
+        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
+        Ti = tl.where(r[:, None] == i, t_i[None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _eye_rows(r0, BT: tl.constexpr):
+    """Rows r0..r0+15 of the [BT, BT] identity, as a [16, BT] tile."""
+    return tl.where((r0 + tl.arange(0, 16))[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
+
+
+@triton.jit
 def _prep_fwd(
     k, v, g, beta, Tbuf, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Per chunk: A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K,
+    U = T diag(beta) V. T is found by 16-row blocks: the diagonal blocks by forward substitution, then
+    block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots. A is staged in T's slot of Tbuf."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -83,21 +121,43 @@ def _prep_fwd(
     strict = rows[:, None] > rows[None, :]
     KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
     A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    # T = (I + A)^{-1}: row i = e_i - A[i, :] T (rows j < i already final, A[i, j >= i] = 0)
-    Tm = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)
-        t_i = -tl.sum(a_i[:, None] * Tm, 0) + tl.where(rows == i, 1.0, 0.0)
-        Tm = tl.where(rows[:, None] == i, t_i[None, :], Tm)
-    tl.store(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :], Tm)
+    p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
+    p_TT = p_T + rows[:, None] * BT + rows[None, :]
+    tl.store(p_TT, A)
+    tl.debug_barrier()
+    # block rows of T, 16 rows at a time (NB = BT / 16 in {1, 2, 4})
+    T0 = tl.dot(_inv_diag(p_T, 0, BT), _eye_rows(0, BT), input_precision="ieee")
+    if BT >= 32:
+        X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
+        T1 = tl.dot(_inv_diag(p_T, 16, BT), X1, input_precision="ieee")
+    if BT == 64:
+        X2 = (_eye_rows(32, BT) - tl.dot(_blk(p_T, 32, 0, BT), T0, input_precision="ieee")
+              - tl.dot(_blk(p_T, 32, 16, BT), T1, input_precision="ieee"))
+        T2 = tl.dot(_inv_diag(p_T, 32, BT), X2, input_precision="ieee")
+        X3 = (_eye_rows(48, BT) - tl.dot(_blk(p_T, 48, 0, BT), T0, input_precision="ieee")
+              - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
+              - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
+        T3 = tl.dot(_inv_diag(p_T, 48, BT), X3, input_precision="ieee")
+    tl.debug_barrier()  # every read of A is done before T overwrites it
+    r16 = tl.arange(0, 16)
+    p_row = p_T + r16[:, None] * BT + rows[None, :]
+    tl.store(p_row, T0)
+    if BT >= 32:
+        tl.store(p_row + 16 * BT, T1)
+    if BT == 64:
+        tl.store(p_row + 32 * BT, T2)
+        tl.store(p_row + 48 * BT, T3)
+    tl.debug_barrier()
+    Tm = tl.load(p_TT)
     kb = kk * (bb * tl.exp(gc))[:, None]
     W = tl.dot(Tm, kb, input_precision=PREC)
-    tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], W, mask=rmask[:, None])
+    tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
         U = tl.dot(Tm, vv * bb[:, None], input_precision=PREC)
-        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U, mask=rmask[:, None])
+        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
+                 mask=rmask[:, None])
 
 
 @triton.jit
@@ -105,8 +165,12 @@ def _recur_fwd(
     q, k, g, Wbuf, Ubuf, o, h0, ht, hbuf, vnbuf, cu, chunk_off, scale, NCH,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
 ):
+    """Carries the state S [K, BV] over one sequence's chunks. With LOWP the dot operands are rounded to Wbuf's
+    dtype (bf16/fp16 tensor-core rate); otherwise they stay fp32 (PREC: tf32 or ieee). The state and every
+    accumulator stay fp32."""
+    DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // HV
@@ -132,7 +196,8 @@ def _recur_fwd(
         rmask = rows < nval
         r64 = t0 + rows
         if STORE:
-            tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S, mask=(s_off >= 0) & (nval > 0))
+            tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S.to(hbuf.dtype.element_ty),
+                     mask=(s_off >= 0) & (nval > 0))
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
@@ -140,16 +205,19 @@ def _recur_fwd(
         gL = tl.sum(gg, 0)
         W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
         U = tl.load(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None], other=0.0)
-        vn = U - tl.dot(W, S, input_precision=PREC)
+        S_d = _op(S, DT, LOWP)
+        vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
+        vn_d = _op(vn, DT, LOWP)
         if STORE:
-            tl.store(vnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], vn, mask=rmask[:, None])
-        qg = qq * (scale * tl.exp(gc))[:, None]
-        P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
+            tl.store(vnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], vn.to(vnbuf.dtype.element_ty),
+                     mask=rmask[:, None])
+        qg = _op(qq * (scale * tl.exp(gc))[:, None], DT, LOWP)
+        P = tl.dot(_op(qq, DT, LOWP), tl.trans(_op(kk, DT, LOWP)), input_precision=PREC) * scale
         P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        oo = tl.dot(qg, S, input_precision=PREC) + tl.dot(P, vn, input_precision=PREC)
+        oo = tl.dot(qg, S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d, input_precision=PREC)
         tl.store(o + (r64[:, None] * HV + ihv) * V + offs_v[None, :], oo.to(o.dtype.element_ty), mask=rmask[:, None])
-        kd = kk * tl.exp(gL - gc)[:, None]
-        S = S * tl.exp(gL) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+        kd = _op(kk * tl.exp(gL - gc)[:, None], DT, LOWP)
+        S = S * tl.exp(gL) + tl.dot(tl.trans(kd), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
 
@@ -185,13 +253,14 @@ def _recur_bwd(
         rmask = rows < nval
         r64 = t0 + rows
         # gradient of the state after chunk c
-        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS, mask=(s_off >= 0) & (nval > 0))
+        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS.to(dhbuf.dtype.element_ty), mask=(s_off >= 0) & (nval > 0))
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         gc = tl.cumsum(gg, 0)
         gL = tl.sum(gg, 0)
-        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None],
+                    other=0.0).to(tl.float32)
         dO = _load_rows(do, r64, rmask, HV * V, ihv * V, offs_v, False)
         P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
         P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
@@ -248,11 +317,11 @@ def _chunk_bwd(
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         s_off = offs_k[:, None] * V + offs_v[None, :]
-        S = tl.load(hbuf + hb + s_off)
-        dSn = tl.load(dhbuf + hb + s_off)
+        S = tl.load(hbuf + hb + s_off).to(tl.float32)
+        dSn = tl.load(dhbuf + hb + s_off).to(tl.float32)
         vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
-        dvn = tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0)
+        vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        dvn = tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
         dO = tl.load(do + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
         vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
         dQS += tl.dot(dO, tl.trans(S), input_precision=PREC)
