@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of ours, first shape")
+    parser.add_argument("--tune-json", default=None,
+                        help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
 
 
 def _bench(fn, rep):
@@ -150,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
 
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
+    from hybridlm.ops.triton import gdn
+
+    if args.tune_json:
+        with open(args.tune_json) as f:
+            gdn.TUNE.update(json.load(f)["best"])
+    print("launch settings:", json.dumps(gdn.TUNE), flush=True)
     fla = None
     fla_version = None
     if not args.no_fla:
@@ -171,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         "fla_core": fla_version, "python": platform.python_version(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": mm_tflops,
-        "fla_guard_lifted": fla is not None,
+        "fla_guard_lifted": fla is not None, "tune": dict(gdn.TUNE),
     }
     print(f"{info['device']}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     rows = []

@@ -28,10 +28,11 @@ BT_CHOICES = (64, 32, 16)
 # launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
 # (H100, B4 T4096 H16 D128 bf16, BT 32: warps 8 / BV 64 gave fwd+bwd 8.4 ms, warps 8 / BV 32 61.6 ms; 2026-11-22)
 # fwd_bv: V block of the forward recurrence (grid V/BV x sequences x heads); fwd_warps: its warps;
+# bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
-        "fwd_lowp": True}
+        "fwd_lowp": True, "bwd_lowp": True}
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -212,7 +213,7 @@ def _bwd_impl(
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
     BT = Tb.shape[-1]
-    BV = 32
+    BV = min(TUNE["fwd_bv"] or (64 if K <= 128 else 32), V)
     dev = q.device
     cu = _cu_list(cu_seqlens, B, T)
     N = len(cu) - 1
@@ -224,12 +225,13 @@ def _bwd_impl(
     prec = _prec(q.dtype)
     nw = _num_warps(K)
     dhb = torch.empty_like(hb)
-    dvn = torch.empty(Ttot, HV, V, device=dev, dtype=f32)
+    dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
+    lowp = TUNE["bwd_lowp"] and hb.dtype != f32
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
         q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=nw, num_stages=1,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=nw, num_stages=TUNE["fwd_stages"],
     )
     dq = _out((Ttot, HV, K), q, f32)
     dk = _out((Ttot, HV, K), q, f32)
@@ -240,7 +242,7 @@ def _bwd_impl(
         kern._chunk_bwd[(nc, HV)](
             q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V), L2=use_qk_l2norm,
-            PREC=prec, num_warps=TUNE["bwd_warps"] or 8, num_stages=1,
+            PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

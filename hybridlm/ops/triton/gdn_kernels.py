@@ -227,8 +227,10 @@ def _recur_bwd(
     q, k, g, Wbuf, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, scale, NCH,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr,
 ):
+    """Reverse recurrence of the state gradient dS [K, BV]; stores dS after each chunk and dVn."""
+    DT: tl.constexpr = dhbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // HV
@@ -253,23 +255,26 @@ def _recur_bwd(
         rmask = rows < nval
         r64 = t0 + rows
         # gradient of the state after chunk c
-        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS.to(dhbuf.dtype.element_ty), mask=(s_off >= 0) & (nval > 0))
+        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS.to(dhbuf.dtype.element_ty),
+                 mask=(s_off >= 0) & (nval > 0))
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         gc = tl.cumsum(gg, 0)
         gL = tl.sum(gg, 0)
-        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None],
-                    other=0.0).to(tl.float32)
+        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
         dO = _load_rows(do, r64, rmask, HV * V, ihv * V, offs_v, False)
-        P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
+        P = tl.dot(_op(qq, DT, LOWP), tl.trans(_op(kk, DT, LOWP)), input_precision=PREC) * scale
         P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        kd = kk * tl.exp(gL - gc)[:, None]
-        qg = qq * (scale * tl.exp(gc))[:, None]
-        dvn = tl.dot(tl.trans(P), dO, input_precision=PREC) + tl.dot(kd, dS, input_precision=PREC)
-        tl.store(dvnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], dvn, mask=rmask[:, None])
-        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(qg), dO, input_precision=PREC)
-              - tl.dot(tl.trans(W), dvn, input_precision=PREC))
+        kd = _op(kk * tl.exp(gL - gc)[:, None], DT, LOWP)
+        qg = _op(qq * (scale * tl.exp(gc))[:, None], DT, LOWP)
+        dO_d = _op(dO, DT, LOWP)
+        dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
+            tl.dot(kd, _op(dS, DT, LOWP), input_precision=PREC)
+        tl.store(dvnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], dvn.to(dvnbuf.dtype.element_ty),
+                 mask=rmask[:, None])
+        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(qg), dO_d, input_precision=PREC)
+              - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + s_off, dS)
 
@@ -279,8 +284,11 @@ def _chunk_bwd(
     q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
+    """dq, dk, dv, dg, dbeta of one chunk. The dots inside the loop over V blocks (state, Vn, dVn, dO, v
+    operands) use 16-bit operands when LOWP; the once-per-chunk dots (T, Q, K) stay fp32 (PREC)."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -289,6 +297,7 @@ def _chunk_bwd(
     rmask = rows < nval
     r64 = bos + rows
     offs_k = tl.arange(0, K)
+    Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
     qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
     kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
     if L2:
@@ -317,22 +326,24 @@ def _chunk_bwd(
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         s_off = offs_k[:, None] * V + offs_v[None, :]
-        S = tl.load(hbuf + hb + s_off).to(tl.float32)
-        dSn = tl.load(dhbuf + hb + s_off).to(tl.float32)
+        S = tl.load(hbuf + hb + s_off)
+        dSn = tl.load(dhbuf + hb + s_off)
         vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dvn = tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dO = tl.load(do + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
+        dvn = tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0)
+        dO = tl.load(do + vrow, mask=rmask[:, None], other=0.0)
         vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dQS += tl.dot(dO, tl.trans(S), input_precision=PREC)
-        dP += tl.dot(dO, tl.trans(vn), input_precision=PREC)
-        dKd += tl.dot(vn, tl.trans(dSn), input_precision=PREC)
-        dW -= tl.dot(dvn, tl.trans(S), input_precision=PREC)
-        dT += tl.dot(dvn, tl.trans(vv * bb[:, None]), input_precision=PREC)
-        dVb = tl.dot(tl.trans(Tm), dvn, input_precision=PREC)
+        S_d, dSn_d, vn_d, dvn_d, dO_d = (_op(S, DT, LOWP), _op(dSn, DT, LOWP), _op(vn, DT, LOWP),
+                                         _op(dvn, DT, LOWP), _op(dO, DT, LOWP))
+        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
+        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+        dKd += tl.dot(vn_d, tl.trans(dSn_d), input_precision=PREC)
+        dW -= tl.dot(dvn_d, tl.trans(S_d), input_precision=PREC)
+        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
+        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
         tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
         db += tl.sum(vv * dVb, 1)
-        dSS += tl.sum(S * dSn, 1)
+        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
 
     # output through the chunk-initial state: O += diag(scale gamma) Q S
     dqn = dQS * (scale * gam)[:, None]
