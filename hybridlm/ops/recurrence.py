@@ -26,11 +26,16 @@ log = logging.getLogger("hybridlm.ops")
 
 # op name -> callable with the public signature; filled by hybridlm.ops.triton when its kernels import.
 TRITON_KERNELS: dict[str, Callable] = {}
-_LOGGED: set[tuple[str, str, str]] = set()
+# op name -> (q, v) -> None when the kernel takes these inputs, else the reason it does not (impl="auto" then
+# falls back to "chunk" and logs why once; an explicit impl="triton" raises the kernel's own error instead)
+TRITON_SUPPORTS: dict[str, Callable] = {}
+_LOGGED: set[tuple] = set()
 
 
-def resolve_impl(op: str, impl: str, device: torch.device) -> str:
-    """Turn impl="auto" into a concrete choice and refuse impossible explicit ones."""
+def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> str:
+    """Turn impl="auto" into a concrete choice and refuse impossible explicit ones. With q and v given, "auto"
+    uses the Triton kernel only for inputs it supports (head dims, dtype) and logs the fallback once."""
     if impl == "triton" and op not in TRITON_KERNELS:
         raise RuntimeError(
             f"impl: 'triton' was asked for {op}, but no Triton kernel is registered for it "
@@ -38,10 +43,16 @@ def resolve_impl(op: str, impl: str, device: torch.device) -> str:
         )
     if impl == "auto":
         impl = "triton" if (device.type == "cuda" and op in TRITON_KERNELS) else "chunk"
-        key = (op, device.type, impl)
+        why = None
+        if impl == "triton" and q is not None and op in TRITON_SUPPORTS:
+            why = TRITON_SUPPORTS[op](q, v)
+            if why is not None:
+                impl = "chunk"
+        key = (op, device.type, impl, why)
         if key not in _LOGGED:
             _LOGGED.add(key)
-            log.info("hybridlm.ops.%s: impl='auto' picked %r on %s", op, impl, device.type)
+            log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", op, impl, device.type,
+                     f" (Triton kernel not used: {why})" if why else "")
     return impl
 
 
@@ -123,7 +134,7 @@ def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, ini
         chunk_size=chunk_size, impl=impl,
     )
     out_dtype = q.dtype
-    impl = resolve_impl(op, impl, q.device)
+    impl = resolve_impl(op, impl, q.device, q, v)
     if dims.T == 0:  # nothing to run: empty output, state passed through
         cd = _compute_dtype(q)
         if initial_state is not None and initial_state.dtype != cd:

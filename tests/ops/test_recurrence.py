@@ -181,13 +181,35 @@ def test_low_precision_inputs_fp32_state_and_dtype(dtype):
 def test_auto_picks_chunk_on_cpu_and_logs_once(caplog):
     import hybridlm.ops.recurrence as rec
 
-    rec._LOGGED.discard(("delta_rule", "cpu", "chunk"))
+    rec._LOGGED.discard(("delta_rule", "cpu", "chunk", None))
     q, k, v, g, beta, h0 = make_inputs(1, 8, 1, 1, 4, 4)
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         delta_rule(q, k, v, beta=beta)
         delta_rule(q, k, v, beta=beta)
     msgs = [r.getMessage() for r in caplog.records if "delta_rule" in r.getMessage()]
     assert msgs == ["hybridlm.ops.delta_rule: impl='auto' picked 'chunk' on cpu"]
+
+
+def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog):
+    """impl="auto" on CUDA uses the Triton kernel only for head dims it supports; the fallback is logged once
+    with the reason (checked without a GPU: resolve_impl only looks at the device type)."""
+    import hybridlm.ops.recurrence as rec
+
+    if "gated_delta_rule" not in rec.TRITON_SUPPORTS:
+        pytest.skip("triton not installed: no kernel registered")
+    cuda = torch.device("cuda")
+    q32, v32 = torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 48)
+    q64, v128 = torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 128)
+    rec._LOGGED.clear()
+    with caplog.at_level("INFO", logger="hybridlm.ops"):
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q32, v32) == "chunk"
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q32, v32) == "chunk"
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q64, v128) == "triton"
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q64.double(), v128.double()) == "chunk"
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[0] == ("hybridlm.ops.gated_delta_rule: impl='auto' picked 'chunk' on cuda (Triton kernel not used: "
+                       "head dims K=32, V=48 not in (64, 128, 256))")
+    assert len(msgs) == 3 and "float64" in msgs[2]
 
 
 @pytest.mark.parametrize("fn,channel", [(gated_delta_rule, False), (kda, True)])

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import triton  # noqa: F401  (ImportError here means: no Triton, nothing registered)
 
-from ..recurrence import TRITON_KERNELS
-from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update
+from ..recurrence import TRITON_KERNELS, TRITON_SUPPORTS
+from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update, unsupported_reason
 
 TRITON_KERNELS["gated_delta_rule"] = chunk_gated_delta_rule
+TRITON_SUPPORTS["gated_delta_rule"] = unsupported_reason
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update"]

@@ -114,6 +114,18 @@ def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
     return [int(x) for x in cu_seqlens.tolist()]
 
 
+def _recur_bv(K: int, V: int, programs: int, dev) -> int:
+    """V block of the sequential kernels: 64 (32 for K=256) unless that leaves most of the device's SMs idle
+    (few sequences x heads), then smaller blocks for more programs."""
+    if TUNE["fwd_bv"]:
+        return min(TUNE["fwd_bv"], V)
+    bv = min(64 if K <= 128 else 32, V)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    while bv > 16 and programs * (V // bv) < sms:
+        bv //= 2
+    return bv
+
+
 def _num_warps(K: int) -> int:
     return 4 if K <= 64 else 8
 
@@ -151,7 +163,7 @@ def _fwd_impl(
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=4, num_stages=1,
         )
     h0 = initial_state.contiguous() if initial_state is not None else ht
-    BV = min(TUNE["fwd_bv"] or (64 if K <= 128 else 32), V)
+    BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
         q, k, g, Wb, Ub, o, h0, ht, hb, vn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
@@ -213,7 +225,6 @@ def _bwd_impl(
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
     BT = Tb.shape[-1]
-    BV = min(TUNE["fwd_bv"] or (64 if K <= 128 else 32), V)
     dev = q.device
     cu = _cu_list(cu_seqlens, B, T)
     N = len(cu) - 1
@@ -227,6 +238,7 @@ def _bwd_impl(
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = TUNE["bwd_lowp"] and hb.dtype != f32
+    BV = _recur_bv(K, V, N * HV, dev)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
         q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
@@ -314,6 +326,16 @@ def _check_device(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
                            f"got q on {x.device}")
+
+
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when the chunk kernels take these inputs, else why not (used by impl="auto")."""
+    K, V = q.shape[-1], v.shape[-1]
+    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        return f"head dims K={K}, V={V} not in {SUPPORTED_DIMS}"
+    if q.dtype == torch.float64:
+        return "float64 inputs"
+    return None
 
 
 def _check_dims(K: int, V: int) -> None:
@@ -414,5 +436,5 @@ def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> fl
     return nc * per
 
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "gdn_chunk_fwd", "gdn_chunk_bwd",
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason", "gdn_chunk_fwd", "gdn_chunk_bwd",
            "gdn_decode", "flops_chunk_fwd", "triton"]
