@@ -436,5 +436,6 @@ def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> fl
     return nc * per
 
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason", "gdn_chunk_fwd", "gdn_chunk_bwd",
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason",
+           "gdn_chunk_fwd", "gdn_chunk_bwd",
            "gdn_decode", "flops_chunk_fwd", "triton"]
