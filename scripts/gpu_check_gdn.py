@@ -100,8 +100,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="awkward shapes only, no benchmark shapes")
     ap.add_argument("--bench-only", action="store_true", help="benchmark shapes and decode only")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--part", default="0/1", help="I/N: run every N-th case starting at I (parallel processes "
+                    "share one GPU; compiling dominates); decode runs in part 0")
+    ap.add_argument("--tune-json", default=None, help="launch settings from scripts/gpu_tune_gdn.py (its 'best')")
+    ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge)
+    if args.tune_json:
+        with open(args.tune_json) as f:
+            _gdn.TUNE.update(json.load(f)["best"])
+    part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     seed = torch.seed() % 2**31
@@ -122,6 +132,7 @@ def main(argv=None) -> int:
         for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
             cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
                                                              dtype=torch.bfloat16, h0=False)))
+    cases = cases[part::nparts]
     rows = []
     for name, kw in cases:
         try:
@@ -133,26 +144,40 @@ def main(argv=None) -> int:
         print(f"{'PASS' if row['pass'] else 'FAIL'} {row['case']:<34} {row['dtype']:<9} worst {row['worst']:<11} "
               f"{row['worst_rel']:.2e}", flush=True)
         torch.cuda.empty_cache()
-    for dt in (torch.bfloat16, torch.float32):
+    for dt in (torch.bfloat16, torch.float32) if part == 0 else ():
         try:
             row = check_decode(gen, dtype=dt)
         except Exception as e:
             row = {"case": "decode", "dtype": str(dt), "pass": False, "worst": "error", "worst_rel": float("nan"),
                    "errors": {"exception": repr(e)[:300]}}
         rows.append(row)
+    n_fail = _print_table(rows, seed)
+    print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in _gdn._BT_OK.items()})
+    print("launch settings:", json.dumps(_gdn.TUNE))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seed": seed, "rows": rows, "tune": dict(_gdn.TUNE)}, f, indent=1, default=str)
+    return 1 if n_fail else 0
+
+
+def _print_table(rows, seed) -> int:
     print("\n| case | dtype | result | worst tensor | rel RMS |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['dtype']} | {'PASS' if r['pass'] else 'FAIL'} | {r['worst']} | "
               f"{r['worst_rel']:.2e} |")
-    from hybridlm.ops.triton import gdn
-
-    print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in gdn._BT_OK.items()})
     n_fail = sum(not r["pass"] for r in rows)
     print(f"\n{len(rows) - n_fail}/{len(rows)} passed (seed {seed})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seed": seed, "rows": rows}, f, indent=1, default=str)
-    return 1 if n_fail else 0
+    return n_fail
+
+
+def _merge(paths) -> int:
+    rows, seeds = [], []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        rows += d["rows"]
+        seeds.append(d["seed"])
+    return 1 if _print_table(rows, seeds) else 0
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@ def main(argv=None) -> int:
               f"{'ok' if ok else 'INEXACT'} bt {row['bt']}", flush=True)
         return row
 
-    fwd_grid = [dict(fwd_bv=bv, fwd_warps=w, fwd_lowp=lp, fwd_stages=st)
-                for lp, bv, w, st in itertools.product((True, False), (64, 32), (4, 8), (2, 1))]
+    fwd_grid = [dict(fwd_bv=bv, fwd_warps=w, fwd_lowp=lp, fwd_stages=2)
+                for lp, bv, w in itertools.product((True, False), (64, 32), (4, 8))]
     best_f = None
     for s in fwd_grid:
         if time.time() - t_start > args.max_seconds / 2:
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
         if row.get("ok") and (best_f is None or row["ms"] < best_f["ms"]):
             best_f = row
     fset = best_f["setting"] if best_f else {}
-    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=lp)
-                for lp, bv, w in itertools.product((True, False), (64, 32), (8, 4))]
+    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=True) for bv, w in itertools.product((64, 32), (8, 4))]
+    bwd_grid.append(dict(fset, bwd_bv=64, bwd_warps=8, bwd_lowp=False))
     best_b = None
     for s in bwd_grid:
         if time.time() - t_start > args.max_seconds:

@@ -100,7 +100,7 @@ def _eye_rows(r0, BT: tl.constexpr):
 @triton.jit
 def _prep_fwd(
     k, v, g, beta, Tbuf, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk: A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K,
@@ -163,7 +163,7 @@ def _prep_fwd(
 @triton.jit
 def _recur_fwd(
     q, k, g, Wbuf, Ubuf, o, h0, ht, hbuf, vnbuf, cu, chunk_off, scale, NCH,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
 ):
@@ -225,7 +225,7 @@ def _recur_fwd(
 @triton.jit
 def _recur_bwd(
     q, k, g, Wbuf, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, scale, NCH,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr,
 ):
@@ -283,7 +283,7 @@ def _recur_bwd(
 def _chunk_bwd(
     q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     """dq, dk, dv, dg, dbeta of one chunk. The dots inside the loop over V blocks (state, Vn, dVn, dO, v
@@ -400,7 +400,7 @@ def _chunk_bwd(
 @triton.jit
 def _decode_step(
     q, k, v, g, beta, pool, idx, o, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
 ):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
