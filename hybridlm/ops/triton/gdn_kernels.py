@@ -33,9 +33,13 @@ def _patch_interpreter_index() -> None:
     if orig is None or getattr(orig, "_hybridlm", False):
         return
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def patched(tensor, *scope):  # Triton 3.6+: (tensor, scope); 3.4/3.5: (tensor,)
+        orig(tensor, *scope)
+        index = lambda self: int(self.handle.data.reshape(-1)[0])
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._hybridlm = True
     itp._patch_lang_tensor = patched
@@ -197,7 +201,7 @@ def _recur_fwd(
         r64 = t0 + rows
         if STORE:
             tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S.to(hbuf.dtype.element_ty),
-                     mask=(s_off >= 0) & (nval > 0))
+                     mask=s_off < tl.where(nval > 0, K * V, 0))
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
@@ -256,7 +260,7 @@ def _recur_bwd(
         r64 = t0 + rows
         # gradient of the state after chunk c
         tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS.to(dhbuf.dtype.element_ty),
-                 mask=(s_off >= 0) & (nval > 0))
+                 mask=s_off < tl.where(nval > 0, K * V, 0))
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The Triton kernels' CPU-interpreter cases (tests/ops/triton/interp_gdn.py) under several Triton versions, each
+# in its own venv that reuses this Python's torch. Needs pip access to PyPI. Checks the Python front end of
+# every version (language features, interpreter); GPU code generation of each version is not covered here.
+#   scripts/interp_triton_versions.sh [VERSION ...]      (default: 3.4.0 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+versions=("$@")
+[ ${#versions[@]} -eq 0 ] && versions=(3.4.0 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0)
+for v in "${versions[@]}"; do
+  venv="${TMPDIR:-/tmp}/hybridlm_triton_$v"
+  [ -x "$venv/bin/python" ] || python -m venv --system-site-packages "$venv" >/dev/null
+  "$venv/bin/python" -m pip install -q "triton==$v" >/dev/null 2>&1 || { echo "triton $v: install failed"; continue; }
+  out=$(TRITON_INTERPRET=1 PYTHONPATH="$PWD" timeout 600 "$venv/bin/python" tests/ops/triton/interp_gdn.py 2>&1)
+  echo "$out" | grep '^RESULT ' | tail -1 | cut -c8- | "$venv/bin/python" -c '
+import json, sys
+d = json.load(sys.stdin)
+worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged"))
+         for c, r in d.items() if isinstance(r, dict)}
+ok = all(w <= 3e-5 for w in worst.values())
+print("triton", sys.argv[1], "PASS" if ok else "FAIL", "worst rel err", f"{max(worst.values()):.2e}", "seed", d["seed"])
+' "$v" || echo "triton $v: FAIL (no result) $(echo "$out" | tail -2)"
+done
