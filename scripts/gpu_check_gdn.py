@@ -35,7 +35,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True):
+def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False):
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -48,8 +48,12 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     leaf = [x.clone().requires_grad_(grads) for x in xs]
     t0 = time.perf_counter()
-    o, ht = gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None,
-                             output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
+    fn = gated_delta_rule
+    if compiled:  # inductor, no graph breaks: the custom ops trace through their fake kernels
+        fn = torch.compile(lambda *a, **kw: gated_delta_rule(*a, **kw),
+                           fullgraph=True)
+    o, ht = fn(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None,
+               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
     do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
     if grads:
         gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
@@ -126,6 +130,8 @@ def main(argv=None) -> int:
         cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+    cases.append(("torch.compile T300 H2 HV4", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                                    compiled=True)))
     if args.bench_only:
         cases = []
     if not args.quick:

@@ -44,7 +44,7 @@ def inputs(gen, B, T, H, HV, K, V, N, l2, dtype):
     return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
 
 
-def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False):
+def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False, compiled=False):
     N = B if cu is None else len(cu) - 1
     xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
@@ -53,6 +53,10 @@ def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, pu
               cu_seqlens=cu_t, use_qk_l2norm=l2)
     if public:
         o, ht = gated_delta_rule(*leaf[:3], impl="triton", **kw)
+    elif compiled:  # torch.compile traces through the custom ops (fake kernels), no graph break allowed
+        fn = torch.compile(lambda q, k, v, kw: chunk_gated_delta_rule(q, k, v, **kw), backend="aot_eager",
+                           fullgraph=True)
+        o, ht = fn(*leaf[:3], kw)
     else:
         o, ht = chunk_gated_delta_rule(*leaf[:3], **kw)
     do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
@@ -108,6 +112,7 @@ def main() -> int:
                                         cu=[0, 1, 16, 80, 150])
     res["gva4_K64_V128_T65_public"] = run_case(gen, B=1, T=65, H=1, HV=4, K=64, V=128, l2=True, h0=False,
                                                public=True)
+    res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
