@@ -2,12 +2,12 @@
 
     python scripts/gpu_tune_gdn.py [--shape 4,4096,16,128] [--json tune.json] [--max-seconds 240]
 
-For each forward setting (V block: None = the built-in choice, or 32; warps, 16-bit or fp32 dot operands) it times the forward, then for the
-backward settings (V block, warps, operands) forward+backward with the best forward. Every setting's error is
-measured against our own fp32-input run (IEEE dots, ~1e-6 from float64 on these inputs), so a setting that is
-fast but inexact shows. The best setting is the fastest whose errors stay within 0.8x of the bf16 bars of
-scripts/gpu_check_gdn.py (o 5e-3, gradients 1e-2). Writes {"best": TUNE, "rows": [...]} to --json; pass it to
-`python -m hybridlm.bench.kernels --tune-json` to benchmark with it.
+For each forward setting (V block: None = the built-in choice, or 32; warps; 16-bit or fp32 dot operands) it
+times the forward, then for the backward settings (V block, warps, operands) forward+backward with the best
+forward. Every setting's error is measured against our own fp32-input run (IEEE dots, ~1e-6 from float64 on
+these inputs), so a setting that is fast but inexact shows. The best setting is the fastest whose errors stay
+within 0.8x of the bf16 bars of scripts/gpu_check_gdn.py (o 5e-3, gradients 1e-2). Writes {"best": TUNE,
+"rows": [...]} to --json; pass it to `python -m hybridlm.bench.kernels --tune-json` to benchmark with it.
 """
 
 from __future__ import annotations
