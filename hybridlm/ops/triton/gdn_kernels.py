@@ -302,22 +302,7 @@ def _chunk_bwd(
     r64 = bos + rows
     offs_k = tl.arange(0, K)
     Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
-    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
-    kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
-    if L2:
-        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
-        qq = qr * rq[:, None]
-        kk = kr * rk[:, None]
-    else:
-        qq = qr
-        kk = kr
-    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    gc = tl.cumsum(gg, 0)
-    gL = tl.sum(gg, 0)
-    gam = tl.exp(gc)
-    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
     hb = (ic * HV + ihv).to(tl.int64) * K * V
 
     dQS = tl.zeros([BT, K], dtype=tl.float32)
@@ -349,6 +334,22 @@ def _chunk_bwd(
         db += tl.sum(vv * dVb, 1)
         dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
 
+    # q, k, T and the decays are loaded only now: keeping them out of the V loop keeps its registers free
+    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+    kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+        qq = qr * rq[:, None]
+        kk = kr * rk[:, None]
+    else:
+        qq = qr
+        kk = kr
+    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    gc = tl.cumsum(gg, 0)
+    gL = tl.sum(gg, 0)
+    gam = tl.exp(gc)
+    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
     # output through the chunk-initial state: O += diag(scale gamma) Q S
     dqn = dQS * (scale * gam)[:, None]
     dgc = tl.sum(qq * dqn, 1)
