@@ -1,0 +1,429 @@
+"""Triton causal depthwise conv1d (+ SiLU) over time: training/prefill forward and backward, and the decode step.
+
+Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T, C], weight [C, W] with
+`weight[:, W-1]` on the current token, state = the last W inputs [N, C, W]). Non-standard here:
+- varlen: `cu_seqlens` [N+1] packs N documents in one row (B == 1); every document starts from its own
+  initial state (zeros when none is given, as `hybridlm.layers.ShortConv` convolves documents one by one), so the
+  conv never reads across a document boundary; final states are per document [N, C, W].
+- Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
+  them to x.dtype before its conv).
+- The backward recomputes the pre-activation (no [B, T, C] buffer is saved) and reduces dweight/dbias through
+  per-program fp32 partials summed on the host (deterministic, no atomics). Gradients flow to x, weight, bias and
+  initial_state; the returned final state is not differentiable.
+- `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
+  `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
+Custom ops: `hybridlm::conv_fwd`, `hybridlm::conv_bwd`, `hybridlm::conv_decode` (mutates the pool).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .gdn_kernels import _patch_interpreter_index
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_index()
+
+MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
+POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
+BT, BC = 32, 64  # token and channel block of the kernels
+
+
+# ----------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_hist(x, h0, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_H0: tl.constexpr):
+    """Input at in-document positions pos [R] for channels o_c [BC] -> [R, BC] fp32. pos < 0 reads the initial
+    state (column W + pos), or 0 without one; pos >= L reads 0."""
+    m_in = (pos >= 0) & (pos < L)
+    p_x = x + (bos + pos)[:, None] * C + o_c[None, :]
+    b_x = tl.load(p_x, mask=m_in[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+    if HAS_H0:
+        m_h = (pos < 0) & (pos >= -W)
+        p_h = h0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + (W + pos)[:, None]
+        b_h = tl.load(p_h, mask=m_h[:, None] & m_c[None, :], other=0.0)
+        b_x += b_h.to(x.dtype.element_ty).to(tl.float32)  # the reference casts the state to x's dtype
+    return b_x
+
+
+@triton.jit
+def _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+             HAS_H0: tl.constexpr):
+    """bias + sum_i w[:, i] * x_{pos-(W-1)+i} -> [R, BC] fp32 (weight and bias rounded to x's dtype)."""
+    b_y = tl.zeros([pos.shape[0], o_c.shape[0]], dtype=tl.float32)
+    if HAS_BIAS:
+        b_y += tl.load(bias + o_c, mask=m_c, other=0.0).to(x.dtype.element_ty).to(tl.float32)[None, :]
+    for i in tl.static_range(W):
+        b_w = tl.load(w + o_c * W + i, mask=m_c, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+        b_y += b_w[None, :] * _load_hist(x, h0, bos, L, i_n, pos - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
+    return b_y
+
+
+@triton.jit
+def _conv_fwd(x, w, bias, h0, y, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr):
+    """Grid (C / BC, max document length / BT, N): one [BT, BC] block of one document."""
+    i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    b_y = _pre_act(x, w, bias, h0, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
+    if SILU:
+        b_y = b_y * tl.sigmoid(b_y)
+    p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
+    tl.store(p_y, b_y.to(y.dtype.element_ty), mask=(o_t < L)[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+                      HAS_H0: tl.constexpr):
+    """Grid (C / BC, N): ht[n, :, j] = input at position L - W + j (from the initial state when < 0)."""
+    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    o_j = tl.arange(0, WP)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    b_s = _load_hist(x, h0, bos, L, i_n, L - W + o_j, o_c, m_c, C, W, HAS_H0)  # [WP, BC]
+    p_s = ht + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
+    tl.store(p_s, b_s.to(ht.dtype.element_ty), mask=(o_j < W)[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+             HAS_H0: tl.constexpr, SILU: tl.constexpr):
+    """dL/d(input at positions o_t) = sum_s w[:, W-1-s] * dpre(o_t + s), with dpre recomputed -> [R, BC] fp32."""
+    b_dx = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
+    for s in tl.static_range(W):
+        pos = o_t + s
+        m_q = (pos >= 0) & (pos < L)
+        b_dp = tl.load(dy + (bos + pos)[:, None] * C + o_c[None, :], mask=m_q[:, None] & m_c[None, :],
+                       other=0.0).to(tl.float32)
+        if SILU:
+            b_p = _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
+            b_sg = tl.sigmoid(b_p)
+            b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+        b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+        b_dx += b_w[None, :] * b_dp
+    return b_dx
+
+
+@triton.jit
+def _conv_bwd(x, w, bias, h0, dy, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
+              SILU: tl.constexpr):
+    """Grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n; writes dx there and its
+    partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] / dbp [N * NS, C]."""
+    i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_j = tl.arange(0, WP)
+    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    b_db = tl.zeros([BC], dtype=tl.float32)
+    NT = tl.cdiv(L, BT)
+    for i_t in range(i_s, NT, NS):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < L
+        b_dx = _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+        tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=m_t[:, None] & m_c[None, :])
+        # dpre of this block's own rows, then dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i}
+        b_dp = tl.load(dy + (bos + o_t)[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
+                       other=0.0).to(tl.float32)
+        if SILU:
+            b_p = _pre_act(x, w, bias, h0, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
+            b_sg = tl.sigmoid(b_p)
+            b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+        b_db += tl.sum(b_dp, 0)
+        for i in tl.static_range(W):
+            b_xi = _load_hist(x, h0, bos, L, i_n, o_t - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
+            b_dw += tl.where(o_j[None, :] == i, tl.sum(b_dp * b_xi, 0)[:, None], 0.0)
+    i_p = (i_n * NS + i_s).to(tl.int64)
+    tl.store(dwp + i_p * C * W + o_c[:, None] * W + o_j[None, :], b_dw, mask=m_c[:, None] & (o_j < W)[None, :])
+    if HAS_BIAS:
+        tl.store(dbp + i_p * C + o_c, b_db, mask=m_c)
+
+
+@triton.jit
+def _conv_bwd_h0(x, w, bias, h0, dy, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0)."""
+    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_j = tl.arange(0, WP)
+    b_dh = _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True, SILU)
+    p_dh = dh0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
+    tl.store(p_dh, b_dh.to(dh0.dtype.element_ty), mask=(o_j < W)[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _conv_decode(x, state, idx, w, bias, y, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+                 HAS_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """Grid (C / BC, N): shift state row idx[n] left by one, append x[n], y[n] = act(bias + <state, w>)."""
+    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_j = tl.arange(0, WP)
+    if HAS_IDX:
+        i_r = tl.load(idx + i_n).to(tl.int64)
+    else:
+        i_r = i_n.to(tl.int64)
+    p_s = state + i_r * C * W + o_c[:, None] * W + o_j[None, :]
+    m_s = m_c[:, None] & (o_j < W)[None, :]
+    b_s = tl.load(p_s + 1, mask=m_c[:, None] & (o_j + 1 < W)[None, :], other=0.0)  # columns 1.. moved left
+    b_x = tl.load(x + i_n.to(tl.int64) * C + o_c, mask=m_c, other=0.0)
+    b_s = tl.where(o_j[None, :] == W - 1, b_x.to(state.dtype.element_ty)[:, None], b_s)
+    tl.store(p_s, b_s, mask=m_s)
+    DT = x.dtype.element_ty
+    b_w = tl.load(w + o_c[:, None] * W + o_j[None, :], mask=m_s, other=0.0).to(DT).to(tl.float32)
+    b_y = tl.sum(b_s.to(DT).to(tl.float32) * b_w, 1)
+    if HAS_BIAS:
+        b_y += tl.load(bias + o_c, mask=m_c, other=0.0).to(DT).to(tl.float32)
+    if SILU:
+        b_y = b_y * tl.sigmoid(b_y)
+    tl.store(y + i_n.to(tl.int64) * C + o_c, b_y.to(y.dtype.element_ty), mask=m_c)
+
+
+# ------------------------------------------------------------------------------------------------------- host
+
+
+def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def _layout(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """(cu int32 [N+1] on x's device, N, longest document). Without cu_seqlens no host sync is needed."""
+    B, T, _ = x.shape
+    if cu_seqlens is None:
+        return torch.arange(0, (B + 1) * T, max(T, 1), device=x.device, dtype=torch.int32)[: B + 1], B, T
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
+    n = cu.shape[0] - 1
+    return cu, n, int((cu[1:] - cu[:-1]).max().item()) if n > 0 else 0
+
+
+def _num_sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+@torch.library.custom_op("hybridlm::conv_fwd", mutates_args=())
+def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+             cu_seqlens: torch.Tensor | None, silu: bool, output_final_state: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y [B, T, C] in x's dtype, final state [N, C, W] in x's dtype, or an empty tensor)."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    x, weight = x.contiguous(), weight.contiguous()
+    cu, N, Lmax = _layout(x, cu_seqlens)
+    y = _out((B, T, C), x, x.dtype)
+    h0 = initial_state.contiguous() if initial_state is not None else x
+    b = bias.contiguous() if bias is not None else x
+    if Lmax > 0 and N > 0:
+        _conv_fwd[(triton.cdiv(C, BC), triton.cdiv(Lmax, BT), N)](
+            x, weight, b, h0, y, cu, C, W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None,
+            HAS_H0=initial_state is not None, SILU=silu, num_warps=4)
+    if not output_final_state:
+        return y, x.new_empty(0)
+    ht = _out((N, C, W), x, x.dtype)
+    if N > 0:
+        _conv_final_state[(triton.cdiv(C, BC), N)](
+            x, h0, ht, cu, C, W=W, WP=triton.next_power_of_2(W), BC=BC, HAS_H0=initial_state is not None,
+            num_warps=4)
+    return y, ht
+
+
+@conv_fwd.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state):
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = x.new_empty(N, x.shape[2], weight.shape[1]) if output_final_state else x.new_empty(0)
+    return torch.empty_like(x), ht
+
+
+@torch.library.custom_op("hybridlm::conv_bwd", mutates_args=())
+def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool, need_dh0: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dbias or empty, dinitial_state or empty), each in its input's dtype."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    WP = triton.next_power_of_2(W)
+    x, weight, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
+    cu, N, Lmax = _layout(x, cu_seqlens)
+    h0 = initial_state.contiguous() if initial_state is not None else x
+    b = bias.contiguous() if bias is not None else x
+    NC = triton.cdiv(C, BC)
+    # enough programs to fill the device, each keeping its dweight partial in registers over its blocks
+    NS = max(1, min(triton.cdiv(Lmax, BT), triton.cdiv(4 * _num_sms(x.device), NC * max(N, 1))))
+    dx = _out((B, T, C), x, x.dtype)
+    dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
+    dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
+    kw = dict(W=W, WP=WP, BC=BC, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+    if N > 0 and Lmax > 0:
+        _conv_bwd[(NC, N, NS)](x, weight, b, h0, dy, dx, dwp, dbp, cu, C, NS, BT=BT,
+                               HAS_H0=initial_state is not None, **kw)
+    dw = dwp.sum(0).to(weight.dtype)
+    db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
+    dh0 = x.new_empty(0)
+    if need_dh0 and initial_state is not None:
+        dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
+        if N > 0:
+            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dh0, cu, C, **kw)
+    return dx, dw, db, dh0
+
+
+@conv_bwd.register_fake
+def _(dy, x, weight, bias, initial_state, cu_seqlens, silu, need_dh0):
+    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+    dh0 = torch.empty_like(initial_state) if (need_dh0 and initial_state is not None) else x.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(weight), db, dh0
+
+
+class _CausalConv1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, silu, output_final_state):
+        y, ht = torch.ops.hybridlm.conv_fwd(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state)
+        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+        ctx.silu = silu
+        ctx.mark_non_differentiable(ht)
+        return y, ht
+
+    @staticmethod
+    def backward(ctx, dy, _dht):
+        x, weight, bias, h0, cu = ctx.saved_tensors
+        need_dh0 = h0 is not None and ctx.needs_input_grad[3]
+        dx, dw, db, dh0 = torch.ops.hybridlm.conv_bwd(dy, x, weight, bias, h0, cu, ctx.silu, need_dh0)
+        return dx, dw, (db if bias is not None else None), (dh0 if need_dh0 else None), None, None, None
+
+
+def _check_device(name: str, x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{name}: the Triton glue kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                           f"interpreter), got a tensor on {x.device}")
+
+
+def _check_tensor(name: str, x, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+
+
+def _activation(activation: str | None) -> bool:
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
+    return activation == "silu"
+
+
+def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, C: int) -> int:
+    _check_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight: expected shape [C={C}, W], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if not 1 <= W <= MAX_W:
+        raise ValueError(f"weight: expected a kernel width W in 1..{MAX_W}, got W={W}")
+    if bias is not None:
+        _check_tensor("bias", bias)
+        if tuple(bias.shape) != (C,):
+            raise ValueError(f"bias: expected shape ({C},) ([C]), got {tuple(bias.shape)}")
+    return W
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y_t = act(bias + sum_{i<W} weight[:, i] * x_{t-(W-1)+i}), inputs before a document's start taken from its
+    initial state (or 0). Differentiable in x, weight, bias, initial_state.
+
+    x: [B, T, C] (float16/bfloat16/float32); weight: [C, W]; bias: [C] or None; activation: None or "silu";
+    initial_state: [N, C, W]; cu_seqlens: int [N+1] offsets of documents packed in one row (B == 1), else N = B.
+    Returns (y [B, T, C] in x's dtype, final state [N, C, W] in x's dtype if output_final_state else None)."""
+    _check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x: expected rank 3 ([B, T, C]), got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    W = _check_weight(weight, bias, C)
+    silu = _activation(activation)
+    _check_device("x", x)
+    N = B
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected int32/int64 [N+1] with N >= 1, got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"x: expected B == 1 with cu_seqlens, got shape {tuple(x.shape)}")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state)
+        if tuple(initial_state.shape) != (N, C, W):
+            raise ValueError(f"initial_state: expected shape {(N, C, W)} ([N, C, W]), got "
+                             f"{tuple(initial_state.shape)}")
+    y, ht = _CausalConv1d.apply(x, weight, bias, initial_state, cu_seqlens, silu, bool(output_final_state))
+    return y, (ht if output_final_state else None)
+
+
+@torch.library.custom_op("hybridlm::conv_decode", mutates_args=("conv_state",))
+def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor | None,
+                weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    N, C = x.shape
+    W = weight.shape[1]
+    y = _out((N, C), x, x.dtype)
+    if N > 0:
+        _conv_decode[(triton.cdiv(C, BC), N)](
+            x.contiguous(), conv_state, state_indices if state_indices is not None else x, weight.contiguous(),
+            bias.contiguous() if bias is not None else x, y, C, W=W, WP=triton.next_power_of_2(W), BC=BC,
+            HAS_IDX=state_indices is not None, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+    return y
+
+
+@conv_decode.register_fake
+def _(x, conv_state, state_indices, weight, bias, silu):
+    return torch.empty_like(x)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    activation: str | None = None, state_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step, updating the conv state in place. Not differentiable.
+
+    x: [N, C]; conv_state: [N, C, W] (row n for sequence n), or a pool [P, C, W] with state_indices int32/int64
+    [N] (distinct rows; sequence n reads and writes conv_state[state_indices[n]]). Returns y [N, C] in x's dtype."""
+    _check_tensor("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected rank 2 ([N, C]), got shape {tuple(x.shape)}")
+    N, C = x.shape
+    W = _check_weight(weight, bias, C)
+    silu = _activation(activation)
+    _check_device("x", x)
+    _check_tensor("conv_state", conv_state)
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (C, W):
+        raise ValueError(f"conv_state: expected shape [P, {C}, {W}] ([P, C, W]), got {tuple(conv_state.shape)}")
+    if not conv_state.is_contiguous():
+        raise ValueError("conv_state: expected a contiguous tensor (it is updated in place)")
+    if state_indices is None:
+        if conv_state.shape[0] != N:
+            raise ValueError(f"conv_state: expected shape {(N, C, W)} without state_indices, got "
+                             f"{tuple(conv_state.shape)}")
+    elif state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
+        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    idx = state_indices.contiguous() if state_indices is not None else None
+    return torch.ops.hybridlm.conv_decode(x, conv_state, idx, weight, bias, silu)
+
+
+__all__ = ["causal_conv1d", "causal_conv1d_update", "conv_fwd", "conv_bwd", "conv_decode"]
