@@ -3,28 +3,71 @@
 Non-standard here: the weight is stored as `[C, 1, W]` (a torch Conv1d weight, the checkpoint layout) and the
 op is sequence-first. Packed documents (`cu_seqlens`) are convolved one by one, so a document never reads the
 tail of the previous one.
+`use_fused_glue` is the switch every layer uses for its glue (conv, gates, gated norm): the fused Triton kernels
+of `hybridlm.ops.triton.{conv,gates,norm}` when the layer's impl resolves to "triton", else the PyTorch reference.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from hybridlm.ops import causal_conv1d, causal_conv1d_update
 
+log = logging.getLogger("hybridlm.layers")
+_GLUE_LOGGED: set[tuple] = set()
+
+
+def use_fused_glue(impl: str, x: torch.Tensor, where: str) -> bool:
+    """True when `impl` resolves to the fused Triton glue for input x: impl="triton" always (the kernels refuse
+    CPU tensors outside TRITON_INTERPRET=1, and raise for float64), impl="auto" on CUDA for float16/bfloat16/
+    float32 when triton imports; "naive" and "chunk" never. The choice "auto" makes is logged once per
+    (where, device type, dtype)."""
+    if impl == "triton":
+        try:
+            import hybridlm.ops.triton.conv  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"impl: 'triton' was asked for {where}, but the Triton glue kernels do not import "
+                               f"({e})") from e
+        return True
+    if impl != "auto":
+        return False
+    why = None
+    if x.device.type != "cuda":
+        why = f"on {x.device.type}"
+    elif x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why = f"{x.dtype} inputs"
+    else:
+        try:
+            import hybridlm.ops.triton.conv  # noqa: F401
+        except ImportError:
+            why = "triton does not import"
+    key = (where, x.device.type, x.dtype)
+    if key not in _GLUE_LOGGED:
+        _GLUE_LOGGED.add(key)
+        log.info("hybridlm.layers.%s: impl='auto' picked the %s glue on %s%s", where,
+                 "PyTorch reference" if why else "fused Triton", x.device.type, f" ({why})" if why else "")
+    return why is None
+
 
 class ShortConv(nn.Module):
-    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu"):
+    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", impl: str = "auto"):
         super().__init__()
-        self.activation = activation
+        self.activation, self.impl = activation, impl
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None,
+                impl: str | None = None) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]. cu_seqlens: int [N+1] offsets of documents packed in one row (B == 1).
         cache: an object with a `.conv` attribute ([B, C, W] or None): one token updates it in place (decode
-        step); several tokens continue from it (prefill / multi-token continuation) and replace it."""
+        step); several tokens continue from it (prefill / multi-token continuation) and replace it.
+        impl: the owning layer's impl (default self.impl); see `use_fused_glue`."""
         w = self.weight.squeeze(1)
+        if use_fused_glue(self.impl if impl is None else impl, x, "ShortConv"):
+            return self._fused(x, w, cu_seqlens, cache)
         if cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: packed documents cannot be combined with a generation cache")
@@ -38,6 +81,19 @@ class ShortConv(nn.Module):
         bounds = cu_seqlens.tolist()
         parts = [causal_conv1d(x[:, s:e], w, activation=self.activation)[0] for s, e in zip(bounds, bounds[1:])]
         return torch.cat(parts, dim=1)
+
+    def _fused(self, x, w, cu_seqlens, cache):
+        from hybridlm.ops.triton import conv as tconv
+
+        if cache is None:
+            return tconv.causal_conv1d(x, w, activation=self.activation, cu_seqlens=cu_seqlens)[0]
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: packed documents cannot be combined with a generation cache")
+        if cache.conv is not None and x.shape[1] == 1:
+            return tconv.causal_conv1d_update(x[:, 0], cache.conv, w, activation=self.activation)[:, None]
+        y, cache.conv = tconv.causal_conv1d(x, w, activation=self.activation, initial_state=cache.conv,
+                                            output_final_state=True)
+        return y
 
 
 def step_impl(impl: str, cache, T: int) -> str:

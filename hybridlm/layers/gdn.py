@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridlm.ops import gated_delta_rule
 
-from .conv import ShortConv, step_impl
+from .conv import ShortConv, step_impl, use_fused_glue
 from .norm import GatedRMSNorm
 
 LAYOUTS = ("fused", "split", "olmo")
@@ -87,6 +87,10 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b: [B, T, HV] -> (g float32 log-decay, beta in the model dtype)."""
+        if use_fused_glue(self.impl, a, "GatedDeltaNet.gates"):
+            from hybridlm.ops.triton.gates import gdn_gates
+
+            return gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         beta = b.sigmoid()
         if self.beta_scale != 1.0:
@@ -101,7 +105,7 @@ class GatedDeltaNet(nn.Module):
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        qkv = self.conv1d(qkv, cu_seqlens, cache)
+        qkv = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
@@ -112,4 +116,4 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.recurrent = state
         norm, out = (self.o_norm, self.o_proj) if self.layout == "olmo" else (self.norm, self.out_proj)
-        return out(norm(o, z).reshape(B, T, self.value_dim))
+        return out(norm(o, z, impl=self.impl).reshape(B, T, self.value_dim))

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridlm.ops import kda
 
-from .conv import ShortConv, step_impl
+from .conv import ShortConv, step_impl, use_fused_glue
 from .norm import GatedRMSNorm
 
 
@@ -57,12 +57,17 @@ class KimiDeltaAttention(nn.Module):
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        q, k, v = self.conv1d(qkv, cu_seqlens, cache).view(B, T, 3, self.H, self.dk).unbind(2)
-        beta = torch.sigmoid(self.b_proj(x))
-        o, state = kda(q, k, v, g=self.forget_gate(x), beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+        q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl).view(B, T, 3, self.H, self.dk).unbind(2)
+        if use_fused_glue(self.impl, x, "KimiDeltaAttention.gates"):
+            from hybridlm.ops.triton.gates import kda_gates
+
+            g, beta = kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias)
+        else:
+            g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+        o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
                        initial_state=None if cache is None else cache.recurrent, output_final_state=cache is not None,
                        impl=step_impl(self.impl, cache, T))
         if cache is not None:
             cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.dim))
+        return self.o_proj(self.o_norm(o, gate, impl=self.impl).reshape(B, T, self.dim))

@@ -14,6 +14,8 @@ from torch import nn
 
 from hybridlm.ops import gated_rms_norm, rms_norm
 
+from .conv import use_fused_glue
+
 NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
 
 
@@ -42,11 +44,15 @@ class GatedRMSNorm(nn.Module):
     activation "silu" (Qwen, OLMo: w * x_hat.to(dtype) * silu(gate) in float32, cast once) or
     "sigmoid" with fp32_output=True (Kimi: the whole product in float32)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu", fp32_output: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu", fp32_output: bool = False,
+                 impl: str = "auto"):
         super().__init__()
-        self.eps, self.activation, self.fp32_output = eps, activation, fp32_output
+        self.eps, self.activation, self.fp32_output, self.impl = eps, activation, fp32_output, impl
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps, activation=self.activation,
-                              fp32_output=self.fp32_output)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+        """impl: the owning layer's impl (default self.impl); "triton" runs the fused kernel (`use_fused_glue`)."""
+        fn = gated_rms_norm
+        if use_fused_glue(self.impl if impl is None else impl, x, "GatedRMSNorm"):
+            from hybridlm.ops.triton.norm import gated_rms_norm as fn
+        return fn(x, gate, self.weight, self.eps, activation=self.activation, fp32_output=self.fp32_output)

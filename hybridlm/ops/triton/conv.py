@@ -358,7 +358,6 @@ def causal_conv1d(
     B, T, C = x.shape
     W = _check_weight(weight, bias, C)
     silu = _activation(activation)
-    _check_device("x", x)
     N = B
     if cu_seqlens is not None:
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -372,6 +371,7 @@ def causal_conv1d(
         if tuple(initial_state.shape) != (N, C, W):
             raise ValueError(f"initial_state: expected shape {(N, C, W)} ([N, C, W]), got "
                              f"{tuple(initial_state.shape)}")
+    _check_device("x", x)
     y, ht = _CausalConv1d.apply(x, weight, bias, initial_state, cu_seqlens, silu, bool(output_final_state))
     return y, (ht if output_final_state else None)
 
@@ -409,7 +409,6 @@ def causal_conv1d_update(
     N, C = x.shape
     W = _check_weight(weight, bias, C)
     silu = _activation(activation)
-    _check_device("x", x)
     _check_tensor("conv_state", conv_state)
     if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (C, W):
         raise ValueError(f"conv_state: expected shape [P, {C}, {W}] ([P, C, W]), got {tuple(conv_state.shape)}")
@@ -422,6 +421,7 @@ def causal_conv1d_update(
     elif state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
         raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
                          f"{tuple(state_indices.shape)}")
+    _check_device("x", x)
     idx = state_indices.contiguous() if state_indices is not None else None
     return torch.ops.hybridlm.conv_decode(x, conv_state, idx, weight, bias, silu)
 

@@ -178,7 +178,6 @@ def _check(a, b, A_log, dt_bias, HV: int, KG: int) -> None:
         raise ValueError(f"A_log: expected {HV} elements (one per head), got shape {tuple(A_log.shape)}")
     if dt_bias.numel() != HV * KG:
         raise ValueError(f"dt_bias: expected {HV * KG} elements, got shape {tuple(dt_bias.shape)}")
-    _check_device("a", a)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
@@ -194,6 +193,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     if tuple(A_log.shape) != (HV,) or tuple(dt_bias.shape) != (HV,):
         raise ValueError(f"A_log, dt_bias: expected shape ({HV},) ([HV]), got {tuple(A_log.shape)}, "
                          f"{tuple(dt_bias.shape)}")
+    _check_device("a", a)
     g, beta = _Gates.apply(a.reshape(-1, HV).contiguous(), b.reshape(-1, HV).contiguous(), A_log.contiguous(),
                            dt_bias.contiguous(), float(beta_scale))
     return g.view(a.shape), beta.view(b.shape)
@@ -211,6 +211,7 @@ def kda_gates(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     H = b.shape[-1]
     K = f.shape[-1] // H
     _check(f, b, A_log, dt_bias, H, K)
+    _check_device("f", f)
     g, beta = _Gates.apply(f.reshape(-1, H * K).contiguous(), b.reshape(-1, H).contiguous(),
                            A_log.reshape(H), dt_bias.reshape(H * K), float(beta_scale))
     return g.view(*f.shape[:-1], H, K), beta.view(b.shape)

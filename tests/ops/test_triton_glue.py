@@ -1,0 +1,171 @@
+"""Fused Triton layer glue (hybridlm/ops/triton/{conv,norm,gates}.py) against the float64 PyTorch references.
+
+CPU (CI): the kernels run under TRITON_INTERPRET=1 in a child process (tests/ops/triton/interp_glue.py ops; the
+variable must be set before triton decorates the kernels) on fresh random float32 inputs with NaN-poisoned
+outputs: conv widths 2, 3, 4 with/without bias, SiLU, initial state, varlen documents shorter than the kernel
+(lengths 1, 2), T = 1, C not a multiple of the channel block; the pooled decode step; gated RMSNorm (SiLU /
+sigmoid + fp32 output, with and without weight) at D = 64, 100, 128, 256; RMSNorm kinds at D = 48..2560; the
+GDN gates (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; a torch.compile(fullgraph,
+aot_eager) call through the custom ops.
+Tolerances (relative L2 vs float64, measured ~1e-7 everywhere): outputs and states 2e-6, every gradient 5e-6
+(dA_log / ddt_bias are sums over all tokens: 1e-5). Final states are copies of inputs: exact.
+bfloat16 is not checked here: the interpreter rounds float32 -> bfloat16 by truncation; the GPU check
+(scripts/gpu_check_glue.py) does, and the `gpu` tests below do a small one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+TOL_OUT, TOL_GRAD, TOL_SUM = 2e-6, 5e-6, 1e-5
+SUMS = ("dA_log", "ddt_bias")
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(HERE / "triton" / "interp_glue.py"), "ops"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_T5", "conv_W4_varlen_1_2_37_5", "conv_W4_varlen_h0_bias",
+        "conv_W4_T1_h0"]
+NORM = ["gnorm_silu_D128", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64", "gnorm_silu_D256",
+        "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
+GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
+EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5": 2, "conv_W4_varlen_1_2_37_5": 2,
+                  "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
+                  "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
+                  "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,
+                  "gates_gdn": 4, "gates_gdn_beta2": 4, "gates_kda_K16": 4}
+
+
+@pytest.mark.parametrize("case", CONV + NORM + GATES)
+def test_glue_kernels_match_float64(interp_results, case):
+    res, seed = interp_results[case], interp_results["seed"]
+    assert res.pop("dtype_ok") == 1.0
+    grads = [n for n in res if n.startswith("d")]
+    assert len(grads) == EXPECTED_GRADS[case], grads
+    if "final_state" in res:
+        assert res.pop("final_state") == 0.0, f"{case} final_state (seed {seed})"
+    for name, err in res.items():
+        tol = TOL_SUM if name in SUMS else TOL_GRAD if name.startswith("d") else TOL_OUT
+        assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
+
+
+@pytest.mark.parametrize("case", ["conv_decode_W4_pool", "conv_decode_W2"])
+def test_conv_decode_matches_float64(interp_results, case):
+    res = interp_results[case]
+    assert res["y"] <= TOL_OUT, res
+    assert res["state"] == 0.0 and res["others_unchanged"] == 1.0, res
+
+
+def test_compiled_fullgraph_matches_eager(interp_results):
+    res = interp_results["compiled"]
+    assert all(v <= TOL_OUT for v in res.values()), res
+
+
+def test_fake_kernels_trace():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hybridlm.ops.triton.conv  # noqa: F401  (registers the ops)
+    import hybridlm.ops.triton.gates  # noqa: F401
+    import hybridlm.ops.triton.norm  # noqa: F401
+
+    ops = torch.ops.hybridlm
+    with FakeTensorMode():
+        x, w, h0 = torch.empty(1, 50, 96, dtype=torch.bfloat16), torch.empty(96, 4), torch.empty(3, 96, 4)
+        cu = torch.empty(4, dtype=torch.int32)
+        y, ht = ops.conv_fwd(x, w, None, h0, cu, True, True)
+        assert y.shape == x.shape and y.dtype == torch.bfloat16 and ht.shape == (3, 96, 4)
+        dx, dw, db, dh0 = ops.conv_bwd(y, x, w, None, h0, cu, True, True)
+        assert dx.shape == x.shape and dw.shape == w.shape and dh0.shape == h0.shape
+        assert ops.conv_decode(x[0, :3], h0, None, w, None, True).shape == (3, 96)
+        r, gt = torch.empty(10, 128, dtype=torch.bfloat16), torch.empty(10, 128, dtype=torch.bfloat16)
+        yn, rstd = ops.norm_fwd(r, gt, torch.empty(128), 1e-6, False, True, False, 1)
+        assert yn.shape == r.shape and rstd.shape == (10,)
+        assert [t.shape for t in ops.norm_bwd(yn, r, gt, torch.empty(128), 1e-6, False, True, False, 1)] == [
+            r.shape, gt.shape, (128,)]
+        a, b = torch.empty(10, 32, dtype=torch.bfloat16), torch.empty(10, 32, dtype=torch.bfloat16)
+        g, beta = ops.gates_fwd(a, b, torch.empty(32), torch.empty(32), 1.0)
+        assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16
+        assert [t.shape for t in ops.gates_bwd(g, beta, a, b, torch.empty(32), torch.empty(32), 1.0)] == [
+            a.shape, b.shape, (32,), (32,)]
+
+
+def test_bad_inputs_are_clear_errors():
+    from hybridlm.ops.triton import conv, gates, norm
+
+    x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"weight: expected shape \[C=8, W\]"):
+        conv.causal_conv1d(x, torch.randn(7, 4))
+    with pytest.raises(ValueError, match="W=9"):
+        conv.causal_conv1d(x, torch.randn(8, 9))
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        conv.causal_conv1d(x.double(), w)
+    with pytest.raises(ValueError, match="activation"):
+        conv.causal_conv1d(x, w, activation="gelu")
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \(1, 8, 4\)"):
+        conv.causal_conv1d(x, w, initial_state=torch.randn(2, 8, 4))
+    with pytest.raises(ValueError, match="B == 1 with cu_seqlens"):
+        conv.causal_conv1d(torch.randn(2, 5, 8), w, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="state_indices"):
+        conv.causal_conv1d_update(x[0, :2], torch.randn(4, 8, 4), w, state_indices=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"conv_state: expected shape \[P, 8, 4\]"):
+        conv.causal_conv1d_update(x[0, :2], torch.randn(4, 8, 3), w)
+    with pytest.raises(ValueError, match="gate: expected the shape of x"):
+        norm.gated_rms_norm(x, x[:, :2], None)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(8,\)"):
+        norm.rms_norm(x, torch.randn(7))
+    with pytest.raises(ValueError, match="activation"):
+        norm.gated_rms_norm(x, x, None, activation="relu")
+    with pytest.raises(ValueError, match="A_log: expected 3 elements"):
+        gates.gdn_gates(torch.randn(2, 3), torch.randn(2, 3), torch.randn(4), torch.randn(3))
+    with pytest.raises(ValueError, match=r"f, b: expected \[B, T, H \* K\]"):
+        gates.kda_gates(torch.randn(2, 10), torch.randn(2, 3), torch.randn(3), torch.randn(10))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the interpreter off")
+def test_cpu_tensors_are_refused_outside_the_interpreter():
+    from hybridlm.ops.triton import conv
+
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        conv.causal_conv1d(torch.randn(1, 5, 8), torch.randn(8, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_small(dtype):
+    """conv, gated norm and gates on CUDA vs float64 on the same rounded inputs (bf16: 1e-2, fp32: 1e-5)."""
+    from hybridlm.ops import causal_conv1d, gated_rms_norm
+    from hybridlm.ops.triton import conv, gates, norm
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    dev = "cuda"
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    x, w = torch.randn(2, 300, 200, device=dev).to(dtype), torch.randn(200, 4, device=dev) / 2
+    y, _ = conv.causal_conv1d(x, w, activation="silu")
+    y2, _ = causal_conv1d(x.double(), w.double(), activation="silu")
+    assert rel(y, y2) <= tol
+    z = torch.randn_like(x)
+    wn = torch.randn(200, device=dev)
+    assert rel(norm.gated_rms_norm(x, z, wn), gated_rms_norm(x.double(), z.double(), wn.double())) <= tol
+    a, b = torch.randn(2, 300, 8, device=dev).to(dtype), torch.randn(2, 300, 8, device=dev).to(dtype)
+    A, dt = torch.rand(8, device=dev) * 2, torch.randn(8, device=dev)
+    g, beta = gates.gdn_gates(a, b, A, dt)
+    g2 = -A.double().exp() * torch.nn.functional.softplus(a.double() + dt.double())
+    assert rel(g, g2) <= tol and rel(beta, b.double().sigmoid()) <= tol

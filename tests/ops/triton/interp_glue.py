@@ -1,0 +1,298 @@
+"""Cases for the fused Triton layer glue, run in a child process under TRITON_INTERPRET=1 (CPU), float32.
+
+    python tests/ops/triton/interp_glue.py ops|layers [seed]
+
+Run by tests/ops/test_triton_glue.py ("ops": each kernel vs its float64 PyTorch reference) and by
+tests/layers/test_fused_glue.py ("layers": GatedDeltaNet / KimiDeltaAttention with impl="triton", i.e. the fused
+glue, vs the same layer on the reference glue; the recurrence is forced to the PyTorch "chunk" path in both so only
+the glue differs). The variable must be set before triton decorates the kernels, so these cases cannot share the
+pytest process. Prints one JSON line "RESULT {case: {tensor: relative error}}". Fresh random inputs every run
+(seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32 only: the interpreter
+rounds float32 -> bfloat16 by truncation, not to nearest, so bf16 is checked on the GPU (scripts/gpu_check_glue.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rms_norm  # noqa: E402
+from hybridlm.ops.triton import conv as tconv  # noqa: E402
+from hybridlm.ops.triton import gates as tgates  # noqa: E402
+from hybridlm.ops.triton import norm as tnorm  # noqa: E402
+
+tconv.POISON = tnorm.POISON = tgates.POISON = True
+
+F64 = torch.float64
+
+
+def rel(a, b):
+    a, b = a.detach().to(F64), b.detach().to(F64)
+    if a.shape != b.shape:
+        return float("inf")
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def grads_vs(out, out_ref, leaves, leaves_ref, gen, names):
+    """Relative errors of the outputs and of every gradient, for one random cotangent per output."""
+    cots = [torch.randn(o.shape, generator=gen) for o in out]
+    gr = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip(out, cots)), leaves)
+    gr2 = torch.autograd.grad(sum((o * c.to(F64)).sum() for o, c in zip(out_ref, cots)), leaves_ref)
+    return {("d" + n): rel(a, b) for n, a, b in zip(names, gr, gr2)}
+
+
+# ---------------------------------------------------------------------------------------------------- conv
+
+
+def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None):
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, generator=gen)
+    xs = {"x": r(B, T, C), "weight": r(C, W) / W**0.5}
+    if bias:
+        xs["bias"] = r(C)
+    if h0:
+        xs["initial_state"] = r(N, C, W)
+    act = "silu" if silu else None
+    leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    y, ht = tconv.causal_conv1d(leaf["x"], leaf["weight"], leaf.get("bias"), activation=act,
+                                initial_state=leaf.get("initial_state"), output_final_state=True, cu_seqlens=cu_t)
+    ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
+    bounds = cu if cu is not None else None
+    if bounds is None:
+        y2, ht2 = causal_conv1d(ref["x"], ref["weight"], ref.get("bias"), activation=act,
+                                initial_state=ref.get("initial_state"), output_final_state=True)
+    else:  # documents one by one, each from its own state (zeros without one), as ShortConv does
+        ys, hs = [], []
+        for n in range(N):
+            s0 = ref["initial_state"][n:n + 1] if h0 else None
+            a, b = causal_conv1d(ref["x"][:, bounds[n]:bounds[n + 1]], ref["weight"], ref.get("bias"),
+                                 activation=act, initial_state=s0, output_final_state=True)
+            ys.append(a)
+            hs.append(b)
+        y2, ht2 = torch.cat(ys, 1), torch.cat(hs, 0)
+    res = {"y": rel(y, y2), "final_state": rel(ht, ht2), "dtype_ok": float(y.dtype == ht.dtype == torch.float32)}
+    # the final state is not differentiable: gradients from y only
+    res.update(grads_vs([y], [y2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
+    return res
+
+
+def conv_decode_case(gen, *, N, P, C, W, bias, pooled):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    x, w, b = r(N, C), r(C, W), (r(C) if bias else None)
+    idx = torch.randperm(P, generator=gen)[:N].to(torch.int32) if pooled else None
+    pool = r(P if pooled else N, C, W)
+    pool0 = pool.clone()
+    y = tconv.causal_conv1d_update(x, pool, w, b, activation="silu", state_indices=idx)
+    rows = idx.long() if pooled else torch.arange(N)
+    st = pool0[rows].to(F64).clone()
+    y2 = causal_conv1d_update(x.to(F64), st, w.to(F64), None if b is None else b.to(F64), activation="silu")
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[rows] = False
+    return {"y": rel(y, y2), "state": rel(pool[rows], st),
+            "others_unchanged": float(torch.equal(pool[others], pool0[others]))}
+
+
+# ---------------------------------------------------------------------------------------------------- norms
+
+
+def norm_case(gen, *, shape, gated, weight, **kw):
+    D = shape[-1]
+    r = lambda *s: torch.randn(*s, generator=gen)
+    xs = {"x": r(*shape)}
+    if gated:
+        xs["gate"] = 2 * r(*shape)
+    if weight:
+        xs["weight"] = 1.0 + 0.3 * r(D) if not kw.get("zero_centered") else 0.3 * r(D)
+    leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
+    ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
+    if gated:
+        y = tnorm.gated_rms_norm(leaf["x"], leaf["gate"], leaf.get("weight"), 1e-6, **kw)
+        y2 = gated_rms_norm(ref["x"], ref["gate"], ref.get("weight"), 1e-6, **kw)
+    else:
+        y = tnorm.rms_norm(leaf["x"], leaf.get("weight"), 1e-6, **kw)
+        y2 = rms_norm(ref["x"], ref.get("weight"), 1e-6, **kw)
+    res = {"y": rel(y, y2), "dtype_ok": float(y.dtype == torch.float32)}
+    res.update(grads_vs([y], [y2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------- gates
+
+
+def gates_case(gen, *, B, T, H, K, beta_scale, kda):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    a = 4.0 * r(B, T, H * K)
+    a[0, 0, 0], a[0, -1, -1] = 30.0, -40.0  # both softplus branches and the tiny-log1p path
+    xs = {"a": a, "b": 3.0 * r(B, T, H), "A_log": torch.rand(H, generator=gen) * 2.7, "dt_bias": r(H * K)}
+    if kda:
+        xs["A_log"] = xs["A_log"].view(1, 1, H, 1)
+    leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
+    ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
+    if kda:
+        g, beta = tgates.kda_gates(leaf["a"], leaf["b"], leaf["A_log"], leaf["dt_bias"], beta_scale=beta_scale)
+        f = (ref["a"] + ref["dt_bias"]).view(B, T, H, K)
+        g2 = -ref["A_log"].exp() * torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))  # as KimiDeltaAttention
+    else:
+        g, beta = tgates.gdn_gates(leaf["a"], leaf["b"], leaf["A_log"], leaf["dt_bias"], beta_scale=beta_scale)
+        g2 = -ref["A_log"].exp() * F.softplus(ref["a"] + ref["dt_bias"])  # as GatedDeltaNet.gates
+    beta2 = ref["b"].sigmoid() * beta_scale
+    res = {"g": rel(g, g2), "beta": rel(beta, beta2), "dtype_ok": float(g.dtype == torch.float32)}
+    res.update(grads_vs([g, beta], [g2, beta2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
+    return res
+
+
+def compiled_case(gen):
+    """conv + gated norm + gates under torch.compile(fullgraph=True, aot_eager): the fake kernels trace."""
+    r = lambda *s: torch.randn(*s, generator=gen)
+    x, w, z = r(1, 9, 40).requires_grad_(), r(40, 4).requires_grad_(), r(1, 9, 40).requires_grad_()
+    a, b, A, dt = r(1, 9, 4), r(1, 9, 4), r(4), r(4)
+
+    def f(x, w, z, a, b, A, dt):
+        y, _ = tconv.causal_conv1d(x, w, activation="silu")
+        g, beta = tgates.gdn_gates(a, b, A, dt)
+        return tnorm.gated_rms_norm(y, z, None), g, beta
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, z, a, b, A, dt)
+    ref = f(x, w, z, a, b, A, dt)
+    res = {"y": rel(out[0], ref[0]), "g": rel(out[1], ref[1]), "beta": rel(out[2], ref[2])}
+    gr = torch.autograd.grad(out[0].sum(), [x, w, z])
+    gr2 = torch.autograd.grad(ref[0].sum(), [x, w, z])
+    res.update({n: rel(p, q) for n, p, q in zip(["dx", "dweight", "dgate"], gr, gr2)})
+    return res
+
+
+def ops_cases(gen) -> dict:
+    res = {}
+    res["conv_W2_bias_h0_T37_C70"] = conv_case(gen, B=2, T=37, C=70, W=2, bias=True, h0=True, silu=True)
+    res["conv_W3_noact_T5"] = conv_case(gen, B=1, T=5, C=24, W=3, bias=False, h0=False, silu=False)
+    res["conv_W4_varlen_1_2_37_5"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=False, h0=False, silu=True,
+                                               cu=[0, 1, 3, 40, 45])
+    res["conv_W4_varlen_h0_bias"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
+                                              cu=[0, 2, 40, 45])
+    res["conv_W4_T1_h0"] = conv_case(gen, B=3, T=1, C=16, W=4, bias=True, h0=True, silu=True)
+    res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
+    res["conv_decode_W2"] = conv_decode_case(gen, N=2, P=2, C=33, W=2, bias=False, pooled=False)
+    res["gnorm_silu_D128"] = norm_case(gen, shape=(2, 5, 3, 128), gated=True, weight=True, activation="silu")
+    res["gnorm_silu_noweight_D100"] = norm_case(gen, shape=(7, 100), gated=True, weight=False, activation="silu")
+    res["gnorm_sigmoid_fp32out_D64"] = norm_case(gen, shape=(3, 4, 2, 64), gated=True, weight=True,
+                                                 activation="sigmoid", fp32_output=True)
+    res["gnorm_silu_D256"] = norm_case(gen, shape=(9, 256), gated=True, weight=True, activation="silu")
+    res["rms_zero_centered_D2048"] = norm_case(gen, shape=(3, 2048), gated=False, weight=True, zero_centered=True)
+    res["rms_llama_D96"] = norm_case(gen, shape=(2, 6, 96), gated=False, weight=True, cast_before_weight=True)
+    res["rms_fp32w_D2560"] = norm_case(gen, shape=(2, 2560), gated=False, weight=True, cast_before_weight=False)
+    res["rms_noweight_D48"] = norm_case(gen, shape=(5, 48), gated=False, weight=False)
+    res["gates_gdn"] = gates_case(gen, B=2, T=9, H=6, K=1, beta_scale=1.0, kda=False)
+    res["gates_gdn_beta2"] = gates_case(gen, B=1, T=20, H=4, K=1, beta_scale=2.0, kda=False)
+    res["gates_kda_K16"] = gates_case(gen, B=2, T=5, H=3, K=16, beta_scale=1.0, kda=True)
+    res["compiled"] = compiled_case(gen)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+
+def _force_chunk_recurrence():
+    """Both runs use the PyTorch chunk recurrence, so the comparison sees only the glue."""
+    from hybridlm.layers import gdn as gdn_mod
+    from hybridlm.layers import kda as kda_mod
+    from hybridlm.ops import gated_delta_rule, kda
+
+    gdn_mod.gated_delta_rule = lambda *a, impl=None, **kw: gated_delta_rule(*a, impl="chunk", **kw)
+    kda_mod.kda = lambda *a, impl=None, **kw: kda(*a, impl="chunk", **kw)
+
+
+def _layer_pair(layer):
+    ref = copy.deepcopy(layer)
+    ref.impl = "chunk"
+    layer.impl = "triton"
+    return layer, ref
+
+
+def layer_case(gen, layer, *, B, T, D, cu=None, mask=False):
+    """Fused glue vs reference glue: output, input gradient and every parameter gradient (float32)."""
+    with torch.no_grad():  # randomise every parameter (norm weights around 1, A_log in its init range)
+        for n, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
+                    + (1.0 if "norm" in n else 0.0))
+    fused, ref = _layer_pair(layer)
+    x = torch.randn(B, T, D, generator=gen)
+    am = None
+    if mask:
+        am = torch.ones(B, T)
+        am[0, :3] = 0  # left padding
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    outs, grads = [], []
+    for m in (fused, ref):
+        xi = x.clone().requires_grad_()
+        y = m(xi, attention_mask=am, cu_seqlens=cu_t)
+        outs.append(y)
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        names = ["x"] + [n for n, _ in m.named_parameters()]
+        grads.append(dict(zip(names, torch.autograd.grad((y * cot).sum(), [xi] + list(m.parameters())))))
+    res = {"y": rel(outs[0], outs[1])}
+    res.update({"d" + n: rel(grads[0][n], grads[1][n]) for n in grads[1]})
+    return res
+
+
+def layer_decode_case(gen, layer, *, B, T, D, steps):
+    """Prefill T tokens into a cache, then `steps` single-token decode steps: outputs and cache states."""
+    from hybridlm.model.cache import LinearState
+
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
+                    + (1.0 if "norm" in n else 0.0))
+    fused, ref = _layer_pair(layer)
+    x = torch.randn(B, T + steps, D, generator=gen)
+    res = {}
+    with torch.no_grad():
+        cf, cr = LinearState(), LinearState()
+        yf = [fused(x[:, :T], cache=cf)] + [fused(x[:, T + i:T + i + 1], cache=cf) for i in range(steps)]
+        yr = [ref(x[:, :T], cache=cr)] + [ref(x[:, T + i:T + i + 1], cache=cr) for i in range(steps)]
+    res["y_prefill"] = rel(yf[0], yr[0])
+    res["y_decode"] = rel(torch.cat(yf[1:], 1), torch.cat(yr[1:], 1))
+    res["conv_state"] = rel(cf.conv, cr.conv)
+    res["recurrent_state"] = rel(cf.recurrent, cr.recurrent)
+    return res
+
+
+def layer_cases(gen) -> dict:
+    from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
+
+    _force_chunk_recurrence()
+    D = 32
+    gdn = lambda **kw: GatedDeltaNet(D, 2, 4, 16, 16, conv_kernel=4, **kw)
+    res = {}
+    res["gdn_split_B2_T20"] = layer_case(gen, gdn(layout="split"), B=2, T=20, D=D)
+    res["gdn_fused_varlen"] = layer_case(gen, gdn(layout="fused"), B=1, T=30, D=D, cu=[0, 2, 21, 30])
+    res["gdn_olmo_beta2_mask"] = layer_case(gen, gdn(layout="olmo", beta_scale=2.0), B=2, T=12, D=D, mask=True)
+    res["kda_B2_T17"] = layer_case(gen, KimiDeltaAttention(D, 2, 16, conv_kernel=4), B=2, T=17, D=D)
+    res["kda_varlen_W3"] = layer_case(gen, KimiDeltaAttention(D, 2, 16, conv_kernel=3), B=1, T=20, D=D,
+                                      cu=[0, 7, 20])
+    res["gdn_decode"] = layer_decode_case(gen, gdn(layout="split"), B=2, T=6, D=D, steps=2)
+    res["kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 2, 16), B=2, T=5, D=D, steps=2)
+    return res
+
+
+def main() -> int:
+    which = sys.argv[1] if len(sys.argv) > 1 else "ops"
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    res = {"seed": seed}
+    res.update(ops_cases(gen) if which == "ops" else layer_cases(gen))
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
