@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (which impl auto picked)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        # add_help=False: `hybridlm NAME --help` must reach NAME's own parser (built in main), not this stub
+        p = sub.add_parser(name, help=help_, description=help_, add_help=False)
         p.set_defaults(_module=module)
     return parser
 
