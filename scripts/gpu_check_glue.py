@@ -1,0 +1,322 @@
+"""One GPU run: the fused Triton layer glue vs the float64 reference (pass/fail table), then timings.
+
+    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--json PATH]
+
+Kernels (hybridlm/ops/triton/{conv,norm,gates}.py): causal depthwise conv1d + SiLU forward/backward (widths 2..4,
+bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled decode step;
+gated RMSNorm (SiLU, sigmoid + fp32 output; D = 64, 128, 256) and RMSNorm kinds (D = 2048, 4096); the GDN gates
+(beta_scale 1 and 2) and Kimi's channel-wise gates. Each in bfloat16 and float32, on fresh random inputs (seed
+printed), outputs NaN-poisoned (an unwritten element fails). Errors are relative L2 against float64 PyTorch on the
+same rounded inputs, for every output and every gradient; "ref" is the error of the PyTorch reference path run
+in the same dtype, for scale. Bars: bf16 1e-2 (the kernels round the fp32 weight to bf16 as the reference does,
+~2e-3, plus one output rounding), fp32 1e-5.
+Timings (median of CUDA-event timed repeats, bf16, Qwen3-Next widths B4 T4096): fused kernel vs the PyTorch
+reference path, forward and forward+backward. Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rms_norm
+from hybridlm.ops.triton import conv as tconv
+from hybridlm.ops.triton import gates as tgates
+from hybridlm.ops.triton import norm as tnorm
+
+F64 = torch.float64
+DEV = "cuda"
+BARS = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def rel(a, b):
+    a, b = a.detach().to(F64), b.detach().to(F64)
+    if a.shape != b.shape or not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def compare(fused, ref, inputs, dtype, gen):
+    """fused, ref: f(**inputs) -> tuple of outputs. Returns {name: (err fused, err same-dtype reference)}."""
+    cd = {k: v for k, v in inputs.items() if v is not None}
+    names = [k for k, v in cd.items() if v.is_floating_point()]
+    leaf = {k: (v.clone().requires_grad_() if k in names else v) for k, v in cd.items()}
+    same = {k: (v.clone().requires_grad_() if k in names else v) for k, v in cd.items()}
+    f64 = {k: (v.to(F64).requires_grad_() if k in names else v) for k, v in cd.items()}
+    outs = [fused(**leaf), ref(**same), ref(**f64)]
+    cots = [torch.randn(o.shape, device=DEV, generator=gen) for o in outs[2]]
+    diff = [o.requires_grad for o in outs[0]]  # the fused path's differentiable outputs (not the final state)
+    grads = []
+    for out, args in zip(outs, (leaf, same, f64)):
+        ins = [args[k] for k in names]
+        terms = [(o.to(F64) * c.to(F64)).sum() for o, c, d in zip(out, cots, diff) if d]
+        grads.append(torch.autograd.grad(sum(terms), ins, allow_unused=True) if terms else [None] * len(ins))
+    res = {}
+    for i, (a, b, c) in enumerate(zip(*outs)):
+        res[f"out{i}"] = (rel(a, c), rel(b, c))
+    for n, a, b, c in zip(names, *grads):
+        if c is not None:
+            res["d" + n] = (rel(a, c) if a is not None else float("inf"), rel(b, c) if b is not None else 0.0)
+    return res
+
+
+def rnd(gen, *shape, scale=1.0, dtype=torch.float32):
+    return (scale * torch.randn(*shape, device=DEV, generator=gen)).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ cases
+
+
+def conv_case(gen, dtype, *, B, T, C, W, bias=False, h0=False, cu=None, silu=True):
+    N = B if cu is None else len(cu) - 1
+    act = "silu" if silu else None
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    inp = {"x": rnd(gen, B, T, C, dtype=dtype), "weight": rnd(gen, C, W, scale=W**-0.5),
+           "bias": rnd(gen, C) if bias else None, "initial_state": rnd(gen, N, C, W, dtype=dtype) if h0 else None}
+
+    def fused(x, weight, bias=None, initial_state=None):
+        return tconv.causal_conv1d(x, weight, bias, activation=act, initial_state=initial_state,
+                                   output_final_state=True, cu_seqlens=cu_t)
+
+    def ref(x, weight, bias=None, initial_state=None):
+        if cu is None:
+            return causal_conv1d(x, weight, bias, activation=act, initial_state=initial_state,
+                                 output_final_state=True)
+        ys, hs = [], []
+        for n in range(N):
+            y, h = causal_conv1d(x[:, cu[n]:cu[n + 1]], weight, bias, activation=act, output_final_state=True,
+                                 initial_state=None if initial_state is None else initial_state[n:n + 1])
+            ys.append(y)
+            hs.append(h)
+        return torch.cat(ys, 1), torch.cat(hs, 0)
+
+    return compare(fused, ref, inp, dtype, gen)
+
+
+def conv_decode_case(gen, dtype, *, N, P, C, W):
+    idx = torch.randperm(P, device=DEV, generator=gen)[:N].to(torch.int32)
+    x, w, b = rnd(gen, N, C, dtype=dtype), rnd(gen, C, W, scale=W**-0.5), rnd(gen, C)
+    pool = rnd(gen, P, C, W, dtype=dtype)
+    pool0 = pool.clone()
+    y = tconv.causal_conv1d_update(x, pool, w, b, activation="silu", state_indices=idx)
+    st64, st = pool0[idx.long()].to(F64), pool0[idx.long()].clone()
+    y64 = causal_conv1d_update(x.to(F64), st64, w.to(F64), b.to(F64), activation="silu")
+    y_same = causal_conv1d_update(x, st, w, b, activation="silu")
+    others = torch.ones(P, dtype=torch.bool, device=DEV)
+    others[idx.long()] = False
+    untouched = 0.0 if torch.equal(pool[others], pool0[others]) else float("inf")
+    return {"out0": (rel(y, y64), rel(y_same, y64)), "state": (rel(pool[idx.long()], st64), rel(st, st64)),
+            "others_unchanged": (untouched, 0.0)}
+
+
+def gnorm_case(gen, dtype, *, M, D, activation, fp32_output=False, weight=True):
+    inp = {"x": rnd(gen, M, D, dtype=dtype), "gate": rnd(gen, M, D, scale=2.0, dtype=dtype),
+           "weight": (1 + rnd(gen, D, scale=0.3)) if weight else None}
+    kw = dict(activation=activation, fp32_output=fp32_output)
+    return compare(lambda x, gate, weight=None: (tnorm.gated_rms_norm(x, gate, weight, 1e-6, **kw),),
+                   lambda x, gate, weight=None: (gated_rms_norm(x, gate, weight, 1e-6, **kw),), inp, dtype, gen)
+
+
+def rms_case(gen, dtype, *, M, D, kind):
+    kw = dict(zero_centered=kind == "zero_centered", cast_before_weight=kind == "llama")
+    w = rnd(gen, D, scale=0.3) + (0.0 if kind == "zero_centered" else 1.0)
+    inp = {"x": rnd(gen, M, D, dtype=dtype), "weight": w}
+    return compare(lambda x, weight: (tnorm.rms_norm(x, weight, 1e-6, **kw),),
+                   lambda x, weight: (rms_norm(x, weight, 1e-6, **kw),), inp, dtype, gen)
+
+
+def gates_case(gen, dtype, *, B, T, H, K, beta_scale, kda):
+    inp = {"a": rnd(gen, B, T, H * K, scale=4.0, dtype=dtype), "b": rnd(gen, B, T, H, scale=3.0, dtype=dtype),
+           "A_log": torch.rand(H, device=DEV, generator=gen) * 2.7, "dt_bias": rnd(gen, H * K)}
+
+    def fused(a, b, A_log, dt_bias):
+        fn = tgates.kda_gates if kda else tgates.gdn_gates
+        return fn(a, b, A_log, dt_bias, beta_scale=beta_scale)
+
+    def ref(a, b, A_log, dt_bias):
+        f = a.float() if a.dtype != F64 else a
+        f = (f + dt_bias).view(B, T, H, K) if kda else f + dt_bias
+        sp = torch.where(f > 20.0, f, torch.log1p(torch.exp(f))) if kda else F.softplus(f)
+        Af = A_log.float() if A_log.dtype != F64 else A_log
+        g = -Af.exp().view(H, 1) * sp if kda else -Af.exp() * sp
+        return g, b.sigmoid() * beta_scale
+
+    return compare(fused, ref, inp, dtype, gen)
+
+
+def cases(quick: bool):
+    B, T = (2, 1024) if quick else (4, 4096)
+    C = 8192  # Qwen3-Next conv channels: 2 * 16 * 128 + 32 * 128
+    yield "conv W4 silu", lambda g, d: conv_case(g, d, B=B, T=T // 2, C=C, W=4)
+    yield "conv W2 bias h0", lambda g, d: conv_case(g, d, B=2, T=300, C=1000, W=2, bias=True, h0=True)
+    yield "conv W3 no-act", lambda g, d: conv_case(g, d, B=2, T=63, C=520, W=3, silu=False)
+    yield "conv W4 varlen 1,2,15,700,1000", lambda g, d: conv_case(
+        g, d, B=1, T=1718, C=2048, W=4, cu=[0, 1, 3, 18, 718, 1718])
+    yield "conv W4 varlen h0 bias", lambda g, d: conv_case(g, d, B=1, T=333, C=768, W=4, bias=True, h0=True,
+                                                           cu=[0, 2, 200, 333])
+    yield "conv W4 T1 h0", lambda g, d: conv_case(g, d, B=8, T=1, C=C, W=4, h0=True)
+    yield "conv decode pool", lambda g, d: conv_decode_case(g, d, N=256, P=512, C=C, W=4)
+    yield "gnorm silu D128", lambda g, d: gnorm_case(g, d, M=B * T * 8, D=128, activation="silu")
+    yield "gnorm silu D256 no-w", lambda g, d: gnorm_case(g, d, M=5000, D=256, activation="silu", weight=False)
+    yield "gnorm sigmoid fp32out D128", lambda g, d: gnorm_case(g, d, M=B * T * 4, D=128, activation="sigmoid",
+                                                                fp32_output=True)
+    yield "gnorm silu D64", lambda g, d: gnorm_case(g, d, M=3001, D=64, activation="silu")
+    yield "rms zero_centered D2048", lambda g, d: rms_case(g, d, M=B * T, D=2048, kind="zero_centered")
+    yield "rms llama D2304", lambda g, d: rms_case(g, d, M=999, D=2304, kind="llama")
+    yield "rms fp32_weight D4096", lambda g, d: rms_case(g, d, M=1000, D=4096, kind="fp32_weight")
+    yield "gates gdn HV32", lambda g, d: gates_case(g, d, B=B, T=T, H=32, K=1, beta_scale=1.0, kda=False)
+    yield "gates gdn beta2 HV6", lambda g, d: gates_case(g, d, B=2, T=777, H=6, K=1, beta_scale=2.0, kda=False)
+    yield "gates kda H16 K128", lambda g, d: gates_case(g, d, B=2, T=1000, H=16, K=128, beta_scale=1.0, kda=True)
+
+
+# ----------------------------------------------------------------------------------------------------- timing
+
+
+def bench_ms(fn, reps=20, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def timings(gen, quick: bool):
+    B, T = (2, 1024) if quick else (4, 4096)
+    bf = torch.bfloat16
+    rows = []
+
+    def pair(name, fused, ref, inputs, grads=True):
+        """fused/ref(**inputs) -> tuple of outputs; times fwd and fwd+bwd (sum of outputs as the loss)."""
+        leaf = {k: (v.clone().requires_grad_(grads and v.is_floating_point()) if isinstance(v, torch.Tensor)
+                    else v) for k, v in inputs.items()}
+        row = {"op": name}
+        for tag, fn in (("fused", fused), ("torch", ref)):
+            with torch.no_grad():
+                row[f"{tag}_fwd_ms"] = bench_ms(lambda fn=fn: fn(**leaf))
+            if grads:
+                def fb(fn=fn):
+                    outs = [o for o in fn(**leaf) if o.requires_grad]
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                row[f"{tag}_fwdbwd_ms"] = bench_ms(fb)
+        rows.append(row)
+
+    C = 8192
+    x = rnd(gen, B, T, C, dtype=bf)
+    w = rnd(gen, C, 4, scale=0.5).to(bf)
+    pair(f"conv W4 silu [{B},{T},{C}]", lambda x, w: tconv.causal_conv1d(x, w, activation="silu")[:1],
+         lambda x, w: causal_conv1d(x, w, activation="silu")[:1], {"x": x, "w": w})
+    del x
+    pool = rnd(gen, 512, C, 4, dtype=bf)
+    xd = rnd(gen, 256, C, dtype=bf)
+    idx = torch.randperm(512, device=DEV, generator=gen)[:256].to(torch.int32)
+    sub = pool[idx.long()].clone()
+    pair(f"conv decode N256 C{C}",
+         lambda x: (tconv.causal_conv1d_update(x, pool, w, activation="silu", state_indices=idx),),
+         lambda x: (causal_conv1d_update(x, sub, w, activation="silu"),), {"x": xd}, grads=False)
+    M = B * T * 32
+    xn, zn, wn = rnd(gen, M, 128, dtype=bf), rnd(gen, M, 128, dtype=bf), 1 + rnd(gen, 128, scale=0.3)
+    pair(f"gated rmsnorm silu [{M},128]", lambda x, z, w: (tnorm.gated_rms_norm(x, z, w),),
+         lambda x, z, w: (gated_rms_norm(x, z, w),), {"x": xn, "z": zn, "w": wn})
+    pair(f"gated rmsnorm sigmoid fp32out [{M // 2},128]",
+         lambda x, z, w: (tnorm.gated_rms_norm(x, z, w, activation="sigmoid", fp32_output=True),),
+         lambda x, z, w: (gated_rms_norm(x, z, w, activation="sigmoid", fp32_output=True),),
+         {"x": xn[: M // 2], "z": zn[: M // 2], "w": wn})
+    del xn, zn
+    xr = rnd(gen, B * T, 2048, dtype=bf)
+    pair(f"rmsnorm zero_centered [{B * T},2048]", lambda x, w: (tnorm.rms_norm(x, w, zero_centered=True),),
+         lambda x, w: (rms_norm(x, w, zero_centered=True),), {"x": xr, "w": rnd(gen, 2048, scale=0.3)})
+    a, b = rnd(gen, B, T, 32, dtype=bf), rnd(gen, B, T, 32, dtype=bf)
+    A, dt = torch.rand(32, device=DEV, generator=gen), rnd(gen, 32)
+
+    def gdn_ref(a, b, A, dt):
+        return -A.float().exp() * F.softplus(a.float() + dt), b.sigmoid()
+
+    pair(f"gates gdn [{B},{T},32]", lambda a, b, A, dt: tgates.gdn_gates(a, b, A, dt), gdn_ref,
+         {"a": a, "b": b, "A": A, "dt": dt})
+    f, bk = rnd(gen, B, T, 16 * 128, dtype=bf), rnd(gen, B, T, 16, dtype=bf)
+    Ak, dtk = torch.rand(1, 1, 16, 1, device=DEV, generator=gen), rnd(gen, 16 * 128)
+
+    def kda_ref(f, b, A, dt):
+        ff = (f.float() + dt.float()).view(B, T, 16, 128)
+        return -A.float().exp() * torch.where(ff > 20.0, ff, torch.log1p(torch.exp(ff))), torch.sigmoid(b)
+
+    pair(f"gates kda [{B},{T},16x128]", lambda f, b, A, dt: tgates.kda_gates(f, b, A, dt), kda_ref,
+         {"f": f, "b": bk, "A": Ak, "dt": dtk})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tconv.POISON = tnorm.POISON = tgates.POISON = True  # outputs start as NaN: an unwritten element fails
+    seed = args.seed if args.seed is not None else torch.seed() % 2**31
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"seed {seed}")
+    results, ok_all = [], True
+    print(f"{'case':34s} {'dtype':9s} {'pass':5s} {'worst':18s} {'rel err':>9s} {'ref path':>9s}")
+    for name, fn in cases(args.quick):
+        for dtype in (torch.bfloat16, torch.float32):
+            try:
+                res = fn(gen, dtype)
+                bar = BARS[dtype]
+                worst = max(res, key=lambda k: res[k][0])
+                ok = all(v[0] <= bar for v in res.values())
+                row = {"case": name, "dtype": str(dtype)[6:], "pass": ok, "worst": worst, "rel": res[worst][0],
+                       "ref_rel": res[worst][1], "errors": res}
+                print(f"{name:34s} {row['dtype']:9s} {'ok' if ok else 'FAIL':5s} {worst:18s} {row['rel']:9.2e} "
+                      f"{row['ref_rel']:9.2e}")
+            except Exception as e:  # report and go on: one broken case should not hide the others
+                ok = False
+                row = {"case": name, "dtype": str(dtype)[6:], "pass": False, "error": repr(e)}
+                print(f"{name:34s} {row['dtype']:9s} FAIL  {type(e).__name__}: {e}")
+                traceback.print_exc()
+            ok_all &= ok
+            results.append(row)
+            torch.cuda.empty_cache()
+    tconv.POISON = tnorm.POISON = tgates.POISON = False
+    rows = []
+    if not args.no_timing:
+        try:
+            rows = timings(gen, args.quick)
+        except Exception as e:
+            print(f"timing failed: {type(e).__name__}: {e}")
+            traceback.print_exc()
+        print(f"\n{'op (bf16)':44s} {'fused fwd':>10s} {'torch fwd':>10s} {'fused f+b':>10s} {'torch f+b':>10s}  (ms)")
+        for r in rows:
+            fb = lambda k, r=r: f"{r[k]:10.3f}" if k in r else f"{'-':>10s}"
+            print(f"{r['op']:44s} {fb('fused_fwd_ms')} {fb('torch_fwd_ms')} {fb('fused_fwdbwd_ms')} "
+                  f"{fb('torch_fwdbwd_ms')}")
+    print("\nALL PASS" if ok_all else "\nSOME FAILED")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"seed": seed, "device": torch.cuda.get_device_name(), "checks": results, "timings": rows},
+                      fh, indent=1)
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
