@@ -7,8 +7,9 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   conv never reads across a document boundary; final states are per document [N, C, W].
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
-- The backward recomputes the pre-activation (no [B, T, C] buffer is saved) and reduces dweight/dbias through
-  per-program fp32 partials summed on the host (deterministic, no atomics). Gradients flow to x, weight, bias and
+- The forward saves nothing of size [B, T, C] but its inputs. The backward runs two passes: dpre = dy * act'(pre)
+  with pre recomputed (a fp32 scratch; dy itself without an activation) and dweight/dbias as per-program fp32
+  partials summed on the host (deterministic, no atomics); then dx from dpre. Gradients flow to x, weight, bias and
   initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
@@ -97,30 +98,12 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-             HAS_H0: tl.constexpr, SILU: tl.constexpr):
-    """dL/d(input at positions o_t) = sum_s w[:, W-1-s] * dpre(o_t + s), with dpre recomputed -> [R, BC] fp32."""
-    b_dx = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
-    for s in tl.static_range(W):
-        pos = o_t + s
-        m_q = (pos >= 0) & (pos < L)
-        b_dp = tl.load(dy + (bos + pos)[:, None] * C + o_c[None, :], mask=m_q[:, None] & m_c[None, :],
-                       other=0.0).to(tl.float32)
-        if SILU:
-            b_p = _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
-            b_sg = tl.sigmoid(b_p)
-            b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
-        b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(x.dtype.element_ty).to(tl.float32)
-        b_dx += b_w[None, :] * b_dp
-    return b_dx
-
-
-@triton.jit
-def _conv_bwd(x, w, bias, h0, dy, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
-              BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-              SILU: tl.constexpr):
-    """Grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n; writes dx there and its
-    partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] / dbp [N * NS, C]."""
+def _conv_bwd_dw(x, w, bias, h0, dy, dp, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
+                 SILU: tl.constexpr):
+    """Pass 1, grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n, computes
+    dpre = dy * act'(pre) there (stored to dp [Ttot, C] fp32 when SILU; dpre = dy otherwise) and writes its partial
+    dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] / dbp [N * NS, C]."""
     i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
@@ -129,21 +112,18 @@ def _conv_bwd(x, w, bias, h0, dy, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: 
     o_j = tl.arange(0, WP)
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
     b_db = tl.zeros([BC], dtype=tl.float32)
-    NT = tl.cdiv(L, BT)
-    for i_t in range(i_s, NT, NS):
+    for i_t in range(i_s, tl.cdiv(L, BT), NS):
         o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < L
-        b_dx = _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
-        tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-                 mask=m_t[:, None] & m_c[None, :])
-        # dpre of this block's own rows, then dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i}
-        b_dp = tl.load(dy + (bos + o_t)[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
-                       other=0.0).to(tl.float32)
+        m = (o_t < L)[:, None] & m_c[None, :]
+        p_o = (bos + o_t)[:, None] * C + o_c[None, :]
+        b_dp = tl.load(dy + p_o, mask=m, other=0.0).to(tl.float32)
         if SILU:
             b_p = _pre_act(x, w, bias, h0, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
             b_sg = tl.sigmoid(b_p)
             b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+            tl.store(dp + p_o, b_dp, mask=m)
         b_db += tl.sum(b_dp, 0)
+        # dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i}
         for i in tl.static_range(W):
             b_xi = _load_hist(x, h0, bos, L, i_n, o_t - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
             b_dw += tl.where(o_j[None, :] == i, tl.sum(b_dp * b_xi, 0)[:, None], 0.0)
@@ -154,8 +134,36 @@ def _conv_bwd(x, w, bias, h0, dy, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: 
 
 
 @triton.jit
-def _conv_bwd_h0(x, w, bias, h0, dy, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+def _dx_from_dp(w, dp, xt, bos, L, o_t, o_c, m_c, C, W: tl.constexpr):
+    """Gradient of the input at positions o_t: sum_s w[:, W-1-s] * dpre_{o_t+s} (in-document only) -> [R, BC].
+    xt: any pointer of x's dtype (the weight is rounded to it, as in the forward)."""
+    DT = xt.dtype.element_ty
+    b_dx = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
+    for s in tl.static_range(W):
+        pos = o_t + s
+        m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
+        b_dp = tl.load(dp + (bos + pos)[:, None] * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
+        b_dx += b_w[None, :] * b_dp
+    return b_dx
+
+
+@triton.jit
+def _conv_bwd_dx(w, dp, dx, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Pass 2, grid (C / BC, max document length / BT, N): dx for one [BT, BC] block of one document."""
+    i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    b_dx = _dx_from_dp(w, dp, dx, bos, L, o_t, o_c, m_c, C, W)
+    tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=(o_t < L)[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _conv_bwd_h0(x, w, dp, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
     """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0)."""
     i_c, i_n = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -163,7 +171,7 @@ def _conv_bwd_h0(x, w, bias, h0, dy, dh0, cu, C, W: tl.constexpr, WP: tl.constex
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, WP)
-    b_dh = _dx_rows(x, w, bias, h0, dy, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True, SILU)
+    b_dh = _dx_from_dp(w, dp, x, bos, L, o_j - W, o_c, m_c, C, W)
     p_dh = dh0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
     tl.store(p_dh, b_dh.to(dh0.dtype.element_ty), mask=(o_j < W)[:, None] & m_c[None, :])
 
@@ -211,8 +219,10 @@ def _layout(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Ten
     if cu_seqlens is None:
         return torch.arange(0, (B + 1) * T, max(T, 1), device=x.device, dtype=torch.int32)[: B + 1], B, T
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-    n = cu.shape[0] - 1
-    return cu, n, int((cu[1:] - cu[:-1]).max().item()) if n > 0 else 0
+    bounds = cu.tolist()  # one host sync, as the reference's per-document loop
+    if bounds[0] != 0 or bounds[-1] != T or any(e < s for s, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {bounds}")
+    return cu, len(bounds) - 1, max(e - s for s, e in zip(bounds, bounds[1:]))
 
 
 def _num_sms(dev: torch.device) -> int:
@@ -270,17 +280,20 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    kw = dict(W=W, WP=WP, BC=BC, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+    # dpre = dy * act'(pre): a fp32 scratch with SiLU, dy itself without an activation
+    dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd[(NC, N, NS)](x, weight, b, h0, dy, dx, dwp, dbp, cu, C, NS, BT=BT,
-                               HAS_H0=initial_state is not None, **kw)
+        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT, BC=BC,
+                                  HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
+                                  num_warps=4)
+        _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC, num_warps=4)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
     if need_dh0 and initial_state is not None:
         dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
         if N > 0:
-            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dh0, cu, C, **kw)
+            _conv_bwd_h0[(NC, N)](x, weight, dp, dh0, cu, C, W=W, WP=WP, BC=BC, num_warps=4)
     return dx, dw, db, dh0
 
 
