@@ -2,7 +2,7 @@
 
     python scripts/gpu_tune_gdn.py [--shape 4,4096,16,128] [--json tune.json] [--max-seconds 240]
 
-For each forward setting (V block: None = the built-in choice, or 32; warps; 16-bit or fp32 dot operands) it
+For each forward setting (V block: None = the built-in choice, or 64; warps; 16-bit or fp32 dot operands) it
 times the forward, then for the backward settings (V block, warps, operands) forward+backward with the best
 forward. Every setting's error is measured against our own fp32-input run (IEEE dots, ~1e-6 from float64 on
 these inputs), so a setting that is fast but inexact shows. The best setting is the fastest whose errors stay
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         return row
 
     fwd_grid = [dict(fwd_bv=bv, fwd_warps=w, fwd_lowp=lp, fwd_stages=2)
-                for lp, bv, w in itertools.product((True, False), (None, 32), (4, 8))]
+                for lp, bv, w in itertools.product((True, False), (None, 64), (8, 4))]
     best_f = None
     for s in fwd_grid:
         if time.time() - t_start > args.max_seconds / 2:

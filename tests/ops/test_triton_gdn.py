@@ -70,10 +70,10 @@ def test_fake_kernels_trace():
         q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
         v = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
         g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
-        o, ht, Tb, Wb, hb, vn = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
+        o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
         assert o.shape == (B, T, HV, V) and o.dtype == torch.bfloat16
         assert ht.shape == (B, HV, K, V) and ht.dtype == torch.float32
-        grads = torch.ops.hybridlm.gdn_chunk_bwd(o, ht, q, k, v, g, beta, Tb, Wb, hb, vn, None, 0.1, True, False,
+        grads = torch.ops.hybridlm.gdn_chunk_bwd(o, ht, q, k, v, g, beta, *saved, None, 0.1, True, False,
                                                  None)
         assert [x.shape for x in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
         pool = torch.empty(8, HV, K, V)

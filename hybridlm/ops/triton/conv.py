@@ -32,6 +32,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 BT, BC = 32, 64  # token and channel block of the kernels
+# backward pass 1 (dpre, dweight partials): its token block, and about how many programs per SM to launch
+# (each program loops over every NS-th block of its document, keeping its dweight partial in registers)
+TUNE = {"dw_bt": 32, "dw_programs_per_sm": 16}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -275,15 +278,16 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
     NC = triton.cdiv(C, BC)
-    # enough programs to fill the device, each keeping its dweight partial in registers over its blocks
-    NS = max(1, min(triton.cdiv(Lmax, BT), triton.cdiv(4 * _num_sms(x.device), NC * max(N, 1))))
+    BT1 = TUNE["dw_bt"]
+    NS = max(1, min(triton.cdiv(Lmax, BT1), triton.cdiv(TUNE["dw_programs_per_sm"] * _num_sms(x.device),
+                                                        NC * max(N, 1))))
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
     # dpre = dy * act'(pre): a fp32 scratch with SiLU, dy itself without an activation
     dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT, BC=BC,
+        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC,
                                   HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
                                   num_warps=4)
         _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC, num_warps=4)

@@ -7,9 +7,10 @@
 
 Custom ops (so torch.compile traces through them, with fake kernels for shapes):
 `hybridlm::gdn_chunk_fwd`, `hybridlm::gdn_chunk_bwd`, `hybridlm::gdn_decode` (mutates the pool).
-Intermediates kept for the backward (fp32): T per chunk [NC, HV, BT, BT], W [Ttot, HV, K], the chunk-initial
-states [NC, HV, K, V] and the corrected values Vn [Ttot, HV, V]; NC is bounded by Ttot // BT + N so the fake
-kernels need no data.
+Intermediates kept for the backward: T per chunk [NC, HV, BT, BT] (fp32), and in the storage dtype (the input
+dtype; fp32 for fp32 inputs) W [Ttot, HV, K], the chunk-initial states [NC, HV, K, V], the corrected values
+Vn [Ttot, HV, V], Qg and Kd [Ttot, HV, K] and the intra-chunk attention P [NC, HV, BT, BT]; NC is bounded by
+Ttot // BT + N so the fake kernels need no data.
 """
 
 import math
@@ -31,7 +32,7 @@ BT_CHOICES = (64, 32, 16)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
-TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
+TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False, "prep_warps": None,
         "fwd_lowp": True, "bwd_lowp": True}
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
@@ -40,7 +41,7 @@ _BT_OK: dict[tuple, int] = {}
 
 
 def _bt_for(K: int, V: int, dtype: torch.dtype, save: bool) -> int:
-    bt = _BT_OK.get((K, V, dtype, "fwd"), 64 if K <= 128 else 32)
+    bt = _BT_OK.get((K, V, dtype, "fwd"), 64)
     if save:
         bt = min(bt, _BT_OK.get((K, V, dtype, "bwd"), bt))
     return bt
@@ -115,11 +116,11 @@ def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
 
 
 def _recur_bv(K: int, V: int, programs: int, dev) -> int:
-    """V block of the sequential kernels: 64 (32 for K=256) unless that leaves most of the device's SMs idle
-    (few sequences x heads), then smaller blocks for more programs."""
+    """V block of the sequential kernels: 32 unless that leaves most of the device's SMs idle (few sequences x
+    heads), then 16 for more programs."""
     if TUNE["fwd_bv"]:
         return min(TUNE["fwd_bv"], V)
-    bv = min(64 if K <= 128 else 32, V)
+    bv = min(32, V)  # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     while bv > 16 and programs * (V // bv) < sms:
         bv //= 2
@@ -127,7 +128,7 @@ def _recur_bv(K: int, V: int, programs: int, dev) -> int:
 
 
 def _num_warps(K: int) -> int:
-    return 4 if K <= 64 else 8
+    return 8  # sm_90 compile (scripts/compile_sm90.py): 4 warps spill the [64, K] tiles at K >= 128
 
 
 def _fwd_impl(
@@ -157,22 +158,28 @@ def _fwd_impl(
     vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if save else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
     nw = _num_warps(K)
+    NCb = NCmax if save else max(nc, 1)
+    Qg = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
     if nc > 0:
         kern._prep_fwd[(nc, HV)](
-            k, v, g, beta, Tb, Wb, Ub, cu_t, cs, cst,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=4, num_stages=1,
+            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, cu_t, cs, cst, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec,
+            num_warps=TUNE["prep_warps"] or 8, num_stages=1,
         )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        q, k, g, Wb, Ub, o, h0, ht, hb, vn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
+        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, cu_t, coff, _max_seq_chunks(cu, BT),
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
     )
     if not save:
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
-    return o, ht, Tb, Wb, hb, vn
+        Qg = Kd = Pb = q.new_empty(0, dtype=sd)
+    return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
 
 
 @torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
@@ -180,8 +187,9 @@ def gdn_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
     output_final_state: bool, save: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (o, final_state or empty, T, W, h, Vn); the last four are empty unless save."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:
+    """Returns (o, final_state or empty, T, W, h, Vn, Qg, Kd, P); the last seven are empty unless save."""
     K, V = q.shape[-1], v.shape[-1]
     first = _bt_for(K, V, q.dtype, save)
     err = None
@@ -210,14 +218,17 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     sd = _store_dtype(q.dtype)
     if save:
         return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=sd),
-                q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd))
+                q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd),
+                q.new_empty(B * T, HV, K, dtype=sd), q.new_empty(B * T, HV, K, dtype=sd),
+                q.new_empty(NC, HV, BT, BT, dtype=sd))
     e, es = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
-    return o, ht, e, es, es, es
+    return o, ht, e, es, es, es, es, es, es
 
 
 def _bwd_impl(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
+    Qg: torch.Tensor, Kd: torch.Tensor, Pb: torch.Tensor,
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
@@ -241,9 +252,10 @@ def _bwd_impl(
     BV = _recur_bv(K, V, N * HV, dev)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
-        q, k, g, Wb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, scale, _max_seq_chunks(cu, BT),
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, L2=use_qk_l2norm, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=nw, num_stages=TUNE["fwd_stages"],
+        g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, _max_seq_chunks(cu, BT),
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
+        num_stages=TUNE["fwd_stages"],
     )
     dq = _out((Ttot, HV, K), q, f32)
     dk = _out((Ttot, HV, K), q, f32)
@@ -265,21 +277,21 @@ def _bwd_impl(
 def gdn_chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
+    Qg: torch.Tensor, Kd: torch.Tensor, Pb: torch.Tensor,
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool, h0: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
     K, V = q.shape[-1], v.shape[-1]
     try:
-        return _bwd_impl(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0)
+        return _bwd_impl(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Qg, Kd, Pb, cu_seqlens, scale, use_qk_l2norm,
+                         has_h0)
     except OutOfResources as e:
         err = e
     # the backward kernels need a smaller chunk than the forward used: recompute the forward's intermediates
     for BT in (b for b in BT_CHOICES if b < Tb.shape[-1]):
         try:
-            _, _, Tb2, Wb2, hb2, vn2 = _fwd_impl(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False,
-                                                 True, BT)
-            out = _bwd_impl(do, dht, q, k, v, g, beta, Tb2, Wb2, hb2, vn2, cu_seqlens, scale, use_qk_l2norm,
-                            has_h0)
+            saved = _fwd_impl(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False, True, BT)[2:]
+            out = _bwd_impl(do, dht, q, k, v, g, beta, *saved, cu_seqlens, scale, use_qk_l2norm, has_h0)
         except OutOfResources as e:
             err = e
             continue
@@ -289,7 +301,7 @@ def gdn_chunk_bwd(
 
 
 @gdn_chunk_bwd.register_fake
-def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
+def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Qg, Kd, Pb, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -302,10 +314,10 @@ class _ChunkGDN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
         save = any(ctx.needs_input_grad[:6])
-        o, ht, Tb, Wb, hb, vn = torch.ops.hybridlm.gdn_chunk_fwd(
+        o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(
             q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save
         )
-        ctx.save_for_backward(q, k, v, g, beta, Tb, Wb, hb, vn, cu_seqlens, initial_state)
+        ctx.save_for_backward(q, k, v, g, beta, *saved, cu_seqlens, initial_state)
         ctx.scale, ctx.l2, ctx.has_h0 = scale, use_qk_l2norm, initial_state is not None
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
@@ -313,11 +325,11 @@ class _ChunkGDN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, Tb, Wb, hb, vn, cu, h0 = ctx.saved_tensors
+        q, k, v, g, beta, *saved, cu, h0 = ctx.saved_tensors
         if dht is not None and dht.numel() == 0:
             dht = None
         dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
-            do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, cu, ctx.scale, ctx.l2, ctx.has_h0, h0
+            do, dht, q, k, v, g, beta, *saved, cu, ctx.scale, ctx.l2, ctx.has_h0, h0
         )
         return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None
 

@@ -60,9 +60,11 @@ def _load_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
 @triton.jit
 def _op(x, DT: tl.constexpr, LOWP: tl.constexpr):
     """A dot operand: rounded to the 16-bit storage dtype DT when LOWP, else fp32."""
-    if LOWP:
-        return x.to(DT)
-    return x.to(tl.float32)
+    if LOWP:  # one return: the compiler wants the same return type on every path, even constexpr ones
+        y = x.to(DT)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -103,13 +105,16 @@ def _eye_rows(r0, BT: tl.constexpr):
 
 @triton.jit
 def _prep_fwd(
-    k, v, g, beta, Tbuf, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
+    q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk: A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K,
-    U = T diag(beta) V. T is found by 16-row blocks: the diagonal blocks by forward substitution, then
-    block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots. A is staged in T's slot of Tbuf."""
+    """Everything of one chunk that does not depend on the state, so the sequential kernel only streams tiles:
+    A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K, U = T diag(beta) V,
+    Qg = scale Q e^b (reads the chunk-initial state), Kd = K e^{bL-b} (writes the next state),
+    P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks: the diagonal
+    blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots; A is
+    staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later kernels."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -122,12 +127,23 @@ def _prep_fwd(
     gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     gc = tl.cumsum(gg, 0)
+    gL = tl.sum(gg, 0)
     strict = rows[:, None] > rows[None, :]
+    incl = rows[:, None] >= rows[None, :]
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    # state-independent reads and writes of the recurrence
+    tl.store(Kd + krow, (kk * tl.exp(gL - gc)[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
+    qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
+    tl.store(Qg + krow, (qq * (scale * tl.exp(gc))[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
+    P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
+    P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
+    tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
+    # the UT transform
     KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
     A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
-    p_TT = p_T + rows[:, None] * BT + rows[None, :]
-    tl.store(p_TT, A)
+    tl.store(Tbuf + p_TT, A)
     tl.debug_barrier()
     # block rows of T, 16 rows at a time (NB = BT / 16 in {1, 2, 4})
     T0 = tl.dot(_inv_diag(p_T, 0, BT), _eye_rows(0, BT), input_precision="ieee")
@@ -152,10 +168,10 @@ def _prep_fwd(
         tl.store(p_row + 32 * BT, T2)
         tl.store(p_row + 48 * BT, T3)
     tl.debug_barrier()
-    Tm = tl.load(p_TT)
+    Tm = tl.load(Tbuf + p_TT)
     kb = kk * (bb * tl.exp(gc))[:, None]
     W = tl.dot(Tm, kb, input_precision=PREC)
-    tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
+    tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
@@ -165,23 +181,31 @@ def _prep_fwd(
 
 
 @triton.jit
+def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
+    """Block pointer to the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in a
+    [tokens, heads * dim] buffer (rows past the sequence's end read as 0 and are not written)."""
+    return tl.make_block_ptr(ptr + bos * stride + col0, (Tn, col0 + BC), (stride, 1), (t0, 0), (BT, BC), (1, 0))
+
+
+@triton.jit
 def _recur_fwd(
-    q, k, g, Wbuf, Ubuf, o, h0, ht, hbuf, vnbuf, cu, chunk_off, scale, NCH,
+    g, Wbuf, Ubuf, Qg, Kd, Pb, o, h0, ht, hbuf, vnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """Carries the state S [K, BV] over one sequence's chunks. With LOWP the dot operands are rounded to Wbuf's
-    dtype (bf16/fp16 tensor-core rate); otherwise they stay fp32 (PREC: tf32 or ieee). The state and every
-    accumulator stay fp32."""
+    """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
+    Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
+    storage dtype (tensor-core rate); otherwise fp32 (PREC: tf32 or ieee). The state and every accumulator stay
+    fp32."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // HV
     ihv = inh % HV
-    ih = ihv // (HV // H)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
+    Tn = (eos - bos).to(tl.int32)
     c0 = tl.load(chunk_off + n).to(tl.int64)
     rows = tl.arange(0, BT)
     offs_k = tl.arange(0, K)
@@ -191,96 +215,90 @@ def _recur_fwd(
         S = tl.load(h0 + (n * HV + ihv).to(tl.int64) * K * V + s_off)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
-    incl = rows[:, None] >= rows[None, :]
     # loop bound is the longest sequence's chunk count (a launch argument); chunks past this sequence's end
     # have no valid rows and leave S unchanged
     for c in range(NCH):
-        t0 = bos + c * BT
-        nval = eos - t0
-        rmask = rows < nval
-        r64 = t0 + rows
+        t0 = c * BT
+        nval = Tn - t0
+        live = nval > 0  # chunks past this sequence's end touch no memory (their tiles are empty)
         if STORE:
-            tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S.to(hbuf.dtype.element_ty),
-                     mask=s_off < tl.where(nval > 0, K * V, 0))
-        qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
-        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
-        gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        gc = tl.cumsum(gg, 0)
-        gL = tl.sum(gg, 0)
-        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
-        U = tl.load(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None], other=0.0)
+            p_h = tl.make_block_ptr(hbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
+                                    (0, iv * BV), (K, BV), (1, 0))
+            tl.store(p_h, S.to(hbuf.dtype.element_ty), boundary_check=(0,))
+        gL = tl.sum(tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32), 0)
+        W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        U = tl.load(_seq_tile(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), boundary_check=(0,))
+        p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
+                                (0, 0), (BT, BT), (1, 0))
+        P = tl.load(p_p, boundary_check=(0,))
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
         vn_d = _op(vn, DT, LOWP)
         if STORE:
-            tl.store(vnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], vn.to(vnbuf.dtype.element_ty),
-                     mask=rmask[:, None])
-        qg = _op(qq * (scale * tl.exp(gc))[:, None], DT, LOWP)
-        P = tl.dot(_op(qq, DT, LOWP), tl.trans(_op(kk, DT, LOWP)), input_precision=PREC) * scale
-        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        oo = tl.dot(qg, S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d, input_precision=PREC)
-        tl.store(o + (r64[:, None] * HV + ihv) * V + offs_v[None, :], oo.to(o.dtype.element_ty), mask=rmask[:, None])
-        kd = _op(kk * tl.exp(gL - gc)[:, None], DT, LOWP)
-        S = S * tl.exp(gL) + tl.dot(tl.trans(kd), vn_d, input_precision=PREC)
+            tl.store(_seq_tile(vnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), vn.to(vnbuf.dtype.element_ty),
+                     boundary_check=(0,))
+        oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
+                                                                         input_precision=PREC)
+        tl.store(_seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), oo.to(o.dtype.element_ty),
+                 boundary_check=(0,))
+        S = S * tl.exp(gL) + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
 
 
 @triton.jit
 def _recur_bwd(
-    q, k, g, Wbuf, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, scale, NCH,
+    g, Wbuf, Qg, Kd, Pb, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """Reverse recurrence of the state gradient dS [K, BV]; stores dS after each chunk and dVn."""
+    """Reverse recurrence of the state gradient dS [K, BV] over the forward's tiles (Qg, Kd, P, W):
+    dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn."""
     DT: tl.constexpr = dhbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // HV
     ihv = inh % HV
-    ih = ihv // (HV // H)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
+    Tn = (eos - bos).to(tl.int32)
     c0 = tl.load(chunk_off + n).to(tl.int64)
     rows = tl.arange(0, BT)
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
-    s_off = offs_k[:, None] * V + offs_v[None, :]
     if HAS_DHT:
-        dS = tl.load(dht + (n * HV + ihv).to(tl.int64) * K * V + s_off)
+        dS = tl.load(dht + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :])
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
-    incl = rows[:, None] >= rows[None, :]
     for ci in range(NCH):
         c = NCH - 1 - ci
-        t0 = bos + c * BT
-        nval = eos - t0
-        rmask = rows < nval
-        r64 = t0 + rows
+        t0 = c * BT
+        nval = Tn - t0
+        live = nval > 0
         # gradient of the state after chunk c
-        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + s_off, dS.to(dhbuf.dtype.element_ty),
-                 mask=s_off < tl.where(nval > 0, K * V, 0))
-        qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
-        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
-        gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        gc = tl.cumsum(gg, 0)
-        gL = tl.sum(gg, 0)
-        W = tl.load(Wbuf + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
-        dO = _load_rows(do, r64, rmask, HV * V, ihv * V, offs_v, False)
-        P = tl.dot(_op(qq, DT, LOWP), tl.trans(_op(kk, DT, LOWP)), input_precision=PREC) * scale
-        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        kd = _op(kk * tl.exp(gL - gc)[:, None], DT, LOWP)
-        qg = _op(qq * (scale * tl.exp(gc))[:, None], DT, LOWP)
+        p_h = tl.make_block_ptr(dhbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
+                                (0, iv * BV), (K, BV), (1, 0))
+        tl.store(p_h, dS.to(dhbuf.dtype.element_ty), boundary_check=(0,))
+        gL = tl.sum(tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32), 0)
+        W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+        dO = tl.load(_seq_tile(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), boundary_check=(0,))
+        p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
+                                (0, 0), (BT, BT), (1, 0))
+        P = tl.load(p_p, boundary_check=(0,))
         dO_d = _op(dO, DT, LOWP)
         dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
-            tl.dot(kd, _op(dS, DT, LOWP), input_precision=PREC)
-        tl.store(dvnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], dvn.to(dvnbuf.dtype.element_ty),
-                 mask=rmask[:, None])
-        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(qg), dO_d, input_precision=PREC)
+            tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
+        tl.store(_seq_tile(dvnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), dvn.to(dvnbuf.dtype.element_ty),
+                 boundary_check=(0,))
+        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
-        tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + s_off, dS)
+        tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)
 
 
 @triton.jit
@@ -349,18 +367,18 @@ def _chunk_bwd(
     gc = tl.cumsum(gg, 0)
     gL = tl.sum(gg, 0)
     gam = tl.exp(gc)
-    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
     # output through the chunk-initial state: O += diag(scale gamma) Q S
+    qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
     dqn = dQS * (scale * gam)[:, None]
     dgc = tl.sum(qq * dqn, 1)
     # intra-chunk attention P = scale (Q K^T) * e^{b_i - b_j}, j <= i
     incl = rows[:, None] >= rows[None, :]
     Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
-    QK = tl.dot(qq, tl.trans(kk), input_precision=PREC)
+    QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
     R = tl.where(incl, dP * QK * Gi * scale, 0.0)
     dPg = tl.where(incl, dP * Gi * scale, 0.0)
-    dqn += tl.dot(dPg, kk, input_precision=PREC)
-    dkn = tl.dot(tl.trans(dPg), qq, input_precision=PREC)
+    dqn += tl.dot(_op(dPg, DT, LOWP), kk_d, input_precision=PREC)
+    dkn = tl.dot(tl.trans(_op(dPg, DT, LOWP)), qq_d, input_precision=PREC)
     dgc += tl.sum(R, 1) - tl.sum(R, 0)
     # state write S' = e^{bL} S + (K e^{bL - b})^T Vn
     ed = tl.exp(gL - gc)
@@ -371,20 +389,23 @@ def _chunk_bwd(
     # W = T Kb with Kb = diag(beta gamma) K
     bg = bb * gam
     kb = kk * bg[:, None]
-    dT += tl.dot(dW, tl.trans(kb), input_precision=PREC)
-    dKb = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+    dW_d = _op(dW, DT, LOWP)
+    dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
     dkn += dKb * bg[:, None]
     t = tl.sum(kk * dKb, 1)
     db += t * gam
     dgc += t * bg
     # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part
-    dA = -tl.dot(tl.dot(tl.trans(Tm), dT, input_precision=PREC), tl.trans(Tm), input_precision=PREC)
+    dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
+                 input_precision=PREC)
     strict = rows[:, None] > rows[None, :]
     Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
-    KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
+    KK = tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
     dAG = tl.where(strict, dA * Gs, 0.0)
     dKK = dAG * bb[:, None]
-    dkn += tl.dot(dKK, kk, input_precision=PREC) + tl.dot(tl.trans(dKK), kk, input_precision=PREC)
+    dKK_d = _op(dKK, DT, LOWP)
+    dkn += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
     RA = dAG * KK
     db += tl.sum(RA, 1)
     RA = RA * bb[:, None]

@@ -1,0 +1,103 @@
+"""Compile the Triton kernels for an H100 (sm_90) on a machine without a GPU, and report what the device would:
+shared memory per program, registers per thread and spills (from ptxas via cuobjdump). Catches compile errors
+and shared-memory overflows before any GPU time is spent.
+
+    python scripts/compile_sm90.py [--bt 64] [--k 128] [--v 128] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hybridlm.ops.triton import gdn_kernels as kern
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
+
+
+def compile_one(fn, sig, constexprs, num_warps, num_stages):
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    res = {"shared": k.metadata.shared}
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.cubin")
+        with open(p, "wb") as f:
+            f.write(k.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "-res-usage", p], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    res["regs"] = int(m.group(1)) if m else None
+    m = re.search(r"STACK:(\d+)", out)
+    res["stack"] = int(m.group(1)) if m else None  # bytes of local memory per thread: spills live here
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bt", type=int, default=64, help="chunk size")
+    ap.add_argument("--k", type=int, default=128, help="key head dim")
+    ap.add_argument("--v", type=int, default=128, help="value head dim")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="input dtype")
+    ap.add_argument("--bv", type=int, default=64, help="V block of the recurrences")
+    ap.add_argument("--bwd-bv", type=int, default=64, help="V block of the chunk backward")
+    ap.add_argument("--warps", default="4,8", help="num_warps values to try")
+    ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
+    args = ap.parse_args(argv)
+    dt = args.dtype
+    sd = dt  # storage dtype of W, U, states, Vn
+    prec = "ieee" if dt == "fp32" else "tf32"
+    lowp = dt != "fp32"
+    common = dict(K=args.k, V=args.v, BT=args.bt, L2=True, PREC=prec)
+    i32 = "i32"
+    jobs = {
+        "_prep_fwd": (kern._prep_fwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd,
+                                           Qg=sd, Kd=sd, Pb=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
+                      dict(H=i32, HV=i32, scale="fp32"), dict(common, BV=min(64, args.v)), 1),
+        "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
+                                                   h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
+                             dict(NCH=i32, H=i32, HV=i32),
+                             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp), 2),
+        "_recur_bwd": (kern._recur_bwd, dict(g="fp32", Wbuf=sd, Qg=sd, Kd=sd, Pb=sd, do=dt, dht="fp32",
+                                             dh0="fp32", dhbuf=sd, dvnbuf=sd, cu=i32, chunk_off=i32),
+                       dict(NCH=i32, H=i32, HV=i32),
+                       dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
+        "_chunk_bwd": (kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd,
+                                             vnbuf=sd, dvnbuf=sd, do=dt, dq="fp32", dk="fp32", dv="fp32",
+                                             dg="fp32", dbeta="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
+                       dict(scale="fp32", H=i32, HV=i32), dict(common, BV=args.bwd_bv, LOWP=lowp), 1),
+    }
+    print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}")
+    for name, (fn, ptrs, ints, cx, stages) in jobs.items():
+        if args.only and not any(name.startswith(x) for x in args.only.split(",")):
+            continue
+        for w in (int(x) for x in args.warps.split(",")):
+            names = fn.arg_names
+            sig = {}
+            for n in names:
+                if n in ptrs:
+                    sig[n] = "*" + ptrs[n]
+                elif n in ints:
+                    sig[n] = ints[n]
+                else:
+                    sig[n] = "constexpr"
+            consts = {n: cx[n] for n in names if n in cx}
+            try:
+                r = compile_one(fn, sig, consts, w, stages)
+                flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
+                print(f"{name:18} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
+                      f"local(stack) {r['stack']} B{flag}")
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:18} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
