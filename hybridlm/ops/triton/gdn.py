@@ -32,8 +32,8 @@ BT_CHOICES = (64, 32, 16)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
-TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False, "prep_warps": None,
-        "fwd_lowp": True, "bwd_lowp": True}
+TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
+        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True}
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
