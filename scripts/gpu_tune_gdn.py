@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         if row.get("ok") and (best_f is None or row["ms"] < best_f["ms"]):
             best_f = row
     fset = best_f["setting"] if best_f else {}
-    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=True) for bv, w in itertools.product((64, 32), (8, 4))]
+    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=True, bwd_variant=var)
+                for var, bv, w in itertools.product(("twophase", "onephase"), (64, 32), (8, 16))]
     bwd_grid.append(dict(fset, bwd_bv=64, bwd_warps=8, bwd_lowp=False))
     best_b = None
     for s in bwd_grid:

@@ -308,7 +308,131 @@ def _chunk_bwd(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """dq, dk, dv, dg, dbeta of one chunk. The dots inside the loop over V blocks (state, Vn, dVn, dO, v
+    """dq, dk, dv, dg, dbeta of one chunk, in two phases so that few [BT, K] accumulators are live at once:
+    1. the output's paths (through the chunk-initial state and the intra-chunk attention): dq complete, a
+       partial dk parked in dk's buffer; 2. the state write, W and the UT transform: dv, dbeta, dg, the rest of
+    dk. Dot operands are 16-bit when LOWP (PREC otherwise); accumulators fp32."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    hb = (ic * HV + ihv).to(tl.int64) * K * V
+    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    gc = tl.cumsum(gg, 0)
+    gL = tl.sum(gg, 0)
+    gam = tl.exp(gc)
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+
+    # phase 1: O = diag(scale gamma) Q S + P Vn with P = scale (Q K^T) e^{b_i - b_j} (j <= i)
+    dQS = tl.zeros([BT, K], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S_d = _op(tl.load(hbuf + hb + offs_k[:, None] * V + offs_v[None, :]), DT, LOWP)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
+        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        qq = qr * rq[:, None]
+    else:
+        qq = qr
+    kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+    qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
+    dqn = dQS * (scale * gam)[:, None]
+    dgc = tl.sum(qq * dqn, 1)
+    Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+    QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
+    R = tl.where(incl, dP * QK * Gi * scale, 0.0)
+    dPg_d = _op(tl.where(incl, dP * Gi * scale, 0.0), DT, LOWP)
+    dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
+    dgc += tl.sum(R, 1) - tl.sum(R, 0)
+    if L2:
+        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+    tl.store(dq + krow, dqn, mask=rmask[:, None])
+    # the keys' part of this phase waits in dk's buffer (read back by this same program below)
+    tl.store(dk + krow, tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC), mask=rmask[:, None])
+
+    # phase 2: S' = e^{bL} S + (K e^{bL - b})^T Vn, Vn = U - W S with W = T diag(beta gamma) K, U = T diag(beta) V
+    Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
+    dKd = tl.zeros([BT, K], dtype=tl.float32)
+    dW = tl.zeros([BT, K], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    dSS = tl.zeros([K], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        s_off = offs_k[:, None] * V + offs_v[None, :]
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S = tl.load(hbuf + hb + s_off)
+        dSn = tl.load(dhbuf + hb + s_off)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
+        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
+        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
+        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
+        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
+        db += tl.sum(vv * dVb, 1)
+        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+    ed = tl.exp(gL - gc)
+    dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
+    r = tl.sum(kk * dKd, 1) * ed
+    dgc -= r
+    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+    # W = T Kb with Kb = diag(beta gamma) K
+    bg = bb * gam
+    dW_d = _op(dW, DT, LOWP)
+    dT += tl.dot(dW_d, tl.trans(_op(kk * bg[:, None], DT, LOWP)), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+    dkn += dKb * bg[:, None]
+    t = tl.sum(kk * dKb, 1)
+    db += t * gam
+    dgc += t * bg
+    # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
+    dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
+                 input_precision=PREC)
+    Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+    dAG = tl.where(strict, dA * Gs, 0.0)
+    dKK_d = _op(dAG * bb[:, None], DT, LOWP)
+    dkn += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
+    RA = dAG * tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
+    db += tl.sum(RA, 1)
+    RA = RA * bb[:, None]
+    dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
+    dgc += tl.where(rows == nval - 1, dgL, 0.0)
+    dgc = tl.where(rmask, dgc, 0.0)
+    dgg = tl.cumsum(dgc, 0, reverse=True)
+    if L2:
+        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+        dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
+    tl.store(dk + krow, dkn, mask=rmask[:, None])
+    tl.store(dg + r64 * HV + ihv, dgg, mask=rmask)
+    tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
+
+
+@triton.jit
+def _chunk_bwd_onephase(
+    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    cu, chunk_seq, chunk_start, scale,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+):
+    """Variant of `_chunk_bwd` with one loop over V blocks (more accumulators live at once); kept while the GPU
+    sweep (scripts/gpu_tune_gdn.py, TUNE["bwd_variant"]) decides between them. dq, dk, dv, dg, dbeta of one chunk. The dots inside the loop over V blocks (state, Vn, dVn, dO, v
     operands) use 16-bit operands when LOWP; the once-per-chunk dots (T, Q, K) stay fp32 (PREC)."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
