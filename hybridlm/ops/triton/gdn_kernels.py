@@ -432,8 +432,7 @@ def _chunk_bwd_onephase(
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     """Variant of `_chunk_bwd` with one loop over V blocks (more accumulators live at once); kept while the GPU
-    sweep (scripts/gpu_tune_gdn.py, TUNE["bwd_variant"]) decides between them. dq, dk, dv, dg, dbeta of one chunk. The dots inside the loop over V blocks (state, Vn, dVn, dO, v
-    operands) use 16-bit operands when LOWP; the once-per-chunk dots (T, Q, K) stay fp32 (PREC)."""
+    sweep (scripts/gpu_tune_gdn.py, TUNE["bwd_variant"]) decides between them. 16-bit dot operands when LOWP."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
