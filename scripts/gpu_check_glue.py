@@ -1,6 +1,6 @@
 """One GPU run: the fused Triton layer glue vs the float64 reference (pass/fail table), then timings.
 
-    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--json PATH]
+    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--json PATH]
 
 Kernels (hybridlm/ops/triton/{conv,norm,gates}.py): causal depthwise conv1d + SiLU forward/backward (widths 2..4,
 bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled decode step;
@@ -155,6 +155,7 @@ def cases(quick: bool):
     yield "conv W4 silu", lambda g, d: conv_case(g, d, B=B, T=T // 2, C=C, W=4)
     yield "conv W2 bias h0", lambda g, d: conv_case(g, d, B=2, T=300, C=1000, W=2, bias=True, h0=True)
     yield "conv W3 no-act", lambda g, d: conv_case(g, d, B=2, T=63, C=520, W=3, silu=False)
+    yield "conv W6 bias h0", lambda g, d: conv_case(g, d, B=2, T=100, C=300, W=6, bias=True, h0=True)
     yield "conv W4 varlen 1,2,15,700,1000", lambda g, d: conv_case(
         g, d, B=1, T=1718, C=2048, W=4, cu=[0, 1, 3, 18, 718, 1718])
     yield "conv W4 varlen h0 bias", lambda g, d: conv_case(g, d, B=1, T=333, C=768, W=4, bias=True, h0=True,
@@ -264,11 +265,16 @@ def main() -> int:
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--only", default="", help="run the correctness cases whose name contains this")
+    ap.add_argument("--conv-dw-acc", type=int, choices=(0, 1), default=None,
+                    help="conv backward: 1 elementwise dweight accumulators (default), 0 per-block reductions")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.conv_dw_acc is not None:
+        tconv.TUNE["dw_acc"] = bool(args.conv_dw_acc)
     tconv.POISON = tnorm.POISON = tgates.POISON = True  # outputs start as NaN: an unwritten element fails
     seed = args.seed if args.seed is not None else torch.seed() % 2**31
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -279,6 +285,8 @@ def main() -> int:
     results, ok_all = [], True
     print(f"{'case':34s} {'dtype':9s} {'pass':5s} {'worst':18s} {'rel err':>9s} {'ref path':>9s}")
     for name, fn in cases(args.quick):
+        if args.only not in name:
+            continue
         for dtype in (torch.bfloat16, torch.float32):
             try:
                 res = fn(gen, dtype)

@@ -53,7 +53,8 @@ def grads_vs(out, out_ref, leaves, leaves_ref, gen, names):
 # ---------------------------------------------------------------------------------------------------- conv
 
 
-def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None):
+def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True):
+    tconv.TUNE["dw_acc"] = acc  # the backward's dweight accumulation: elementwise (True) or per block (False)
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, generator=gen)
     xs = {"x": r(B, T, C), "weight": r(C, W) / W**0.5}
@@ -174,7 +175,9 @@ def compiled_case(gen):
 def ops_cases(gen) -> dict:
     res = {}
     res["conv_W2_bias_h0_T37_C70"] = conv_case(gen, B=2, T=37, C=70, W=2, bias=True, h0=True, silu=True)
-    res["conv_W3_noact_T5"] = conv_case(gen, B=1, T=5, C=24, W=3, bias=False, h0=False, silu=False)
+    res["conv_W3_noact_T5_noacc"] = conv_case(gen, B=1, T=5, C=24, W=3, bias=False, h0=False, silu=False,
+                                              acc=False)
+    res["conv_W6_bias_h0_T40"] = conv_case(gen, B=1, T=40, C=24, W=6, bias=True, h0=True, silu=True)
     res["conv_W4_varlen_1_2_37_5"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=False, h0=False, silu=True,
                                                cu=[0, 1, 3, 40, 45])
     res["conv_W4_varlen_h0_bias"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
