@@ -4,7 +4,8 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
 `weight[:, W-1]` on the current token, state = the last W inputs [N, C, W]). Non-standard here:
 - varlen: `cu_seqlens` [N+1] packs N documents in one row (B == 1); every document starts from its own
   initial state (zeros when none is given, as `hybridlm.layers.ShortConv` convolves documents one by one), so the
-  conv never reads across a document boundary; final states are per document [N, C, W].
+  conv never reads across a document boundary; final states are per document [N, C, W]. The offsets are read on
+  the host once per call (checked: 0 to T, non-decreasing), as the reference's per-document loop does.
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
 - The forward saves nothing of size [B, T, C] but its inputs. The backward runs two passes: dpre = dy * act'(pre)
@@ -35,8 +36,11 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # backward pass 1 (dpre, dweight partials): its token block, and about how many programs per SM to launch
 # (each program loops over every NS-th block of its document, keeping its dweight partial in registers)
 # dw_acc: keep elementwise accumulators for taps < 4 (True) or reduce every block (False: measured on H100 at
-# B4 T4096 C8192 bf16, 0.92 ms for this pass with dw_bt 64, 1.13 ms with 32; True is the newer, faster-by-design path)
-TUNE = {"dw_bt": 32, "dw_programs_per_sm": 16, "dw_acc": True}
+# B4 T4096 C8192 bf16, 0.92 ms for this pass with dw_bt 64, 1.13 ms with 32; 2026-11-22). True was written after
+# that run to remove the per-block reductions and has only run in the CPU interpreter so far: if it misbehaves on
+# a GPU, set False (scripts/gpu_check_glue.py --conv-dw-acc 0).
+# dw_bt None: 32 with the accumulators (five [BT, BC] fp32 tiles live), 64 without
+TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -308,7 +312,7 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
     NC = triton.cdiv(C, BC)
-    BT1 = TUNE["dw_bt"]
+    BT1 = TUNE["dw_bt"] or (32 if TUNE["dw_acc"] else 64)
     NS = 1  # the CPU interpreter pays per program
     if x.device.type == "cuda":
         NS = max(1, min(triton.cdiv(Lmax, BT1), triton.cdiv(TUNE["dw_programs_per_sm"] * _num_sms(x.device),
