@@ -16,6 +16,16 @@ from torch import nn
 
 from hybridlm.ops import causal_conv1d, causal_conv1d_update
 
+try:  # the fused glue kernels (registers their custom ops); imported here so forward() holds no import
+    from hybridlm.ops.triton import conv as tconv
+    from hybridlm.ops.triton import gates as tgates
+    from hybridlm.ops.triton import norm as tnorm
+
+    _GLUE_ERROR = None
+except ImportError as _e:  # no triton: the reference glue only
+    tconv = tgates = tnorm = None
+    _GLUE_ERROR = repr(_e)
+
 log = logging.getLogger("hybridlm.layers")
 _GLUE_LOGGED: set[tuple] = set()
 
@@ -26,11 +36,9 @@ def use_fused_glue(impl: str, x: torch.Tensor, where: str) -> bool:
     float32 when triton imports; "naive" and "chunk" never. The choice "auto" makes is logged once per
     (where, device type, dtype)."""
     if impl == "triton":
-        try:
-            import hybridlm.ops.triton.conv  # noqa: F401
-        except ImportError as e:
+        if _GLUE_ERROR is not None:
             raise RuntimeError(f"impl: 'triton' was asked for {where}, but the Triton glue kernels do not import "
-                               f"({e})") from e
+                               f"({_GLUE_ERROR})")
         return True
     if impl != "auto":
         return False
@@ -39,13 +47,10 @@ def use_fused_glue(impl: str, x: torch.Tensor, where: str) -> bool:
         why = f"on {x.device.type}"
     elif x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         why = f"{x.dtype} inputs"
-    else:
-        try:
-            import hybridlm.ops.triton.conv  # noqa: F401
-        except ImportError:
-            why = "triton does not import"
+    elif _GLUE_ERROR is not None:
+        why = "triton does not import"
     key = (where, x.device.type, x.dtype)
-    if key not in _GLUE_LOGGED:
+    if key not in _GLUE_LOGGED and not torch.compiler.is_compiling():  # logged by the first eager call
         _GLUE_LOGGED.add(key)
         log.info("hybridlm.layers.%s: impl='auto' picked the %s glue on %s%s", where,
                  "PyTorch reference" if why else "fused Triton", x.device.type, f" ({why})" if why else "")
@@ -83,8 +88,6 @@ class ShortConv(nn.Module):
         return torch.cat(parts, dim=1)
 
     def _fused(self, x, w, cu_seqlens, cache):
-        from hybridlm.ops.triton import conv as tconv
-
         if cache is None:
             return tconv.causal_conv1d(x, w, activation=self.activation, cu_seqlens=cu_seqlens)[0]
         if cu_seqlens is not None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridlm.ops import gated_delta_rule
 
+from . import conv as glue
 from .conv import ShortConv, step_impl, use_fused_glue
 from .norm import GatedRMSNorm
 
@@ -88,9 +89,7 @@ class GatedDeltaNet(nn.Module):
     def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b: [B, T, HV] -> (g float32 log-decay, beta in the model dtype)."""
         if use_fused_glue(self.impl, a, "GatedDeltaNet.gates"):
-            from hybridlm.ops.triton.gates import gdn_gates
-
-            return gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale)
+            return glue.tgates.gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         beta = b.sigmoid()
         if self.beta_scale != 1.0:

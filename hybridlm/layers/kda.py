@@ -16,6 +16,7 @@ from torch import nn
 
 from hybridlm.ops import kda
 
+from . import conv as glue
 from .conv import ShortConv, step_impl, use_fused_glue
 from .norm import GatedRMSNorm
 
@@ -59,9 +60,8 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl).view(B, T, 3, self.H, self.dk).unbind(2)
         if use_fused_glue(self.impl, x, "KimiDeltaAttention.gates"):
-            from hybridlm.ops.triton.gates import kda_gates
-
-            g, beta = kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias)
+            g, beta = glue.tgates.kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log,
+                                            self.dt_bias)
         else:
             g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
         o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,

@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridlm.ops import gated_rms_norm, rms_norm
 
+from . import conv as glue
 from .conv import use_fused_glue
 
 NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
@@ -54,5 +55,5 @@ class GatedRMSNorm(nn.Module):
         """impl: the owning layer's impl (default self.impl); "triton" runs the fused kernel (`use_fused_glue`)."""
         fn = gated_rms_norm
         if use_fused_glue(self.impl if impl is None else impl, x, "GatedRMSNorm"):
-            from hybridlm.ops.triton.norm import gated_rms_norm as fn
+            fn = glue.tnorm.gated_rms_norm
         return fn(x, gate, self.weight, self.eps, activation=self.activation, fp32_output=self.fp32_output)

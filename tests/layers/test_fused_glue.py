@@ -6,7 +6,7 @@ child process (tests/ops/triton/interp_glue.py layers); the recurrence is forced
 both runs so that only the glue differs. float32, tolerance 1e-5 relative L2 on the output, dx and every
 parameter gradient (measured ~3e-7), 5e-5 on dA_log / ddt_bias (a few numbers, each a sum over every token and
 channel with cancellation: 6e-6 seen); prefill + decode steps through a LinearState: outputs 1e-5, conv state
-exact, recurrent state 1e-5.
+exact, recurrent state 1e-5; the glue calls of the GDN layer under torch.compile(fullgraph=True, aot_eager).
 In-process: impl "auto" on CPU, "naive" and "chunk" keep the reference glue (the default CPU path is unchanged).
 CUDA: the same comparison in bfloat16 (skipped without CUDA).
 """
@@ -55,6 +55,14 @@ def test_fused_glue_decode_equals_reference(interp_layers, case):
     res = interp_layers[case]
     assert res["conv_state"] == 0.0, res
     assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, res
+
+
+def test_fused_glue_traces_fullgraph(interp_layers):
+    """The wiring (conv, gates, norm calls with impl="triton") compiles with fullgraph=True (aot_eager)."""
+    res = interp_layers["gdn_glue_compiled"]
+    assert {"conv", "g", "beta", "norm", "dqkv", "dA_log", "dconv1d.weight", "dnorm.weight"} <= set(res)
+    for name, err in res.items():
+        assert err <= TOL, f"compiled {name}: rel {err:.3g}"
 
 
 def test_reference_glue_unless_triton_resolves():

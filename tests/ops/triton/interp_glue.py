@@ -269,6 +269,37 @@ def layer_decode_case(gen, layer, *, B, T, D, steps):
     return res
 
 
+def layer_compiled_case(gen):
+    """The GDN layer's glue calls (conv, gates, gated norm) with impl="triton" under torch.compile(fullgraph=True,
+    aot_eager): no graph break in the wiring; outputs and gradients vs the reference glue (eager)."""
+    from hybridlm.layers import GatedDeltaNet
+
+    layer = GatedDeltaNet(32, 2, 4, 16, 16, layout="split", impl="triton")
+    B, T = 2, 9
+    r = lambda *s: torch.randn(*s, generator=gen)
+    xs = [r(B, T, 2 * layer.key_dim + layer.value_dim), r(B, T, 4), r(B, T, 4), r(B, T, 4, 16), r(B, T, 4, 16)]
+
+    def glue(qkv, a, b, o, z):
+        g, beta = layer.gates(a, b)
+        return layer.conv1d(qkv, None, None, impl=layer.impl), g, beta, layer.norm(o, z, impl=layer.impl)
+
+    comp = torch.compile(glue, backend="aot_eager", fullgraph=True)
+    res, outs = {}, []
+    for fn, impl in ((comp, "triton"), (glue, "chunk")):
+        layer.impl = impl
+        leaf = [x.clone().requires_grad_() for x in xs]
+        out = fn(*leaf)
+        params = list(layer.parameters())
+        gr = torch.autograd.grad(sum((o * (k + 1)).sum() for k, o in enumerate(out)), leaf + params,
+                                 allow_unused=True)
+        outs.append((out, gr))
+    names = ["conv", "g", "beta", "norm"]
+    res.update({n: rel(a, b) for n, a, b in zip(names, outs[0][0], outs[1][0])})
+    pnames = ["dqkv", "da", "db", "do", "dz"] + ["d" + n for n, _ in layer.named_parameters()]
+    res.update({n: rel(a, b) for n, a, b in zip(pnames, outs[0][1], outs[1][1]) if b is not None})
+    return res
+
+
 def layer_cases(gen) -> dict:
     from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
 
@@ -284,6 +315,7 @@ def layer_cases(gen) -> dict:
                                       cu=[0, 7, 20])
     res["gdn_decode"] = layer_decode_case(gen, gdn(layout="split"), B=2, T=6, D=D, steps=2)
     res["kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 2, 16), B=2, T=5, D=D, steps=2)
+    res["gdn_glue_compiled"] = layer_compiled_case(gen)
     return res
 
 
