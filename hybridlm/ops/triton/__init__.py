@@ -2,8 +2,9 @@
 `hybridlm.ops.recurrence.TRITON_KERNELS` (impl="triton", and impl="auto" on CUDA).
 
 Needs triton; without it the import raises ImportError and nothing is registered. Entry points:
-`chunk_gated_delta_rule` (differentiable chunked forward/backward) and `fused_recurrent_gated_delta_rule_update`
-(one decode step on a state pool, in place). See docs/kernels.md.
+`chunk_gated_delta_rule` (differentiable chunked forward/backward), `fused_recurrent_gated_delta_rule_update`
+(one decode step on a state pool, in place), `chunk_kda` (forward only so far) and `fused_recurrent_kda_update`.
+See docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from __future__ import annotations
 import triton  # noqa: F401  (ImportError here means: no Triton, nothing registered)
 
 from ..recurrence import TRITON_KERNELS, TRITON_SUPPORTS
+from . import kda as _kda
 from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update, unsupported_reason
+from .kda import chunk_kda, fused_recurrent_kda_update
 
 TRITON_KERNELS["gated_delta_rule"] = chunk_gated_delta_rule
 TRITON_SUPPORTS["gated_delta_rule"] = unsupported_reason
+TRITON_KERNELS["kda"] = chunk_kda  # forward only so far: impl="auto" keeps the chunk path when training
+TRITON_SUPPORTS["kda"] = _kda.unsupported_reason
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "chunk_kda",
+           "fused_recurrent_kda_update"]

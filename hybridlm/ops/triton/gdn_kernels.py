@@ -104,6 +104,35 @@ def _eye_rows(r0, BT: tl.constexpr):
 
 
 @triton.jit
+def _solve_ut(p_T, BT: tl.constexpr):
+    """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
+    blocks: the diagonal blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j)
+    with fp32 dots (NB = BT / 16 in {1, 2, 4})."""
+    rows = tl.arange(0, BT)
+    T0 = tl.dot(_inv_diag(p_T, 0, BT), _eye_rows(0, BT), input_precision="ieee")
+    if BT >= 32:
+        X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
+        T1 = tl.dot(_inv_diag(p_T, 16, BT), X1, input_precision="ieee")
+    if BT == 64:
+        X2 = (_eye_rows(32, BT) - tl.dot(_blk(p_T, 32, 0, BT), T0, input_precision="ieee")
+              - tl.dot(_blk(p_T, 32, 16, BT), T1, input_precision="ieee"))
+        T2 = tl.dot(_inv_diag(p_T, 32, BT), X2, input_precision="ieee")
+        X3 = (_eye_rows(48, BT) - tl.dot(_blk(p_T, 48, 0, BT), T0, input_precision="ieee")
+              - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
+              - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
+        T3 = tl.dot(_inv_diag(p_T, 48, BT), X3, input_precision="ieee")
+    tl.debug_barrier()  # every read of A is done before T overwrites it
+    r16 = tl.arange(0, 16)
+    p_row = p_T + r16[:, None] * BT + rows[None, :]
+    tl.store(p_row, T0)
+    if BT >= 32:
+        tl.store(p_row + 16 * BT, T1)
+    if BT == 64:
+        tl.store(p_row + 32 * BT, T2)
+        tl.store(p_row + 48 * BT, T3)
+
+
+@triton.jit
 def _prep_fwd(
     q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
@@ -113,8 +142,9 @@ def _prep_fwd(
     A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K, U = T diag(beta) V,
     Qg = scale Q e^b (reads the chunk-initial state), Kd = K e^{bL-b} (writes the next state),
     P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks: the diagonal
-    blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots; A is
-    staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later kernels."""
+    blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots
+    (`_solve_ut`); A is staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later
+    kernels."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -145,28 +175,7 @@ def _prep_fwd(
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
     tl.store(Tbuf + p_TT, A)
     tl.debug_barrier()
-    # block rows of T, 16 rows at a time (NB = BT / 16 in {1, 2, 4})
-    T0 = tl.dot(_inv_diag(p_T, 0, BT), _eye_rows(0, BT), input_precision="ieee")
-    if BT >= 32:
-        X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
-        T1 = tl.dot(_inv_diag(p_T, 16, BT), X1, input_precision="ieee")
-    if BT == 64:
-        X2 = (_eye_rows(32, BT) - tl.dot(_blk(p_T, 32, 0, BT), T0, input_precision="ieee")
-              - tl.dot(_blk(p_T, 32, 16, BT), T1, input_precision="ieee"))
-        T2 = tl.dot(_inv_diag(p_T, 32, BT), X2, input_precision="ieee")
-        X3 = (_eye_rows(48, BT) - tl.dot(_blk(p_T, 48, 0, BT), T0, input_precision="ieee")
-              - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
-              - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
-        T3 = tl.dot(_inv_diag(p_T, 48, BT), X3, input_precision="ieee")
-    tl.debug_barrier()  # every read of A is done before T overwrites it
-    r16 = tl.arange(0, 16)
-    p_row = p_T + r16[:, None] * BT + rows[None, :]
-    tl.store(p_row, T0)
-    if BT >= 32:
-        tl.store(p_row + 16 * BT, T1)
-    if BT == 64:
-        tl.store(p_row + 32 * BT, T2)
-        tl.store(p_row + 48 * BT, T3)
+    _solve_ut(p_T, BT)
     tl.debug_barrier()
     Tm = tl.load(Tbuf + p_TT)
     kb = kk * (bb * tl.exp(gc))[:, None]
@@ -193,11 +202,13 @@ def _recur_fwd(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
+    CHANNEL: tl.constexpr = False,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
     storage dtype (tensor-core rate); otherwise fp32 (PREC: tf32 or ieee). The state and every accumulator stay
-    fp32."""
+    fp32. CHANNEL (KDA): g is the per-chunk total log-decay per key channel, [chunks, HV, K], and S decays by
+    row."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -225,7 +236,12 @@ def _recur_fwd(
             p_h = tl.make_block_ptr(hbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
                                     (0, iv * BV), (K, BV), (1, 0))
             tl.store(p_h, S.to(hbuf.dtype.element_ty), boundary_check=(0,))
-        gL = tl.sum(tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32), 0)
+        if CHANNEL:
+            dec = tl.exp(tl.load(g + ((c0 + c) * HV + ihv) * K + offs_k, mask=offs_k < tl.where(live, K, 0),
+                                 other=0.0))[:, None]
+        else:
+            gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
+            dec = tl.exp(tl.sum(gs, 0))
         W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
@@ -243,7 +259,7 @@ def _recur_fwd(
                                                                          input_precision=PREC)
         tl.store(_seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), oo.to(o.dtype.element_ty),
                  boundary_check=(0,))
-        S = S * tl.exp(gL) + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
+        S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
 
@@ -549,7 +565,7 @@ def _chunk_bwd_onephase(
 @triton.jit
 def _decode_step(
     q, k, v, g, beta, pool, idx, o, scale,
-    H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, CHANNEL: tl.constexpr = False,
 ):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -567,9 +583,12 @@ def _decode_step(
         qq = qq * tl.rsqrt(tl.sum(qq * qq, 0) + 1e-6)
         kk = kk * tl.rsqrt(tl.sum(kk * kk, 0) + 1e-6)
     vv = tl.load(v + (n * HV + ihv) * V + offs_v).to(tl.float32)
-    gg = tl.load(g + n * HV + ihv).to(tl.float32)
+    if CHANNEL:  # KDA: one log-decay per key channel, g [N, HV, K]
+        dec = tl.exp(tl.load(g + (n * HV + ihv) * K + offs_k).to(tl.float32))[:, None]
+    else:
+        dec = tl.exp(tl.load(g + n * HV + ihv).to(tl.float32))
     bb = tl.load(beta + n * HV + ihv).to(tl.float32)
-    S = S * tl.exp(gg)
+    S = S * dec
     u = bb * (vv - tl.sum(S * kk[:, None], 0))
     S = S + kk[:, None] * u[None, :]
     oo = tl.sum(S * qq[:, None], 0) * scale

@@ -1,0 +1,171 @@
+"""Host side of the Triton Kimi Delta Attention kernels: forward (prefill / inference) and the decode step.
+
+- `chunk_kda(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.kda` (g [B, T, HV, K] per-channel
+  log-decay). Forward only for now: calling backward through it raises NotImplementedError that says so, and
+  impl="auto" picks the PyTorch chunk path whenever a gradient is wanted (`unsupported_reason`).
+- `fused_recurrent_kda_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: one decode token for N
+  sequences on a state pool, in place (g [N, HV, K]).
+
+Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gdn
+from . import gdn_kernels as kern
+from .kda_kernels import _kda_prep_fwd
+
+
+@torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
+def kda_chunk_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 or an empty tensor)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = 64
+    dev = q.device
+    cu = gdn._cu_list(cu_seqlens, B, T)
+    N = len(cu) - 1
+    Ttot = B * T
+    cs, cst, coff, nc = gdn._chunk_table(cu, BT, dev)
+    cu_t = gdn._cu_tensor(cu, cu_seqlens, dev)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    f32 = torch.float32
+    sd = gdn._store_dtype(q.dtype)
+    NCb = max(nc, 1)
+    e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
+    Tb, Pb, BLb = e(NCb, HV, BT, BT, dt=f32), e(NCb, HV, BT, BT), e(NCb, HV, K, dt=f32)
+    Wb, Ub, Qg, Kd, Bc = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K), e(Ttot, HV, K, dt=f32)
+    o = gdn._out((B, T, HV, V), q, q.dtype)
+    ht = gdn._out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
+    prec = gdn._prec(q.dtype)
+    if nc > 0:
+        _kda_prep_fwd[(nc, HV)](
+            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, cu_t, cs, cst, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=8, num_stages=1,
+        )
+    h0 = initial_state.contiguous() if initial_state is not None else ht
+    BV = gdn._recur_bv(K, V, N * HV, dev)
+    kern._recur_fwd[(V // BV, N * HV)](
+        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, Wb, Wb, cu_t, coff, gdn._max_seq_chunks(cu, BT),
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=False,
+        LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],
+    )
+    return o, ht
+
+
+@kda_chunk_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(B, T, HV, V), ht
+
+
+class _ChunkKDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+        o, ht = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm,
+                                                 output_final_state)
+        if not output_final_state:
+            ctx.mark_non_differentiable(ht)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        raise NotImplementedError("kda(impl='triton') has no backward kernel yet: train with impl='chunk' "
+                                  "(impl='auto' does so whenever a gradient is needed)")
+
+
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when the KDA forward kernel takes these inputs (and no gradient is wanted), else why not."""
+    why = gdn.unsupported_reason(q, v)
+    if why is None and torch.is_grad_enabled() and (q.requires_grad or v.requires_grad):
+        why = "no backward kernel for kda yet (gradient wanted)"
+    return why
+
+
+def chunk_kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA forward on the Triton kernels. Shapes as `hybridlm.ops.kda` (g: [B, T, HV, K])."""
+    K, V = q.shape[-1], v.shape[-1]
+    gdn._check_dims(K, V)
+    gdn._check_device(q)
+    if q.dtype == torch.float64:
+        raise TypeError("q: the Triton kernels take float16/bfloat16/float32 inputs, got float64")
+    if g.dtype != torch.float32:
+        raise TypeError(f"g: the KDA kernels take float32 log-decays, got {g.dtype}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state: expected dtype torch.float32 for {q.dtype} inputs, got {initial_state.dtype}")
+    scale = K**-0.5 if scale is None else float(scale)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
+                            bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
+@torch.library.custom_op("hybridlm::kda_decode", mutates_args=("state_pool",))
+def kda_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    BV = 32 if K <= 128 else 16
+    o = gdn._out((N, HV, V), q, q.dtype)
+    if N > 0:
+        kern._decode_step[(V // BV, N * HV)](
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
+            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BV=BV, L2=use_qk_l2norm, CHANNEL=True, num_warps=4,
+        )
+    return o
+
+
+@kda_decode.register_fake
+def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm):
+    return q.new_empty(q.shape[0], v.shape[1], v.shape[2])
+
+
+def fused_recurrent_kda_update(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """One KDA decode step for N sequences: q, k [N, H, K]; v [N, HV, V]; g [N, HV, K] (float32); beta [N, HV];
+    state_pool fp32 [P, HV, K, V] updated in place at rows state_indices. Returns o [N, HV, V]."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    N, H, K = q.shape
+    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
+        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    HV, V = v.shape[1], v.shape[2]
+    gdn._check_dims(K, V)
+    gdn._check_device(q)
+    if tuple(g.shape) != (N, HV, K) or g.dtype != torch.float32:
+        raise ValueError(f"g: expected float32 [N, HV, K] = {(N, HV, K)}, got {g.dtype} {tuple(g.shape)}")
+    if tuple(beta.shape) != (N, HV):
+        raise ValueError(f"beta: expected shape {(N, HV)} ([N, HV]), got {tuple(beta.shape)}")
+    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
+                         f"{tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
+    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
+        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    scale = K**-0.5 if scale is None else float(scale)
+    return torch.ops.hybridlm.kda_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
+                                         bool(use_qk_l2norm))
+
+
+__all__ = ["chunk_kda", "fused_recurrent_kda_update", "kda_chunk_fwd", "kda_decode", "unsupported_reason"]

@@ -1,0 +1,87 @@
+"""Cases for the Triton KDA kernels (forward, decode), run in a child process under TRITON_INTERPRET=1 (CPU) by
+tests/ops/test_triton_kda.py. Prints one JSON line {case: {tensor: relative RMS error vs the float64 naive
+recurrence}}. Fresh random inputs every run (seed printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from hybridlm.ops import kda  # noqa: E402
+from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
+from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
+
+_gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
+F64 = torch.float64
+
+
+def rel(a, b):
+    a, b = a.to(F64), b.to(F64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def chunk_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, decay=1.5, public=False):
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2:
+        q, k = q / K**0.5, k / K**0.5
+    v = r(B, T, HV, V)
+    g = -decay * torch.rand(B, T, HV, K, generator=gen)
+    beta = 2.0 * torch.rand(B, T, HV, generator=gen)
+    N = B if cu is None else len(cu) - 1
+    s0 = r(N, HV, K, V) if h0 else None
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2)
+    if public:
+        with torch.no_grad():
+            o, ht = kda(q, k, v, impl="triton", **kw)
+    else:
+        o, ht = chunk_kda(q, k, v, **kw)
+    d = lambda x: None if x is None else x.to(F64)  # noqa: E731
+    o2, ht2 = kda(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(s0), output_final_state=True,
+                  cu_seqlens=cu_t, use_qk_l2norm=l2, impl="naive")
+    return {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+
+
+def decode_case(gen, *, N, P, H, HV, K, V):
+    idx = torch.randperm(P, generator=gen)[:N].to(torch.int32)
+    q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
+    v = torch.randn(N, HV, V, generator=gen)
+    g = -torch.rand(N, HV, K, generator=gen)
+    beta = 2.0 * torch.rand(N, HV, generator=gen)
+    pool = torch.randn(P, HV, K, V, generator=gen)
+    pool0 = pool.clone()
+    o = fused_recurrent_kda_update(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=idx, use_qk_l2norm=True)
+    d = lambda x: x[:, None].to(F64)  # noqa: E731  (N sequences of one token each)
+    o2, s2 = kda(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=pool0[idx.long()].to(F64),
+                 output_final_state=True, use_qk_l2norm=True, impl="naive")
+    untouched = torch.ones(P, dtype=torch.bool)
+    untouched[idx.long()] = False
+    return {"o": rel(o, o2[:, 0]), "state": rel(pool[idx.long()], s2),
+            "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
+
+
+def main() -> int:
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    res = {"seed": seed}
+    res["gva2_l2_h0_T70"] = chunk_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+    res["varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
+                                          cu=[0, 1, 16, 80, 150])
+    res["strong_decay_K64_V128_T65_public"] = chunk_case(gen, B=1, T=65, H=1, HV=1, K=64, V=128, l2=True, h0=False,
+                                                         decay=30.0, public=True)
+    res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
