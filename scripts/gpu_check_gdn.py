@@ -74,6 +74,57 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
             "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
 
 
+def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0):
+    """KDA forward (no backward kernel yet) vs the float64 chunk reference; per-channel log-decays."""
+    from hybridlm.ops import kda
+
+    dev = "cuda"
+    N = B if cu is None else len(cu) - 1
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if not l2:
+        q, k = q / K**0.5, k / K**0.5
+    g = -decay * torch.rand(B, T, HV, K, device=dev, generator=gen)
+    beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
+    xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)]
+    s0 = r(N, HV, K, V) if h0 else None
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    with torch.no_grad():
+        o, ht = kda(*xs[:3], g=xs[3], beta=xs[4], initial_state=s0, output_final_state=True, cu_seqlens=cu_t,
+                    use_qk_l2norm=l2, impl="triton")
+        d = lambda x: None if x is None else x.to(F64)  # noqa: E731
+        o2, ht2 = kda(*(d(x) for x in xs[:3]), g=d(xs[3]), beta=d(xs[4]), initial_state=d(s0),
+                      output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
+    res = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    tol = BARS[dtype][0]
+    return {"case": "kda " + name, "dtype": str(dtype).replace("torch.", ""),
+            "pass": all(x <= tol for x in res.values()), "worst": max(res, key=res.get),
+            "worst_rel": max(res.values()), "errors": res}
+
+
+def check_kda_decode(gen, *, P=256, N=256, HV=32, H=32, K=128, V=128, dtype=torch.bfloat16):
+    from hybridlm.ops import kda
+    from hybridlm.ops.triton import fused_recurrent_kda_update
+
+    dev = "cuda"
+    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = r(N, H, K).to(dtype), r(N, H, K).to(dtype), r(N, HV, V).to(dtype)
+    g = -torch.rand(N, HV, K, device=dev, generator=gen)
+    beta = 2.0 * torch.rand(N, HV, device=dev, generator=gen)
+    pool = r(P, HV, K, V)
+    pool0 = pool.clone()
+    o = fused_recurrent_kda_update(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=idx, use_qk_l2norm=True)
+    d = lambda x: x.to(F64)[:, None]  # noqa: E731
+    o2, s2 = kda(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=pool0[idx.long()].to(F64),
+                 output_final_state=True, use_qk_l2norm=True, impl="naive")
+    res = {"o": rel(o, o2[:, 0]), "state": rel(pool[idx.long()], s2)}
+    tol = BARS[dtype][0]
+    return {"case": f"kda decode P{P} N{N} HV{HV} K{K}", "dtype": str(dtype).replace("torch.", ""),
+            "pass": all(x <= tol for x in res.values()), "worst": max(res, key=res.get),
+            "worst_rel": max(res.values()), "errors": res}
+
+
 def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bfloat16):
     dev = "cuda"
     idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
@@ -130,6 +181,14 @@ def main(argv=None) -> int:
         cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+    for dt in (torch.bfloat16, torch.float32):
+        cases.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
+        cases.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
+                                                       cu=[0, 1, 16, 116, 816])))
+        cases.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
+                                                             decay=30.0)))
+    cases.append(("kda:bench B4 T4096 H16 D128", dict(B=4, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16,
+                                                      h0=False)))
     cases.append(("torch.compile T300 H2 HV4", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
                                                     compiled=True)))
     if args.bench_only:
@@ -142,7 +201,7 @@ def main(argv=None) -> int:
     rows = []
     for name, kw in cases:
         try:
-            row = check(gen, name, **kw)
+            row = check_kda(gen, name[4:], **kw) if name.startswith("kda:") else check(gen, name, **kw)
         except Exception as e:  # report and go on: one table for the whole run
             row = {"case": name, "dtype": str(kw["dtype"]), "pass": False, "worst": "error",
                    "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
@@ -151,6 +210,12 @@ def main(argv=None) -> int:
               f"{row['worst_rel']:.2e}", flush=True)
         torch.cuda.empty_cache()
     for dt in (torch.bfloat16, torch.float32) if part == 0 else ():
+        try:
+            row = check_kda_decode(gen, dtype=dt)
+        except Exception as e:
+            row = {"case": "kda decode", "dtype": str(dt), "pass": False, "worst": "error", "worst_rel": float("nan"),
+                   "errors": {"exception": repr(e)[:300]}}
+        rows.append(row)
         try:
             row = check_decode(gen, dtype=dt)
         except Exception as e:
