@@ -142,6 +142,29 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     return res
 
 
+def _bench_kda(B, T, H, D, dev, gen, args):
+    from hybridlm.ops.triton import chunk_kda
+
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(r(B, T, H, D) + 3.0)
+    beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    res = {"shape": f"KDA B{B} T{T} H{H} D{D}", "kda": True}
+    with torch.no_grad():
+        res["ours_fwd_ms"] = _bench(lambda: chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True), args.rep)
+    try:
+        from fla.ops.kda import chunk_kda as fla_kda
+
+        with torch.no_grad():
+            res["fla_fwd_ms"] = _bench(lambda: fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), args.rep)
+            a = chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0].float()
+            b = fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].float()
+            res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
+    except Exception as e:  # noqa: BLE001
+        res["fla_error"] = repr(e)[:200]
+    return res
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("hybridlm bench kernels: needs a CUDA device", file=sys.stderr)
@@ -190,6 +213,13 @@ def run(args: argparse.Namespace) -> int:
         rows.append(res)
         print(json.dumps(res), flush=True)
         torch.cuda.empty_cache()
+
+    # KDA forward at the first shape (our backward kernel does not exist yet: forward only)
+    try:
+        rows.append(_bench_kda(*SHAPES[0], dev, gen, args))
+        print(json.dumps(rows[-1]), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"kda row skipped: {e!r}", file=sys.stderr)
 
     # decode: one token for 256 sequences, fp32 state pool [256, 32, 128, 128]
     P, HV, K, V = 256, 32, 128, 128
@@ -240,7 +270,11 @@ def _table(info, rows):
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "ours_fwd_ms" in r:
+        if r.get("kda"):
+            o, fl = r["ours_fwd_ms"], r.get("fla_fwd_ms")
+            lines.append(f"| {r['shape']} | fwd | {o:.3f} | {_fmt(fl)} | {_fmt(None if fl is None else fl / o, '.2f')}"
+                         f" | - | - | - |")
+        elif "ours_fwd_ms" in r:
             for mode, key, mult in (("fwd", "fwd", 1), ("fwd+bwd", "fwdbwd", 3)):
                 o, fl, sd = r[f"ours_{key}_ms"], r.get(f"fla_{key}_ms"), r.get(f"sdpa_{key}_ms")
                 tf = mult * r["flops_fwd"] / (o * 1e-3) / 1e12
@@ -265,7 +299,7 @@ def _plot(rows, path):
 
     labels, ours, fla, sdpa = [], [], [], []
     for r in rows:
-        if "ours_fwd_ms" not in r:
+        if "ours_fwd_ms" not in r or r.get("kda"):
             continue
         for key in ("fwd", "fwdbwd"):
             labels.append(f"{r['shape']}\n{key}")
