@@ -3,7 +3,7 @@
 
 Needs triton; without it the import raises ImportError and nothing is registered. Entry points:
 `chunk_gated_delta_rule` (differentiable chunked forward/backward), `fused_recurrent_gated_delta_rule_update`
-(one decode step on a state pool, in place), `chunk_kda` (forward only so far) and `fused_recurrent_kda_update`.
+(one decode step on a state pool, in place), `chunk_kda` (differentiable) and `fused_recurrent_kda_update`.
 See docs/kernels.md.
 """
 
@@ -18,7 +18,7 @@ from .kda import chunk_kda, fused_recurrent_kda_update
 
 TRITON_KERNELS["gated_delta_rule"] = chunk_gated_delta_rule
 TRITON_SUPPORTS["gated_delta_rule"] = unsupported_reason
-TRITON_KERNELS["kda"] = chunk_kda  # forward only so far: impl="auto" keeps the chunk path when training
+TRITON_KERNELS["kda"] = chunk_kda
 TRITON_SUPPORTS["kda"] = _kda.unsupported_reason
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "chunk_kda",

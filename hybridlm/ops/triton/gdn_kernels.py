@@ -269,7 +269,7 @@ def _recur_bwd(
     g, Wbuf, Qg, Kd, Pb, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, CHANNEL: tl.constexpr = False,
 ):
     """Reverse recurrence of the state gradient dS [K, BV] over the forward's tiles (Qg, Kd, P, W):
     dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn."""
@@ -298,7 +298,12 @@ def _recur_bwd(
         p_h = tl.make_block_ptr(dhbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
                                 (0, iv * BV), (K, BV), (1, 0))
         tl.store(p_h, dS.to(dhbuf.dtype.element_ty), boundary_check=(0,))
-        gL = tl.sum(tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32), 0)
+        if CHANNEL:  # KDA: g is the per-chunk total log-decay per key channel [chunks, HV, K]
+            dec = tl.exp(tl.load(g + ((c0 + c) * HV + ihv) * K + offs_k, mask=offs_k < tl.where(live, K, 0),
+                                 other=0.0))[:, None]
+        else:
+            gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
+            dec = tl.exp(tl.sum(gs, 0))
         W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
@@ -311,7 +316,7 @@ def _recur_bwd(
             tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
         tl.store(_seq_tile(dvnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), dvn.to(dvnbuf.dtype.element_ty),
                  boundary_check=(0,))
-        dS = (dS * tl.exp(gL) + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
+        dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)

@@ -1,12 +1,12 @@
 """Host side of the Triton Kimi Delta Attention kernels: forward (prefill / inference) and the decode step.
 
 - `chunk_kda(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.kda` (g [B, T, HV, K] per-channel
-  log-decay). Forward only for now: calling backward through it raises NotImplementedError that says so, and
-  impl="auto" picks the PyTorch chunk path whenever a gradient is wanted (`unsupported_reason`).
+  log-decay, float32); differentiable in q, k, v, g, beta and initial_state.
 - `fused_recurrent_kda_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: one decode token for N
   sequences on a state pool, in place (g [N, HV, K]).
 
-Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_decode`.
+Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_chunk_bwd`,
+`hybridlm::kda_decode`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import torch
 
 from . import gdn
 from . import gdn_kernels as kern
-from .kda_kernels import _kda_prep_fwd
+from .kda_kernels import _kda_chunk_bwd, _kda_prep_fwd
 
 
 @torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
 def kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
-    output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 or an empty tensor)."""
+    output_final_state: bool, save: bool,
+) -> list[torch.Tensor]:
+    """Returns [o [B, T, HV, V], final_state [N, HV, K, V] fp32 or empty] and, when save, the intermediates of
+    the backward: T, W, chunk states, Vn, Qg, Kd, P, b (per token), bL (per chunk)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = 64
@@ -37,10 +38,12 @@ def kda_chunk_fwd(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     f32 = torch.float32
     sd = gdn._store_dtype(q.dtype)
-    NCb = max(nc, 1)
+    NCb = gdn._max_chunks(Ttot, N, BT) if save else max(nc, 1)
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     Tb, Pb, BLb = e(NCb, HV, BT, BT, dt=f32), e(NCb, HV, BT, BT), e(NCb, HV, K, dt=f32)
     Wb, Ub, Qg, Kd, Bc = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K), e(Ttot, HV, K, dt=f32)
+    hb = e(NCb, HV, K, V) if save else q.new_empty(0, dtype=sd)
+    vn = e(Ttot, HV, V) if save else q.new_empty(0, dtype=sd)
     o = gdn._out((B, T, HV, V), q, q.dtype)
     ht = gdn._out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
     prec = gdn._prec(q.dtype)
@@ -52,44 +55,116 @@ def kda_chunk_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = gdn._recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, Wb, Wb, cu_t, coff, gdn._max_seq_chunks(cu, BT),
+        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, cu_t, coff, gdn._max_seq_chunks(cu, BT),
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=False,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
         LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],
     )
-    return o, ht
+    if not save:
+        return [o, ht]
+    return [o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb]
 
 
 @kda_chunk_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    ht = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return q.new_empty(B, T, HV, V), ht
+    f32 = torch.float32
+    ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
+    out = [q.new_empty(B, T, HV, V), ht]
+    if save:
+        BT, sd, Tt = 64, gdn._store_dtype(q.dtype), B * T
+        NC = gdn._max_chunks(Tt, N, BT)
+        out += [q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(Tt, HV, K, dtype=sd),
+                q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(Tt, HV, V, dtype=sd),
+                q.new_empty(Tt, HV, K, dtype=sd), q.new_empty(Tt, HV, K, dtype=sd),
+                q.new_empty(NC, HV, BT, BT, dtype=sd), q.new_empty(Tt, HV, K, dtype=f32),
+                q.new_empty(NC, HV, K, dtype=f32)]
+    return out
+
+
+@torch.library.custom_op("hybridlm::kda_chunk_bwd", mutates_args=())
+def kda_chunk_bwd(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    beta: torch.Tensor, saved: list[torch.Tensor], cu_seqlens: torch.Tensor | None, scale: float,
+    use_qk_l2norm: bool, has_h0: bool,
+) -> list[torch.Tensor]:
+    """Returns [dq, dk, dv, dg, dbeta, dinitial_state or empty]."""
+    Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb = saved
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // H
+    BT = Tb.shape[-1]
+    dev = q.device
+    cu = gdn._cu_list(cu_seqlens, B, T)
+    N = len(cu) - 1
+    Ttot = B * T
+    cs, cst, coff, nc = gdn._chunk_table(cu, BT, dev)
+    cu_t = gdn._cu_tensor(cu, cu_seqlens, dev)
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    f32 = torch.float32
+    prec = gdn._prec(q.dtype)
+    dhb = torch.empty_like(hb)
+    dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
+    lowp = gdn.TUNE["bwd_lowp"] and hb.dtype != f32
+    BV = gdn._recur_bv(K, V, N * HV, dev)
+    dh0 = gdn._out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
+    kern._recur_bwd[(V // BV, N * HV)](
+        BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff,
+        gdn._max_seq_chunks(cu, BT), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True, num_warps=8,
+        num_stages=gdn.TUNE["fwd_stages"],
+    )
+    dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
+    dv = gdn._out((B, T, HV, V), q, f32)
+    db = gdn._out((B, T, HV), q, f32)
+    if nc > 0:
+        _kda_chunk_bwd[(nc, HV)](
+            q, k, v, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=8,
+            num_stages=1,
+        )
+    dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
+    dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.view(B, T, HV, K), db.to(beta.dtype), dh0]
+
+
+@kda_chunk_bwd.register_fake
+def _(do, dht, q, k, v, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dh0 = q.new_empty(N, HV, K, V, dtype=torch.float32) if has_h0 else q.new_empty(0, dtype=torch.float32)
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, HV, K,
+            dtype=torch.float32), torch.empty_like(beta), dh0]
 
 
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-        o, ht = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm,
-                                                 output_final_state)
+        save = any(ctx.needs_input_grad[:6])
+        o, ht, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                                         use_qk_l2norm, output_final_state, save)
+        ctx.save_for_backward(q, k, v, beta, cu_seqlens, *saved)
+        ctx.scale, ctx.l2, ctx.has_h0, ctx.g_dtype = scale, use_qk_l2norm, initial_state is not None, g.dtype
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        raise NotImplementedError("kda(impl='triton') has no backward kernel yet: train with impl='chunk' "
-                                  "(impl='auto' does so whenever a gradient is needed)")
+        q, k, v, beta, cu, *saved = ctx.saved_tensors
+        if dht is not None and dht.numel() == 0:
+            dht = None
+        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, beta, saved, cu, ctx.scale,
+                                                                   ctx.l2, ctx.has_h0)
+        return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None when the KDA forward kernel takes these inputs (and no gradient is wanted), else why not."""
-    why = gdn.unsupported_reason(q, v)
-    if why is None and torch.is_grad_enabled() and (q.requires_grad or v.requires_grad):
-        why = "no backward kernel for kda yet (gradient wanted)"
-    return why
+    """None when the KDA kernels take these inputs, else why not."""
+    return gdn.unsupported_reason(q, v)
 
 
 def chunk_kda(
@@ -168,4 +243,5 @@ def fused_recurrent_kda_update(
                                          bool(use_qk_l2norm))
 
 
-__all__ = ["chunk_kda", "fused_recurrent_kda_update", "kda_chunk_fwd", "kda_decode", "unsupported_reason"]
+__all__ = ["chunk_kda", "fused_recurrent_kda_update", "kda_chunk_fwd", "kda_chunk_bwd", "kda_decode",
+           "unsupported_reason"]

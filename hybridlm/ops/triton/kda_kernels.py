@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gdn_kernels import _chunk_coords, _load_rows, _solve_ut
+from .gdn_kernels import _chunk_coords, _load_rows, _op, _solve_ut
 
 
 @triton.jit
@@ -91,4 +91,187 @@ def _kda_prep_fwd(
                  mask=rmask[:, None])
 
 
-__all__ = ["_kda_prep_fwd", "triton"]
+
+@triton.jit
+def _rows_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
+               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr):
+    """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, per channel: [BT, K]. M [BT, BT] is
+    zero outside that range; yy [BT, K] the (normalised) rows of y; y (raw, in memory) is gathered again for the
+    diagonal blocks. Off-diagonal blocks through r_c (both factors <= 1), diagonal blocks exact."""
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    out = tl.zeros([BT, K], dtype=tl.float32)
+    for cb in tl.static_range(BT // 16 - 1):
+        last = cb * 16 + 15
+        r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
+        xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
+        ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
+        out += tl.dot(M, yy * ye, input_precision=PREC) * xe
+    pos = rows % 16
+    for j in range(16):
+        src = rows - pos + j
+        smask = src < nval
+        ys = _load_rows(y, bos + src, smask, stride, col0, offs_k, L2)
+        bs = tl.load(Bc + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :], mask=smask[:, None], other=0.0)
+        bs = tl.where(smask[:, None], bs, bL[None, :])  # past the end b stays at bL: every factor exp(<= 0)
+        if STRICT:
+            keep = pos > j
+        else:
+            keep = pos >= j
+        m = tl.sum(tl.where(rows[None, :] == src[:, None], M, 0.0), 1)
+        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], b - bs, float("-inf")))
+    return out
+
+
+@triton.jit
+def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
+               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr):
+    """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, per channel: [BT, K] (the transpose
+    partner of `_rows_prod`)."""
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    out = tl.zeros([BT, K], dtype=tl.float32)
+    for cb in tl.static_range(BT // 16 - 1):
+        last = cb * 16 + 15
+        r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
+        xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
+        ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
+        out += tl.dot(tl.trans(M), yy * xe, input_precision=PREC) * ye
+    pos = rows % 16
+    for p in range(16):
+        src = rows - pos + p
+        smask = src < nval
+        ys = _load_rows(y, bos + src, smask, stride, col0, offs_k, L2)
+        bs = tl.load(Bc + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :], mask=smask[:, None], other=0.0)
+        bs = tl.where(smask[:, None], bs, bL[None, :])  # past the end b stays at bL: every factor exp(<= 0)
+        if STRICT:
+            keep = p > pos
+        else:
+            keep = p >= pos
+        m = tl.sum(tl.where(rows[:, None] == src[None, :], M, 0.0), 0)
+        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], bs - b, float("-inf")))
+    return out
+
+
+@triton.jit
+def _kda_chunk_bwd(
+    q, k, v, beta, Tbuf, Bc, BL, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    cu, chunk_seq, chunk_start, scale,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+):
+    """dq, dk, dv, dg [.., K], dbeta of one KDA chunk from S, dS' (after the chunk), Vn, dVn:
+    1. the output's paths (O = scale (Q e^b) S + P Vn): dq complete, dk's part parked in its buffer;
+    2. the state write (S' = e^{bL} S + (K e^{bL-b})^T Vn), W = T diag(beta) (K e^b), U = T diag(beta) V and the
+       UT transform (dA = -T^T dT T^T); per-channel decay gradients by the same block factorisation as the
+       forward (`_rows_prod`, `_cols_prod`); dg = reverse cumsum of db over the chunk."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    hb = (ic * HV + ihv).to(tl.int64) * K * V
+    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    b = tl.load(Bc + krow, mask=rmask[:, None], other=0.0)
+    bL = tl.load(BL + (ic * HV + ihv).to(tl.int64) * K + offs_k)
+    # rows past the chunk's end carry b = bL so that every masked factor below stays exp(<= 0)
+    b = tl.where(rmask[:, None], b, bL[None, :])
+    incl = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+
+    # phase 1
+    dQS = tl.zeros([BT, K], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S_d = _op(tl.load(hbuf + hb + offs_k[:, None] * V + offs_v[None, :]), DT, LOWP)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
+        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        qq = qr * rq[:, None]
+    else:
+        qq = qr
+    kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+    eb = tl.exp(b)
+    dqn = dQS * eb * scale
+    db = dQS * qq * eb * scale
+    N = tl.where(incl, dP * scale, 0.0)
+    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC)
+    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC)
+    dqn += Y1
+    db += qq * Y1 - kk * Y2
+    if L2:
+        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+    tl.store(dq + krow, dqn, mask=rmask[:, None])
+    tl.store(dk + krow, Y2, mask=rmask[:, None])
+
+    # phase 2
+    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
+    Tm_d = _op(Tm, DT, LOWP)
+    dKd = tl.zeros([BT, K], dtype=tl.float32)
+    dW = tl.zeros([BT, K], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta_ = tl.zeros([BT], dtype=tl.float32)
+    dSS = tl.zeros([K], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        s_off = offs_k[:, None] * V + offs_v[None, :]
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S = tl.load(hbuf + hb + s_off)
+        dSn = tl.load(dhbuf + hb + s_off)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
+        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
+        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
+        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
+        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
+        dbeta_ += tl.sum(vv * dVb, 1)
+        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+    # Kd = K e^{bL - b}; S decays by e^{bL}
+    ed = tl.exp(bL[None, :] - b)
+    dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
+    t = dKd * kk * ed
+    db -= t
+    dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
+    # W = T Kb, Kb = diag(beta) K e^b
+    kb = kk * eb * bb[:, None]
+    dT += tl.dot(dW, tl.trans(kb), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+    dkn += dKb * eb * bb[:, None]
+    dbeta_ += tl.sum(dKb * kk * eb, 1)
+    db += dKb * kb
+    # T = (I + A)^{-1}; A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} (j < i)
+    dA = tl.where(strict, -tl.dot(tl.dot(tl.trans(Tm), dT, input_precision=PREC), tl.trans(Tm),
+                                  input_precision=PREC), 0.0)
+    X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC)
+    dbeta_ += tl.sum(kk * X1, 1)
+    X1 = X1 * bb[:, None]
+    X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC)
+    dkn += X1 + X2
+    db += kk * X1 - kk * X2
+    # bL is b at the last valid row
+    db += tl.where((rows == nval - 1)[:, None], dbL[None, :], 0.0)
+    db = tl.where(rmask[:, None], db, 0.0)
+    dgg = tl.cumsum(db, 0, reverse=True)
+    if L2:
+        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+        dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
+    tl.store(dk + krow, dkn, mask=rmask[:, None])
+    tl.store(dg + krow, dgg, mask=rmask[:, None])
+    tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)
+
+
+__all__ = ["_kda_prep_fwd", "_kda_chunk_bwd", "triton"]

@@ -1,6 +1,7 @@
-"""Cases for the Triton KDA kernels (forward, decode), run in a child process under TRITON_INTERPRET=1 (CPU) by
-tests/ops/test_triton_kda.py. Prints one JSON line {case: {tensor: relative RMS error vs the float64 naive
-recurrence}}. Fresh random inputs every run (seed printed)."""
+"""Cases for the Triton KDA kernels (forward, backward, decode), run in a child process under TRITON_INTERPRET=1
+(CPU) by tests/ops/test_triton_kda.py. Prints one JSON line {case: {tensor: relative RMS error vs float64}}: the
+naive recurrence for o and the states, the float64 chunk path's autograd for every gradient. Fresh random inputs
+every run (seed printed)."""
 
 from __future__ import annotations
 
@@ -36,18 +37,26 @@ def chunk_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, decay=1.5, public=Fal
     g = -decay * torch.rand(B, T, HV, K, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, generator=gen)
     N = B if cu is None else len(cu) - 1
-    s0 = r(N, HV, K, V) if h0 else None
+    xs = [q, k, v, g, beta, r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2)
-    if public:
-        with torch.no_grad():
-            o, ht = kda(q, k, v, impl="triton", **kw)
-    else:
-        o, ht = chunk_kda(q, k, v, **kw)
-    d = lambda x: None if x is None else x.to(F64)  # noqa: E731
-    o2, ht2 = kda(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(s0), output_final_state=True,
-                  cu_seqlens=cu_t, use_qk_l2norm=l2, impl="naive")
-    return {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    leaf = [x.clone().requires_grad_() for x in xs]
+    kw = dict(g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
+              cu_seqlens=cu_t, use_qk_l2norm=l2)
+    o, ht = (kda(*leaf[:3], impl="triton", **kw) if public else chunk_kda(*leaf[:3], **kw))
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    wrt = leaf if h0 else leaf[:5]
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
+    ref = [x.detach().to(F64).requires_grad_() for x in xs]
+    kwr = dict(g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None, output_final_state=True,
+               cu_seqlens=cu_t, use_qk_l2norm=l2)
+    o2, ht2 = kda(*ref[:3], impl="chunk", **kwr)  # the float64 chunk path (itself tested against the naive one)
+    grads2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+    with torch.no_grad():
+        o3, ht3 = kda(*ref[:3], impl="naive", **kwr)
+    out = {"o": rel(o, o2), "final_state": rel(ht, ht2), "o_vs_naive": rel(o, o3), "state_vs_naive": rel(ht, ht3)}
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads, grads2):
+        out[name] = rel(a, b)
+    return out
 
 
 def decode_case(gen, *, N, P, H, HV, K, V):
