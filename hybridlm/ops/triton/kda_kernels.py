@@ -94,7 +94,7 @@ def _kda_prep_fwd(
 
 @triton.jit
 def _rows_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
-               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr):
+               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, LOWP: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, per channel: [BT, K]. M [BT, BT] is
     zero outside that range; yy [BT, K] the (normalised) rows of y; y (raw, in memory) is gathered again for the
     diagonal blocks. Off-diagonal blocks through r_c (both factors <= 1), diagonal blocks exact."""
@@ -106,7 +106,7 @@ def _rows_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.cons
         r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
         xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
         ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
-        out += tl.dot(M, yy * ye, input_precision=PREC) * xe
+        out += tl.dot(_op(M, DT, LOWP), _op(yy * ye, DT, LOWP), input_precision=PREC) * xe
     pos = rows % 16
     for j in range(16):
         src = rows - pos + j
@@ -125,7 +125,7 @@ def _rows_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.cons
 
 @triton.jit
 def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
-               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr):
+               L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, LOWP: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, per channel: [BT, K] (the transpose
     partner of `_rows_prod`)."""
     rows = tl.arange(0, BT)
@@ -136,7 +136,7 @@ def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.cons
         r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
         xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
         ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
-        out += tl.dot(tl.trans(M), yy * xe, input_precision=PREC) * ye
+        out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yy * xe, DT, LOWP), input_precision=PREC) * ye
     pos = rows % 16
     for p in range(16):
         src = rows - pos + p
@@ -206,8 +206,8 @@ def _kda_chunk_bwd(
     dqn = dQS * eb * scale
     db = dQS * qq * eb * scale
     N = tl.where(incl, dP * scale, 0.0)
-    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC)
-    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC)
+    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
+    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
     dqn += Y1
     db += qq * Y1 - kk * Y2
     if L2:
@@ -216,8 +216,7 @@ def _kda_chunk_bwd(
     tl.store(dk + krow, Y2, mask=rmask[:, None])
 
     # phase 2
-    Tm = tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :])
-    Tm_d = _op(Tm, DT, LOWP)
+    Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
     dKd = tl.zeros([BT, K], dtype=tl.float32)
     dW = tl.zeros([BT, K], dtype=tl.float32)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
@@ -247,18 +246,20 @@ def _kda_chunk_bwd(
     dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
     # W = T Kb, Kb = diag(beta) K e^b
     kb = kk * eb * bb[:, None]
-    dT += tl.dot(dW, tl.trans(kb), input_precision=PREC)
-    dKb = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+    dW_d = _op(dW, DT, LOWP)
+    dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
     dkn += dKb * eb * bb[:, None]
     dbeta_ += tl.sum(dKb * kk * eb, 1)
     db += dKb * kb
     # T = (I + A)^{-1}; A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} (j < i)
-    dA = tl.where(strict, -tl.dot(tl.dot(tl.trans(Tm), dT, input_precision=PREC), tl.trans(Tm),
-                                  input_precision=PREC), 0.0)
-    X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC)
+    dA = tl.where(strict, -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
+                                  tl.trans(Tm_d), input_precision=PREC), 0.0)
+    X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC, DT, LOWP)
     dbeta_ += tl.sum(kk * X1, 1)
     X1 = X1 * bb[:, None]
-    X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC)
+    X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC,
+                    DT, LOWP)
     dkn += X1 + X2
     db += kk * X1 - kk * X2
     # bL is b at the last valid row
