@@ -1,8 +1,8 @@
 """One GPU run: the fused Triton layer glue vs the float64 reference (pass/fail table), then timings.
 
-    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--json PATH]
+    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--sweep-conv] [--json PATH]
 
-Kernels (hybridlm/ops/triton/{conv,norm,gates}.py): causal depthwise conv1d + SiLU forward/backward (widths 2..4,
+Kernels (hybridlm/ops/triton/{conv,norm,gates}.py): causal depthwise conv1d + SiLU forward/backward (widths 2, 3, 4, 6,
 bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled decode step;
 gated RMSNorm (SiLU, sigmoid + fp32 output; D = 64, 128, 256) and RMSNorm kinds (D = 2048, 4096); the GDN gates
 (beta_scale 1 and 2) and Kimi's channel-wise gates. Each in bfloat16 and float32, on fresh random inputs (seed
@@ -11,7 +11,8 @@ same rounded inputs, for every output and every gradient; "ref" is the error of 
 in the same dtype, for scale. Bars: bf16 1e-2 (the kernels round the fp32 weight to bf16 as the reference does,
 ~2e-3, plus one output rounding), fp32 1e-5.
 Timings (median of CUDA-event timed repeats, bf16, Qwen3-Next widths B4 T4096): fused kernel vs the PyTorch
-reference path, forward and forward+backward. Exit status 1 if any case fails.
+reference path, forward and forward+backward; --sweep-conv also times the conv backward's launch settings
+(hybridlm.ops.triton.conv.TUNE). Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -204,14 +205,17 @@ def timings(gen, quick: bool):
         leaf = {k: (v.clone().requires_grad_(grads and v.is_floating_point()) if isinstance(v, torch.Tensor)
                     else v) for k, v in inputs.items()}
         row = {"op": name}
-        for tag, fn in (("fused", fused), ("torch", ref)):
-            with torch.no_grad():
-                row[f"{tag}_fwd_ms"] = bench_ms(lambda fn=fn: fn(**leaf))
-            if grads:
-                def fb(fn=fn):
-                    outs = [o for o in fn(**leaf) if o.requires_grad]
-                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-                row[f"{tag}_fwdbwd_ms"] = bench_ms(fb)
+        try:  # one failing op should not hide the others' timings
+            for tag, fn in (("fused", fused), ("torch", ref)):
+                with torch.no_grad():
+                    row[f"{tag}_fwd_ms"] = bench_ms(lambda fn=fn: fn(**leaf))
+                if grads:
+                    def fb(fn=fn):
+                        outs = [o for o in fn(**leaf) if o.requires_grad]
+                        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                    row[f"{tag}_fwdbwd_ms"] = bench_ms(fb)
+        except Exception as e:
+            print(f"timing {name} failed: {type(e).__name__}: {e}")
         rows.append(row)
 
     C = 8192
@@ -259,6 +263,47 @@ def timings(gen, quick: bool):
     return rows
 
 
+def sweep_conv(gen, quick: bool):
+    """Time the conv forward+backward (bf16, W=4, SiLU) under a few launch settings (hybridlm.ops.triton.conv.TUNE);
+    each setting's dx / dweight are also checked against the default setting's (same math, other order)."""
+    B, T, C = (2, 1024, 8192) if quick else (4, 4096, 8192)
+    x = rnd(gen, B, T, C, dtype=torch.bfloat16).requires_grad_()
+    w = rnd(gen, C, 4, scale=0.5).requires_grad_()
+    dy = rnd(gen, B, T, C, dtype=torch.bfloat16)
+    default = dict(tconv.TUNE)
+    settings = [
+        ("default", {}),
+        ("first H100 run: 4 warps, per-block dw, bt 64", dict(fwd_warps=4, dw_warps=4, dx_warps=4, dw_acc=False,
+                                                              dw_bt=64)),
+        ("acc, bt 16, 8 warps", dict(dw_acc=True, dw_bt=16)),
+        ("acc, bt 32, 4 warps", dict(dw_acc=True, dw_bt=32, dw_warps=4)),
+        ("per-block dw, bt 64, 8 warps", dict(dw_acc=False, dw_bt=64)),
+        ("per-block dw, bt 32, 8 warps", dict(dw_acc=False, dw_bt=32)),
+        ("default, 4 programs / SM", dict(dw_programs_per_sm=4)),
+        ("default, 64 programs / SM", dict(dw_programs_per_sm=64)),
+    ]
+
+    def fb():
+        y = tconv.causal_conv1d(x, w, activation="silu")[0]
+        return torch.autograd.grad(y, [x, w], dy)
+
+    ref = None
+    print(f"\nconv fwd+bwd sweep, bf16 [{B},{T},{C}] W4 SiLU (ms; dx / dweight vs the default setting)")
+    for name, upd in settings:
+        tconv.TUNE.clear()
+        tconv.TUNE.update(default, **upd)
+        try:
+            dx, dw = fb()
+            if ref is None:
+                ref = (dx, dw)
+            ms = bench_ms(fb)
+            print(f"  {name:46s} {ms:8.3f}   dx {rel(dx, ref[0]):.1e}  dweight {rel(dw, ref[1]):.1e}")
+        except Exception as e:
+            print(f"  {name:46s} FAILED {type(e).__name__}: {e}")
+    tconv.TUNE.clear()
+    tconv.TUNE.update(default)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
@@ -266,6 +311,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--only", default="", help="run the correctness cases whose name contains this")
+    ap.add_argument("--sweep-conv", action="store_true", help="also time the conv backward's launch settings")
     ap.add_argument("--conv-dw-acc", type=int, choices=(0, 1), default=None,
                     help="conv backward: 1 elementwise dweight accumulators (default), 0 per-block reductions")
     args = ap.parse_args()
@@ -318,6 +364,12 @@ def main() -> int:
             fb = lambda k, r=r: f"{r[k]:10.3f}" if k in r else f"{'-':>10s}"
             print(f"{r['op']:44s} {fb('fused_fwd_ms')} {fb('torch_fwd_ms')} {fb('fused_fwdbwd_ms')} "
                   f"{fb('torch_fwdbwd_ms')}")
+    if args.sweep_conv:
+        try:
+            sweep_conv(gen, args.quick)
+        except Exception as e:
+            print(f"conv sweep failed: {type(e).__name__}: {e}")
+            traceback.print_exc()
     print("\nALL PASS" if ok_all else "\nSOME FAILED")
     if args.json:
         with open(args.json, "w") as fh:

@@ -39,8 +39,12 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # B4 T4096 C8192 bf16, 0.92 ms for this pass with dw_bt 64, 1.13 ms with 32; 2026-11-22). True was written after
 # that run to remove the per-block reductions and has only run in the CPU interpreter so far: if it misbehaves on
 # a GPU, set False (scripts/gpu_check_glue.py --conv-dw-acc 0).
-# dw_bt None: 32 with the accumulators (five [BT, BC] fp32 tiles live), 64 without
-TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True}
+# dw_bt None: 32 with the accumulators (five [BT, BC] fp32 tiles live), 64 without.
+# *_warps: num_warps of the forward, of pass 1 and of pass 2 (dx). From an sm_90 compile on the CPU (ptxas, bf16,
+# W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8; the forward 116
+# registers at 4 warps, 48 at 8. The first H100 timings above were taken at 4 warps everywhere.
+# scripts/gpu_check_glue.py --sweep-conv times the alternatives.
+TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -281,7 +285,7 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i
     if Lmax > 0 and N > 0:
         _conv_fwd[(triton.cdiv(C, BC), triton.cdiv(Lmax, BT), N)](
             x, weight, b, h0, y, cu, C, W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None,
-            HAS_H0=initial_state is not None, SILU=silu, num_warps=4)
+            HAS_H0=initial_state is not None, SILU=silu, num_warps=TUNE["fwd_warps"])
     if not output_final_state:
         return y, x.new_empty(0)
     ht = _out((N, C, W), x, x.dtype)
@@ -325,8 +329,9 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     if N > 0 and Lmax > 0:
         _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC,
                                   HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-                                  ACC=TUNE["dw_acc"], num_warps=4)
-        _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC, num_warps=4)
+                                  ACC=TUNE["dw_acc"], num_warps=TUNE["dw_warps"])
+        _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC,
+                                                     num_warps=TUNE["dx_warps"])
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
