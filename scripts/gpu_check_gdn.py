@@ -1,4 +1,4 @@
-"""One GPU run: the Triton gated-delta-rule kernels vs the float64 reference, pass/fail table.
+"""One GPU run: the Triton gated-delta-rule and KDA kernels vs the float64 reference, pass/fail table.
 
     python scripts/gpu_check_gdn.py [--quick] [--json PATH]
 
@@ -74,32 +74,39 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
             "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
 
 
-def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0):
-    """KDA forward (no backward kernel yet) vs the float64 chunk reference; per-channel log-decays."""
+def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True):
+    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays."""
     from hybridlm.ops import kda
 
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
-    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
     if not l2:
         q, k = q / K**0.5, k / K**0.5
     g = -decay * torch.rand(B, T, HV, K, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
-    xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)]
-    s0 = r(N, HV, K, V) if h0 else None
+    xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
-    with torch.no_grad():
-        o, ht = kda(*xs[:3], g=xs[3], beta=xs[4], initial_state=s0, output_final_state=True, cu_seqlens=cu_t,
-                    use_qk_l2norm=l2, impl="triton")
-        d = lambda x: None if x is None else x.to(F64)  # noqa: E731
-        o2, ht2 = kda(*(d(x) for x in xs[:3]), g=d(xs[3]), beta=d(xs[4]), initial_state=d(s0),
-                      output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
+    leaf = [x.clone().requires_grad_(grads) for x in xs]
+    o, ht = kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
+                cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
+    do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
+    if grads:
+        gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
+    ref = [x.detach().to(F64).requires_grad_(grads) for x in xs]
+    o2, ht2 = kda(*ref[:3], g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None, output_final_state=True,
+                  cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
     res = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
-    tol = BARS[dtype][0]
-    return {"case": "kda " + name, "dtype": str(dtype).replace("torch.", ""),
-            "pass": all(x <= tol for x in res.values()), "worst": max(res, key=res.get),
-            "worst_rel": max(res.values()), "errors": res}
+    if grads:
+        gr2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+        for nm, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gr2):
+            res[nm] = rel(a, b)
+    tol_o, tol_g = BARS[dtype]
+    ok = all(x <= (tol_o if nm in ("o", "final_state") else tol_g) for nm, x in res.items())
+    worst = max(res.items(), key=lambda kv: kv[1] / (tol_o if kv[0] in ("o", "final_state") else tol_g))
+    return {"case": "kda " + name, "dtype": str(dtype).replace("torch.", ""), "pass": ok, "worst": worst[0],
+            "worst_rel": worst[1], "errors": res}
 
 
 def check_kda_decode(gen, *, P=256, N=256, HV=32, H=32, K=128, V=128, dtype=torch.bfloat16):

@@ -149,17 +149,30 @@ def _bench_kda(B, T, H, D, dev, gen, args):
     q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
     g = F.logsigmoid(r(B, T, H, D) + 3.0)
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    do = r(B, T, H, D).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     res = {"shape": f"KDA B{B} T{T} H{H} D{D}", "kda": True}
+
+    def ours_fb():
+        o = chunk_kda(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm=True)[0]
+        return torch.autograd.grad(o, leaves, do)
+
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(lambda: chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True), args.rep)
+    res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
     try:
         from fla.ops.kda import chunk_kda as fla_kda
+
+        def fla_fb():
+            o = fla_kda(*leaves[:3], leaves[3], leaves[4], use_qk_l2norm_in_kernel=True)[0]
+            return torch.autograd.grad(o, leaves, do)
 
         with torch.no_grad():
             res["fla_fwd_ms"] = _bench(lambda: fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), args.rep)
             a = chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0].float()
             b = fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].float()
             res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
+        res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
     except Exception as e:  # noqa: BLE001
         res["fla_error"] = repr(e)[:200]
     return res
@@ -214,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res), flush=True)
         torch.cuda.empty_cache()
 
-    # KDA forward at the first shape (our backward kernel does not exist yet: forward only)
+    # KDA at the first shape
     try:
         rows.append(_bench_kda(*SHAPES[0], dev, gen, args))
         print(json.dumps(rows[-1]), flush=True)
@@ -271,9 +284,12 @@ def _table(info, rows):
     ]
     for r in rows:
         if r.get("kda"):
-            o, fl = r["ours_fwd_ms"], r.get("fla_fwd_ms")
-            lines.append(f"| {r['shape']} | fwd | {o:.3f} | {_fmt(fl)} | {_fmt(None if fl is None else fl / o, '.2f')}"
-                         f" | - | - | - |")
+            for mode, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")):
+                o, fl = r.get(f"ours_{key}_ms"), r.get(f"fla_{key}_ms")
+                if o is None:
+                    continue
+                ratio = None if fl is None else fl / o
+                lines.append(f"| {r['shape']} | {mode} | {o:.3f} | {_fmt(fl)} | {_fmt(ratio, '.2f')} | - | - | - |")
         elif "ours_fwd_ms" in r:
             for mode, key, mult in (("fwd", "fwd", 1), ("fwd+bwd", "fwdbwd", 3)):
                 o, fl, sd = r[f"ours_{key}_ms"], r.get(f"fla_{key}_ms"), r.get(f"sdpa_{key}_ms")
