@@ -14,9 +14,12 @@ Non-standard here:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import shlex
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -49,16 +52,18 @@ def mqar_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """n examples: inputs [n, seq_len] int64 and labels [n, seq_len] (IGNORE except where a value must be recalled).
 
-    Layout before the one-token shift: [k1 v1 ... kP vP | query region of seq_len + 1 - 2P tokens], where key ki
-    reappears at an even offset 2*gap_i of the query region, followed by vi; gaps are drawn without replacement with
-    probability proportional to a * x^(a-1) (Zoology's power law).
+    Layout before the one-token shift (Zoology's): [k1 v1 ... kP vP | query region of seq_len + 1 - 2P tokens].
+    Keys are distinct within an example, from [1, V/2); values are distinct, from [V/2, V). Key ki reappears at the
+    even offset 2*gap_i of the query region; the label at that position is vi (the value is not written into the
+    input: the model must recall it). Gaps are drawn without replacement with probability proportional to
+    a * x^(a-1) (a power law: most queries soon after the context, a long tail far away). Every other query-region
+    position holds token 0.
     """
     check_mqar_setting(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size)
     total = seq_len + 1
     half = vocab_size // 2
-    # keys: distinct per example, from [1, half); values: from [half, vocab)
     keys = torch.argsort(torch.rand(n, half - 1, generator=generator), dim=1)[:, :num_pairs] + 1
-    values = torch.randint(half, vocab_size, (n, num_pairs), generator=generator)
+    values = torch.argsort(torch.rand(n, vocab_size - half, generator=generator), dim=1)[:, :num_pairs] + half
     context = torch.stack([keys, values], dim=2).reshape(n, 2 * num_pairs)
 
     space = (total - 2 * num_pairs) // 2  # query slots (pairs of positions)
@@ -68,14 +73,11 @@ def mqar_batch(
     gaps = torch.multinomial(p, num_pairs, replacement=False, generator=generator)  # [n, P]
     queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64)
     queries.scatter_(1, 2 * gaps, keys)
-    queries.scatter_(1, 2 * gaps + 1, values)
     seq = torch.cat([context, queries], dim=1)  # [n, total]
 
-    inputs, targets = seq[:, :-1], seq[:, 1:]
-    labels = torch.full_like(targets, IGNORE)
-    value_pos = 2 * num_pairs + 2 * gaps  # positions (in inputs) holding a query key; the next token is its value
-    labels.scatter_(1, value_pos, targets.gather(1, value_pos))
-    return inputs.contiguous(), labels
+    labels = torch.full((n, total), IGNORE, dtype=torch.int64)
+    labels.scatter_(1, 2 * num_pairs + 2 * gaps + 1, values)  # the token after a query key is its value
+    return seq[:, :-1].contiguous(), labels[:, 1:].contiguous()
 
 
 def check_mqar_setting(*, seq_len: int, num_pairs: int, vocab_size: int) -> None:
@@ -83,11 +85,14 @@ def check_mqar_setting(*, seq_len: int, num_pairs: int, vocab_size: int) -> None
         raise ValueError(f"num_pairs: expected >= 1, got {num_pairs}")
     if 4 * num_pairs > seq_len + 1:
         raise ValueError(
-            f"num_pairs: {num_pairs} pairs need 4 * num_pairs <= seq_len + 1 (context + queries), "
-            f"got seq_len={seq_len}; use at most {(seq_len + 1) // 4} pairs or a longer sequence"
+            f"num_pairs: expected 4 * num_pairs <= seq_len + 1 (context and queries must fit), got num_pairs="
+            f"{num_pairs} with seq_len={seq_len}; use at most {(seq_len + 1) // 4} pairs or a longer sequence"
         )
-    if vocab_size // 2 - 1 < num_pairs:
-        raise ValueError(f"vocab_size: {vocab_size} has only {vocab_size // 2 - 1} keys, fewer than num_pairs={num_pairs}")
+    if vocab_size // 2 - 1 < num_pairs or vocab_size - vocab_size // 2 < num_pairs:
+        raise ValueError(
+            f"vocab_size: expected at least {2 * num_pairs + 2} (num_pairs={num_pairs} distinct keys in [1, V/2) and "
+            f"values in [V/2, V)), got {vocab_size}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,15 +104,20 @@ class LinearMixer(nn.Module):
 
     kind: "linear_attention" (no decay, Hebbian), "gla" (scalar decay per head, Hebbian; Mamba2-like), "deltanet"
     (delta rule), "gdn" (scalar decay + delta rule), "kda" (per-channel decay + delta rule). x: [B, T, D].
+    key_dim: q/k size per head (default width / num_heads); the state of a head is key_dim x (width / num_heads).
+    The short conv (Zoology's short convolution / BaseConv role) lets a position see the previous token, which is
+    how a recurrent mixer binds a key to the value that follows it.
     """
 
-    def __init__(self, kind: str, width: int, num_heads: int, conv_size: int = 4):
+    def __init__(self, kind: str, width: int, num_heads: int, key_dim: int | None = None, conv_size: int = 4):
         super().__init__()
         self.kind, self.H, self.dh = kind, num_heads, width // num_heads
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.conv_w = nn.Parameter(torch.randn(3 * width, conv_size) / conv_size**0.5)
+        self.dk = key_dim or self.dh
+        self.split = [num_heads * self.dk, num_heads * self.dk, width]
+        self.qkv = nn.Linear(width, sum(self.split), bias=False)
+        self.conv_w = nn.Parameter(torch.randn(sum(self.split), conv_size) / conv_size**0.5)
         n_gate = {"linear_attention": 0, "gla": num_heads, "deltanet": num_heads, "gdn": 2 * num_heads,
-                  "kda": num_heads + width}[kind]
+                  "kda": num_heads + num_heads * self.dk}[kind]
         self.gates = nn.Linear(width, n_gate, bias=True) if n_gate else None
         self.z = nn.Linear(width, width, bias=False)
         self.norm_w = nn.Parameter(torch.ones(self.dh))
@@ -115,39 +125,44 @@ class LinearMixer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
+        H, dk = self.H, self.dk
         qkv, _ = causal_conv1d(self.qkv(x), self.conv_w, activation="silu")
-        q, k, v = (t.reshape(B, T, self.H, self.dh) for t in qkv.chunk(3, dim=-1))
-        H = self.H
-        kw = dict(use_qk_l2norm=True)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dh)
+        kw = dict(use_qk_l2norm=True, chunk_size=64 if x.is_cuda else 16)  # 16: fastest on the CPU at these sizes
         if self.kind == "linear_attention":
             o, _ = linear_attention(q, k, v, **kw)
         elif self.kind == "gla":
-            a = self.gates(x)
-            o, _ = gated_linear_attention(q, k, v, g=-F.softplus(a), **kw)
+            o, _ = gated_linear_attention(q, k, v, g=-F.softplus(self.gates(x).float()), **kw)
         elif self.kind == "deltanet":
-            o, _ = delta_rule(q, k, v, beta=torch.sigmoid(self.gates(x)), **kw)
+            o, _ = delta_rule(q, k, v, beta=torch.sigmoid(self.gates(x).float()), **kw)
         elif self.kind == "gdn":
-            a, b = self.gates(x).split([H, H], dim=-1)
+            a, b = self.gates(x).float().split([H, H], dim=-1)
             o, _ = gated_delta_rule(q, k, v, g=-F.softplus(a), beta=torch.sigmoid(b), **kw)
         else:  # kda
-            b, a = self.gates(x).split([H, D], dim=-1)
-            o, _ = kda(q, k, v, g=-F.softplus(a).reshape(B, T, H, self.dh), beta=torch.sigmoid(b), **kw)
+            b, a = self.gates(x).float().split([H, H * dk], dim=-1)
+            o, _ = kda(q, k, v, g=-F.softplus(a).reshape(B, T, H, dk), beta=torch.sigmoid(b), **kw)
         z = self.z(x).reshape(B, T, H, self.dh)
         return self.out(gated_rms_norm(o, z, self.norm_w, 1e-6).reshape(B, T, D))
 
 
 class AttentionMixer(nn.Module):
-    """Causal softmax attention (SDPA) with rotary positions. x: [B, T, D]."""
+    """Causal softmax attention (SDPA) with rotary positions, after the same short conv as the recurrent mixers
+    (so every mixer sees the previous tokens the same way; conv=False gives plain attention). x: [B, T, D]."""
 
-    def __init__(self, width: int, num_heads: int):
+    def __init__(self, width: int, num_heads: int, conv_size: int = 4, conv: bool = True):
         super().__init__()
         self.H, self.dh = num_heads, width // num_heads
         self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.conv_w = nn.Parameter(torch.randn(3 * width, conv_size) / conv_size**0.5) if conv else None
         self.out = nn.Linear(width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        q, k, v = (t.reshape(B, T, self.H, self.dh).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        qkv = self.qkv(x)
+        if self.conv_w is not None:
+            qkv, _ = causal_conv1d(qkv, self.conv_w, activation="silu")
+        q, k, v = (t.reshape(B, T, self.H, self.dh).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         q, k = rotary(q), rotary(k)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(o.transpose(1, 2).reshape(B, T, D))
@@ -164,17 +179,22 @@ def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: mixer, then a SwiGLU MLP."""
+    """Pre-norm residual block: mixer, then (mlp=True) a SwiGLU MLP. Zoology's MQAR models have no MLP."""
 
-    def __init__(self, mixer: nn.Module, width: int):
+    def __init__(self, mixer: nn.Module, width: int, mlp: bool = False):
         super().__init__()
         self.mixer = mixer
-        self.n1, self.n2 = nn.Parameter(torch.ones(width)), nn.Parameter(torch.ones(width))
-        self.up = nn.Linear(width, 4 * width, bias=False)
-        self.down = nn.Linear(2 * width, width, bias=False)
+        self.n1 = nn.Parameter(torch.ones(width))
+        self.mlp = mlp
+        if mlp:
+            self.n2 = nn.Parameter(torch.ones(width))
+            self.up = nn.Linear(width, 4 * width, bias=False)
+            self.down = nn.Linear(2 * width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(rms_norm(x, self.n1, 1e-6))
+        if not self.mlp:
+            return x
         a, b = self.up(rms_norm(x, self.n2, 1e-6)).chunk(2, dim=-1)
         return x + self.down(F.silu(a) * b)
 
@@ -182,18 +202,15 @@ class Block(nn.Module):
 class MQARModel(nn.Module):
     """Two blocks (Zoology's setting). mixer "gdn_attention" is the hybrid: GDN first, attention second."""
 
-    def __init__(self, mixer: str, *, width: int, num_heads: int, vocab_size: int):
+    def __init__(self, mixer: str, *, width: int, num_heads: int, vocab_size: int, key_dim: int | None = None,
+                 mlp: bool = False):
         super().__init__()
-        if mixer not in MIXERS:
-            raise ValueError(f"mixer: expected one of {MIXERS}, got {mixer!r}")
-        if width % num_heads != 0 or (width // num_heads) % 2 != 0:
-            raise ValueError(
-                f"width: expected a multiple of num_heads={num_heads} with an even head size, got width={width}"
-            )
+        check_model_setting(mixer=mixer, width=width, num_heads=num_heads, key_dim=key_dim)
         kinds = {"gdn_attention": ["gdn", "attention"]}.get(mixer, [mixer, mixer])
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(
-            Block(AttentionMixer(width, num_heads) if k == "attention" else LinearMixer(k, width, num_heads), width)
+            Block(AttentionMixer(width, num_heads) if k == "attention"
+                  else LinearMixer(k, width, num_heads, key_dim=key_dim), width, mlp=mlp)
             for k in kinds
         )
         self.norm = nn.Parameter(torch.ones(width))
@@ -204,6 +221,19 @@ class MQARModel(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(rms_norm(x, self.norm, 1e-6))
+
+
+def check_model_setting(*, mixer: str, width: int, num_heads: int, key_dim: int | None = None) -> None:
+    if mixer not in MIXERS:
+        raise ValueError(f"mixer: expected one of {', '.join(MIXERS)}, got {mixer!r}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads: expected >= 1, got {num_heads}")
+    if width % num_heads != 0 or (width // num_heads) % 2 != 0:
+        raise ValueError(
+            f"width: expected a multiple of num_heads={num_heads} with an even head size, got width={width}"
+        )
+    if key_dim is not None and key_dim < 1:
+        raise ValueError(f"key_dim: expected >= 1 (or None for width / num_heads), got {key_dim}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,57 +248,95 @@ class Setting:
 
 
 @dataclass
+class TrainConfig:
+    num_heads: int = 1
+    key_dim: int | None = None  # q/k size per head; None: width / num_heads
+    mlp: bool = False  # SwiGLU MLP after each mixer (Zoology's MQAR models have none)
+    steps: int = 1000  # optimizer steps, each on a fresh batch (no example is seen twice)
+    batch_size: int = 64
+    warmup: float = 0.1  # fraction of steps of linear warmup, then cosine decay to 0
+    weight_decay: float = 0.1
+    test_examples: int = 1000
+
+    def tag(self) -> str:
+        return (f"h{self.num_heads}|dk{self.key_dim or '-'}|mlp{int(self.mlp)}|s{self.steps}|b{self.batch_size}"
+                f"|wu{self.warmup:g}|wd{self.weight_decay:g}")
+
+
+@dataclass
 class Cell:
     mixer: str
     width: int
     setting: Setting
     lr: float
 
-    def key(self) -> str:
+    def key(self, cfg: TrainConfig) -> str:
         s = self.setting
-        return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}"
+        return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}"
 
 
-def train_cell(cell: Cell, *, num_heads: int, train_examples: int, epochs: int, batch_size: int, test_examples: int,
-               seed: int, device: torch.device) -> dict:
-    """Train from scratch on fixed training examples and score recall accuracy on fresh held-out examples."""
+def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device) -> dict:
+    """Train from scratch on fresh examples every step; score recall accuracy on held-out examples.
+
+    On CUDA the forward runs under bf16 autocast (the recurrences compute in float32 inside the ops)."""
     s = cell.setting
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    x_tr, y_tr = mqar_batch(train_examples, seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size,
-                            generator=gen)
-    x_te, y_te = mqar_batch(test_examples, seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size,
-                            generator=torch.Generator().manual_seed(seed + 1_000_003))
-    model = MQARModel(cell.mixer, width=cell.width, num_heads=num_heads, vocab_size=s.vocab_size).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cell.lr, weight_decay=0.1, betas=(0.9, 0.98))
-    steps = epochs * math.ceil(train_examples / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cell.lr, total_steps=steps, pct_start=0.1)
-    t0, step = time.perf_counter(), 0
-    for _ in range(epochs):
-        perm = torch.randperm(train_examples, generator=gen)
-        for i in range(0, train_examples, batch_size):
-            idx = perm[i : i + batch_size]
-            logits = model(x_tr[idx].to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y_tr[idx].to(device).flatten(), ignore_index=IGNORE)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-    acc = evaluate(model, x_te, y_te, batch_size=batch_size, device=device)
-    return {"key": cell.key(), "mixer": cell.mixer, "width": cell.width, **asdict(s), "lr": cell.lr,
-            "accuracy": acc, "final_train_loss": loss.item(), "steps": step,
-            "seconds": round(time.perf_counter() - t0, 2)}
+    data = dict(seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size)
+    x_te, y_te = mqar_batch(cfg.test_examples, **data, generator=torch.Generator().manual_seed(seed + 1_000_003))
+    model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
+                      key_dim=cfg.key_dim, mlp=cfg.mlp).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms, biases: no weight decay
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cell.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, cfg.steps, cfg.warmup))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    losses = []
+    for step in range(cfg.steps):
+        x, y = mqar_batch(cfg.batch_size, **data, generator=gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            losses.append(round(loss.item(), 4))
+    train_s = time.perf_counter() - t0
+    acc = evaluate(model, x_te, y_te, batch_size=cfg.batch_size, device=device)
+    return {"key": cell.key(cfg), "mixer": cell.mixer, "width": cell.width, **asdict(s), "lr": cell.lr,
+            **asdict(cfg), "accuracy": acc, "final_train_loss": losses[-1], "loss_every_50": losses,
+            "ms_per_step": round(1000 * train_s / cfg.steps, 2), "seconds": round(time.perf_counter() - t0, 2),
+            "seed": seed, "device": device_name(device), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def lr_factor(step: int, steps: int, warmup: float) -> float:
+    """Linear warmup over warmup * steps, then cosine decay to 0 at the last step."""
+    w = max(1, int(warmup * steps))
+    if step < w:
+        return (step + 1) / w
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, steps - w))))
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device: torch.device) -> float:
     model.eval()
     right = total = 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     for i in range(0, x.shape[0], batch_size):
         yb = y[i : i + batch_size].to(device)
-        pred = model(x[i : i + batch_size].to(device)).argmax(-1)
+        with autocast:
+            pred = model(x[i : i + batch_size].to(device)).argmax(-1)
         mask = yb != IGNORE
         right += (pred[mask] == yb[mask]).sum().item()
         total += mask.sum().item()
@@ -281,13 +349,12 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: 
 
 
 PRESETS = {
-    # CPU, minutes: one setting where capacity matters, width 64, two learning rates
-    "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=256, lrs=[3e-3, 1e-2],
-                 train_examples=4000, epochs=8, batch_size=64, test_examples=500, num_heads=1),
-    # one GPU: Zoology's grid (vocab 8192, widths 64-256, sequence 64-256 with 4-64 pairs, lr sweep)
-    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[64, 128, 256], pairs=[4, 16, 64],
-                  vocab_size=8192, lrs=[1e-3, 3e-3, 1e-2], train_examples=100_000, epochs=16, batch_size=256,
-                  test_examples=3000, num_heads=1),
+    "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=128, lrs=[3e-3],
+                 num_heads=1, key_dim=16, mlp=False, steps=600, batch_size=64, warmup=0.1, weight_decay=0.1,
+                 test_examples=500),
+    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[256], pairs=[64], vocab_size=8192,
+                  lrs=[1e-3, 3e-3, 1e-2], num_heads=1, key_dim=None, mlp=False, steps=1000, batch_size=128,
+                  warmup=0.1, weight_decay=0.1, test_examples=1000),
 }
 
 
@@ -338,7 +405,8 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.8), squeeze=False)
     for ax, (T, P) in zip(axes[0], settings):
         for m in MIXERS:
-            pts = sorted((r["width"], r["accuracy"]) for r in rows if (r["seq_len"], r["num_pairs"], r["mixer"]) == (T, P, m))
+            pts = sorted((r["width"], r["accuracy"]) for r in rows
+                         if (r["seq_len"], r["num_pairs"], r["mixer"]) == (T, P, m))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
         ax.set_xscale("log", base=2)
@@ -369,7 +437,8 @@ def atomic_savefig(fig, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="grid to run (tiny: CPU minutes)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="grid to run: tiny (CPU, minutes) or paper (one GPU, resumable); flags below override it")
     parser.add_argument("--mixers", nargs="+", choices=MIXERS, help="token mixers (default: the preset's)")
     parser.add_argument("--widths", nargs="+", type=int, help="model widths (default: the preset's)")
     parser.add_argument("--seq-lens", nargs="+", type=int, help="sequence lengths (default: the preset's)")
@@ -377,51 +446,137 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, help="vocabulary size (default: the preset's)")
     parser.add_argument("--lrs", nargs="+", type=float, help="learning rates swept per cell (default: the preset's)")
     parser.add_argument("--num-heads", type=int, help="heads per mixer (default: the preset's)")
-    parser.add_argument("--train-examples", type=int, help="training examples per cell")
-    parser.add_argument("--epochs", type=int, help="passes over the training examples")
+    parser.add_argument("--key-dim", type=int, help="q/k size per head of the recurrent mixers (default: the preset's;"
+                        " 0 means width / num_heads)")
+    parser.add_argument("--mlp", action=argparse.BooleanOptionalAction, default=None,
+                        help="a SwiGLU MLP after each mixer (default: the preset's; Zoology uses none)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per cell, each on a fresh batch")
     parser.add_argument("--batch-size", type=int, help="examples per step")
+    parser.add_argument("--warmup", type=float, help="fraction of steps of linear warmup before the cosine decay")
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay of the matrices")
     parser.add_argument("--test-examples", type=int, help="held-out examples scored per cell")
     parser.add_argument("--seed", type=int, default=0, help="seed of data and initialisation")
     parser.add_argument("--out", default="runs/mqar", help="folder for results.json, table.txt and mqar.png")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--max-cells", type=int, default=None, help="stop after this many new cells (resume later)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop before a cell that would end past this many minutes (estimated from the cells "
+                        "run so far); rerun the same command to resume")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+
+
+_OVERRIDES = ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "key_dim", "mlp", "steps",
+              "batch_size", "warmup", "weight_decay", "test_examples")
+
+
+def resolve_config(args: argparse.Namespace) -> dict:
+    """The preset with the given flags applied, checked (errors name the flag, what it expects and what it got)."""
+    cfg = dict(PRESETS[args.preset])
+    for name in _OVERRIDES:
+        if getattr(args, name, None) is not None:
+            cfg[name] = getattr(args, name)
+    if cfg["key_dim"] == 0:
+        cfg["key_dim"] = None
+    for w in cfg["widths"]:
+        if w % cfg["num_heads"] != 0 or (w // cfg["num_heads"]) % 2 != 0:
+            raise ValueError(f"widths: expected multiples of num_heads={cfg['num_heads']} with an even head size, "
+                             f"got {w}")
+    for m in cfg["mixers"]:
+        check_model_setting(mixer=m, width=cfg["widths"][0], num_heads=cfg["num_heads"], key_dim=cfg["key_dim"])
+    for name in ("steps", "batch_size", "test_examples"):
+        if cfg[name] < 1:
+            raise ValueError(f"{name}: expected >= 1, got {cfg[name]}")
+    fits = [(T, P) for T in cfg["seq_lens"] for P in cfg["pairs"] if 4 * P <= T + 1]
+    if not fits:  # the grid skips (T, P) pairs that do not fit; all of them not fitting is an error
+        check_mqar_setting(seq_len=max(cfg["seq_lens"]), num_pairs=min(cfg["pairs"]), vocab_size=cfg["vocab_size"])
+    for T, P in fits:
+        check_mqar_setting(seq_len=T, num_pairs=P, vocab_size=cfg["vocab_size"])
+    return cfg
+
+
+def train_config(cfg: dict) -> TrainConfig:
+    return TrainConfig(**{f: cfg[f] for f in TrainConfig.__dataclass_fields__})
+
+
+def load_results(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"runs": [], "cells": []}
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):  # the first format: a bare list of cells
+        data = {"runs": [], "cells": data}
+    return data
+
+
+def estimate_seconds(cell: Cell, cfg: TrainConfig, done: list[dict], device: str) -> float | None:
+    """Seconds a cell will take, from cells already run on this device with the same mixer, width, length, steps and
+    batch (scaled by steps); None when nothing comparable ran yet."""
+    same = [r for r in done if r.get("device") == device and r["mixer"] == cell.mixer and r["width"] == cell.width
+            and r["seq_len"] == cell.setting.seq_len and r.get("batch_size") == cfg.batch_size and r.get("steps")]
+    if same:
+        return max(r["seconds"] / r["steps"] for r in same) * cfg.steps
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = dict(PRESETS[args.preset])
-    for name in ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "train_examples",
-                 "epochs", "batch_size", "test_examples"):
-        if getattr(args, name) is not None:
-            cfg[name] = getattr(args, name)
-    for w in cfg["widths"]:
-        if w % cfg["num_heads"] != 0:
-            raise ValueError(f"widths: {w} is not divisible by num_heads={cfg['num_heads']}")
-    for T in cfg["seq_lens"]:
-        for P in cfg["pairs"]:
-            check_mqar_setting(seq_len=T, num_pairs=P, vocab_size=cfg["vocab_size"])
+    cfg = resolve_config(args)
+    tcfg = train_config(cfg)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = device_name(device)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
-    results = json.load(open(path)) if os.path.exists(path) else []
-    done = {r["key"] for r in results}
-    todo = [c for c in build_cells(cfg) if c.key() not in done]
-    print(f"MQAR preset={args.preset}: {len(done)} cells done, {len(todo)} to run on {device}")
-    for i, cell in enumerate(todo):
-        if args.max_cells is not None and i >= args.max_cells:
+    data = load_results(path)
+    data["runs"].append({"command": shlex.join(["hybridlm", "bench", "mqar", *sys.argv[3:]])
+                         if sys.argv[1:3] == ["bench", "mqar"] else shlex.join(sys.argv),
+                         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                         "config": cfg, "device": dev, "torch": torch.__version__,
+                         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    done = {r["key"] for r in data["cells"]}
+    cells = build_cells(cfg)
+    todo = [c for c in cells if c.key(tcfg) not in done]
+    print(f"MQAR preset={args.preset}: {len(cells) - len(todo)} of {len(cells)} cells done, {len(todo)} to run on "
+          f"{dev} ({tcfg.steps} steps x batch {tcfg.batch_size} each)", flush=True)
+    t_start = time.perf_counter()
+    ran = 0
+    for cell in todo:
+        if args.max_cells is not None and ran >= args.max_cells:
             print("stopping at --max-cells; rerun the same command to continue")
             break
-        r = train_cell(cell, num_heads=cfg["num_heads"], train_examples=cfg["train_examples"], epochs=cfg["epochs"],
-                       batch_size=cfg["batch_size"], test_examples=cfg["test_examples"], seed=args.seed,
-                       device=device)
-        results.append(r)
-        atomic_write_text(path, json.dumps(results, indent=1))  # after every cell: a killed run loses one cell
-        print(f"  {r['key']:<45} acc {r['accuracy']:.3f}  ({r['seconds']:.0f}s)", flush=True)
-    rows = best_per_cell(results)
+        est = estimate_seconds(cell, tcfg, data["cells"], dev)
+        elapsed = time.perf_counter() - t_start
+        if args.max_minutes is not None and ran > 0:
+            guess = est if est is not None else elapsed / ran
+            if elapsed + guess > 60 * args.max_minutes:
+                print(f"stopping before {cell.key(tcfg)}: {elapsed / 60:.1f} min used, next cell ~{guess:.0f}s, "
+                      f"budget {args.max_minutes:g} min; rerun the same command to continue")
+                break
+        r = train_cell(cell, tcfg, seed=args.seed, device=device)
+        data["cells"].append(r)
+        ran += 1
+        atomic_write_text(path, json.dumps(data, indent=1))  # after every cell: a killed run loses one cell
+        left = todo[ran:]
+        ests = [estimate_seconds(c, tcfg, data["cells"], dev) for c in left]
+        mean = (time.perf_counter() - t_start) / ran
+        remaining = sum(e if e is not None else mean for e in ests)
+        print(f"  {cell.mixer:<16} d={cell.width:<4} T={cell.setting.seq_len:<4} P={cell.setting.num_pairs:<3} "
+              f"lr={cell.lr:<7g} acc {r['accuracy']:.3f}  loss {r['final_train_loss']:.3f}  "
+              f"{r['seconds']:.0f}s ({r['ms_per_step']:.0f} ms/step); ~{remaining / 60:.1f} min left for "
+              f"{len(left)} cells", flush=True)
+    atomic_write_text(path, json.dumps(data, indent=1))
+    mine = [r for r in data["cells"] if r["key"].endswith(tcfg.tag())]
+    rows = best_per_cell(mine)
+    if not rows:
+        print("no cells done yet")
+        return 0
     table = format_table(rows)
-    meta = (f"MQAR, best lr per cell; device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    devices = sorted({r.get("device", "?") for r in rows})
+    meta = (f"MQAR, best lr per cell ({', '.join(f'{lr:g}' for lr in cfg['lrs'])}); {tcfg.steps} steps x batch "
+            f"{tcfg.batch_size}, heads {tcfg.num_heads}, key dim {tcfg.key_dim or 'width/heads'}, vocab "
+            f"{cfg['vocab_size']}; device {', '.join(devices)}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}; {len(mine)} of {len(cells)} cells; command: {data['runs'][-1]['command']}")
     atomic_write_text(os.path.join(args.out, "table.txt"), meta + "\n" + table + "\n")
-    plot(rows, os.path.join(args.out, "mqar.png"))
+    if not args.no_plot:
+        plot(rows, os.path.join(args.out, "mqar.png"))
     print(meta)
     print(table)
     return 0
