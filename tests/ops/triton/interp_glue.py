@@ -1,11 +1,12 @@
 """Cases for the fused Triton layer glue, run in a child process under TRITON_INTERPRET=1 (CPU), float32.
 
-    python tests/ops/triton/interp_glue.py ops|layers [seed]
+    python tests/ops/triton/interp_glue.py ops|layers|full [seed]
 
 Run by tests/ops/test_triton_glue.py ("ops": each kernel vs its float64 PyTorch reference) and by
 tests/layers/test_fused_glue.py ("layers": GatedDeltaNet / KimiDeltaAttention with impl="triton", i.e. the fused
 glue, vs the same layer on the reference glue; the recurrence is forced to the PyTorch "chunk" path in both so only
-the glue differs). The variable must be set before triton decorates the kernels, so these cases cannot share the
+the glue differs; "full": the whole layer on Triton, glue and recurrence, vs the float64 reference layer). The
+variable must be set before triton decorates the kernels, so these cases cannot share the
 pytest process. Prints one JSON line "RESULT {case: {tensor: relative error}}". Fresh random inputs every run
 (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32 only: the interpreter
 rounds float32 -> bfloat16 by truncation, not to nearest, so bf16 is checked on the GPU (scripts/gpu_check_glue.py).
@@ -221,13 +222,16 @@ def _layer_pair(layer):
     return layer, ref
 
 
-def layer_case(gen, layer, *, B, T, D, cu=None, mask=False):
-    """Fused glue vs reference glue: output, input gradient and every parameter gradient (float32)."""
+def layer_case(gen, layer, *, B, T, D, cu=None, mask=False, ref64=False):
+    """Fused glue vs reference glue: output, input gradient and every parameter gradient (float32; with ref64 the
+    reference runs in float64)."""
     with torch.no_grad():  # randomise every parameter (norm weights around 1, A_log in its init range)
         for n, p in layer.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.3 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
                     + (1.0 if "norm" in n else 0.0))
     fused, ref = _layer_pair(layer)
+    if ref64:
+        ref = ref.double()
     x = torch.randn(B, T, D, generator=gen)
     am = None
     if mask:
@@ -236,10 +240,11 @@ def layer_case(gen, layer, *, B, T, D, cu=None, mask=False):
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     outs, grads = [], []
     for m in (fused, ref):
-        xi = x.clone().requires_grad_()
-        y = m(xi, attention_mask=am, cu_seqlens=cu_t)
+        dt = next(m.parameters()).dtype
+        xi = x.to(dt).requires_grad_()
+        y = m(xi, attention_mask=None if am is None else am.to(dt), cu_seqlens=cu_t)
         outs.append(y)
-        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dt)
         names = ["x"] + [n for n, _ in m.named_parameters()]
         grads.append(dict(zip(names, torch.autograd.grad((y * cot).sum(), [xi] + list(m.parameters())))))
     res = {"y": rel(outs[0], outs[1])}
@@ -319,12 +324,28 @@ def layer_cases(gen) -> dict:
     return res
 
 
+def layer_full_cases(gen) -> dict:
+    """The whole layer on Triton (glue and recurrence kernels, impl="triton", float32) against the whole layer on
+    the PyTorch reference path in float64 (impl="chunk"): head dims 64 (the kernels take 64/128/256), T across a
+    chunk edge, varlen with beta up to 2."""
+    from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
+
+    D = 64
+    res = {}
+    res["full_gdn_split_B2_T70"] = layer_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=70, D=D,
+                                              ref64=True)
+    res["full_gdn_olmo_varlen"] = layer_case(gen, GatedDeltaNet(D, 1, 1, 64, 64, layout="olmo", beta_scale=2.0),
+                                             B=1, T=80, D=D, cu=[0, 5, 80], ref64=True)
+    res["full_kda_B2_T66"] = layer_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=66, D=D, ref64=True)
+    return res
+
+
 def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "ops"
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     res = {"seed": seed}
-    res.update(ops_cases(gen) if which == "ops" else layer_cases(gen))
+    res.update({"ops": ops_cases, "layers": layer_cases, "full": layer_full_cases}[which](gen))
     print("RESULT " + json.dumps(res))
     return 0
 
