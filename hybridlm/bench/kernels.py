@@ -32,7 +32,7 @@ SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="folder for kernels.json / kernels.md / kernels.png")
     parser.add_argument("--no-fla", action="store_true", help="skip fla-core even if installed")
-    parser.add_argument("--no-sdpa", action="store_true")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA (FlashAttention) rows")
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of ours, first shape")

@@ -19,14 +19,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint folder or preset name")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature when sampling (> 0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weights and activations dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default: cuda when available)")
 
 
 def _load(name: str, dtype: torch.dtype):

@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", help="preset name")
     g.add_argument("--config", help="config JSON (transformers or HybridConfig) or checkpoint folder")
     parser.add_argument("--max-context", type=int, default=None, help="largest context (default: the model's)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
+    parser.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES),
+                        help="dtype of the KV cache (recurrent states are float32)")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
 
 
