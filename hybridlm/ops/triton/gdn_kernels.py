@@ -323,6 +323,58 @@ def _recur_bwd(
 
 
 @triton.jit
+def _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """Phase 1 of a chunk backward, over V blocks: dQS = dO S^T [BT, K] (the output read of the chunk-initial
+    state S) and dP = dO Vn^T [BT, BT] (the intra-chunk attention)."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    offs_k = tl.arange(0, K)
+    dQS = tl.zeros([BT, K], dtype=tl.float32)
+    dP = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S_d = _op(tl.load(hbuf + hb + offs_k[:, None] * V + offs_v[None, :]), DT, LOWP)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
+        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    return dQS, dP
+
+
+@triton.jit
+def _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """Phase 2 of a chunk backward, over V blocks, from S, dS' (the state gradient after the chunk), Vn, dVn:
+    stores dv = diag(beta) T^T dVn and returns dKd = Vn dS'^T, dW = -dVn S^T, dT = dVn (diag(beta) V)^T,
+    the beta gradient through U, and dSS = rowsum(S * dS') [K] (for the state's decay)."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    offs_k = tl.arange(0, K)
+    dKd = tl.zeros([BT, K], dtype=tl.float32)
+    dW = tl.zeros([BT, K], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    dSS = tl.zeros([K], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        s_off = offs_k[:, None] * V + offs_v[None, :]
+        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+        S = tl.load(hbuf + hb + s_off)
+        dSn = tl.load(dhbuf + hb + s_off)
+        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
+        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
+        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
+        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
+        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
+        dbeta += tl.sum(vv * dVb, 1)
+        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+    return dKd, dW, dT, dbeta, dSS
+
+
+@triton.jit
 def _chunk_bwd(
     q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
@@ -353,16 +405,7 @@ def _chunk_bwd(
     strict = rows[:, None] > rows[None, :]
 
     # phase 1: O = diag(scale gamma) Q S + P Vn with P = scale (Q K^T) e^{b_i - b_j} (j <= i)
-    dQS = tl.zeros([BT, K], dtype=tl.float32)
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        S_d = _op(tl.load(hbuf + hb + offs_k[:, None] * V + offs_v[None, :]), DT, LOWP)
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
-        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
     qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
     if L2:
         rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
@@ -387,27 +430,8 @@ def _chunk_bwd(
 
     # phase 2: S' = e^{bL} S + (K e^{bL - b})^T Vn, Vn = U - W S with W = T diag(beta gamma) K, U = T diag(beta) V
     Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
-    dKd = tl.zeros([BT, K], dtype=tl.float32)
-    dW = tl.zeros([BT, K], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
-    db = tl.zeros([BT], dtype=tl.float32)
-    dSS = tl.zeros([K], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        s_off = offs_k[:, None] * V + offs_v[None, :]
-        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        S = tl.load(hbuf + hb + s_off)
-        dSn = tl.load(dhbuf + hb + s_off)
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
-        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
-        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
-        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
-        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
-        db += tl.sum(vv * dVb, 1)
-        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+    dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
+                                           K, V, BT, BV, PREC, LOWP)
     ed = tl.exp(gL - gc)
     dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
     r = tl.sum(kk * dKd, 1) * ed

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gdn_kernels import _chunk_coords, _load_rows, _op, _solve_ut
+from .gdn_kernels import _bwd_out_loop, _bwd_state_loop, _chunk_coords, _load_rows, _op, _solve_ut
 
 
 @triton.jit
@@ -185,16 +185,7 @@ def _kda_chunk_bwd(
     strict = rows[:, None] > rows[None, :]
 
     # phase 1
-    dQS = tl.zeros([BT, K], dtype=tl.float32)
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        S_d = _op(tl.load(hbuf + hb + offs_k[:, None] * V + offs_v[None, :]), DT, LOWP)
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
-        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
     qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
     if L2:
         rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
@@ -217,27 +208,8 @@ def _kda_chunk_bwd(
 
     # phase 2
     Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
-    dKd = tl.zeros([BT, K], dtype=tl.float32)
-    dW = tl.zeros([BT, K], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
-    dbeta_ = tl.zeros([BT], dtype=tl.float32)
-    dSS = tl.zeros([K], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        s_off = offs_k[:, None] * V + offs_v[None, :]
-        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-        S = tl.load(hbuf + hb + s_off)
-        dSn = tl.load(dhbuf + hb + s_off)
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
-        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
-        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
-        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
-        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
-        dbeta_ += tl.sum(vv * dVb, 1)
-        dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+    dKd, dW, dT, dbeta_, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv,
+                                               HV, K, V, BT, BV, PREC, LOWP)
     # Kd = K e^{bL - b}; S decays by e^{bL}
     ed = tl.exp(bL[None, :] - b)
     dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
