@@ -64,3 +64,31 @@ def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64)) == "triton"
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 64)) == "chunk"
     assert "K=32" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_decode_step_bad_input_names_the_argument(op):
+    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update, fused_recurrent_kda_update
+
+    fn = fused_recurrent_kda_update if op == "kda" else fused_recurrent_gated_delta_rule_update
+    N, H, HV, K, V, P = 2, 1, 2, 64, 64, 4
+    good = dict(q=torch.randn(N, H, K), k=torch.randn(N, H, K), v=torch.randn(N, HV, V),
+                g=-torch.rand(N, HV, K) if op == "kda" else -torch.rand(N, HV), beta=torch.rand(N, HV),
+                state_pool=torch.zeros(P, HV, K, V), state_indices=torch.tensor([0, 2], dtype=torch.int32))
+
+    def call(**change):
+        kw = dict(good, **change)
+        return fn(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+    cases = [
+        (dict(v=torch.randn(N + 1, HV, V)), r"v: expected \[N, HV, V\] with HV a multiple of H"),
+        (dict(g=torch.zeros(N, HV, 3)), r"g: expected"),
+        (dict(beta=torch.zeros(N, HV + 1)), r"beta: expected shape \(2, 2\)"),
+        (dict(state_pool=torch.zeros(P, HV, K, V, dtype=torch.float64)), r"state_pool: expected float32"),
+        (dict(state_pool=torch.zeros(P, HV, V, K).transpose(2, 3)), r"state_pool: expected a contiguous tensor"),
+        (dict(state_indices=torch.tensor([0.0, 1.0])), r"state_indices: expected int32/int64 \[2\]"),
+        (dict(q=torch.randn(N, H, 48), k=torch.randn(N, H, 48)), r"q/k: .* got K=48"),
+    ]
+    for change, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call(**change)

@@ -15,6 +15,7 @@ Ttot // BT + N so the fake kernels need no data.
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -110,6 +111,26 @@ def _cu_tensor(cu: list[int], cu_seqlens: torch.Tensor | None, dev) -> torch.Ten
     return _TABLES[key]
 
 
+class Layout(NamedTuple):
+    """Where the chunks of a (packed) batch are: the host facts every launch needs."""
+
+    cu: list[int]  # sequence offsets [N+1] on the host
+    N: int  # sequences
+    Ttot: int  # tokens
+    chunk_seq: torch.Tensor  # int32 [chunks]: the sequence of each chunk
+    chunk_start: torch.Tensor  # int32 [chunks]: its first token
+    chunk_off: torch.Tensor  # int32 [N+1]: the first chunk of each sequence
+    nc: int  # chunks
+    cu_t: torch.Tensor  # int32 [N+1] on the device
+    nch: int  # chunks of the longest sequence (the sequential kernels' loop bound)
+
+
+def layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev) -> Layout:
+    cu = _cu_list(cu_seqlens, B, T)
+    cs, cst, coff, nc = _chunk_table(cu, BT, dev)
+    return Layout(cu, len(cu) - 1, B * T, cs, cst, coff, nc, _cu_tensor(cu, cu_seqlens, dev), _max_seq_chunks(cu, BT))
+
+
 def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
@@ -141,11 +162,8 @@ def _fwd_impl(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
-    cu = _cu_list(cu_seqlens, B, T)
-    N = len(cu) - 1
-    Ttot = B * T
-    cs, cst, coff, nc = _chunk_table(cu, BT, dev)
-    cu_t = _cu_tensor(cu, cu_seqlens, dev)
+    lay = layout(cu_seqlens, B, T, BT, dev)
+    N, Ttot, nc = lay.N, lay.Ttot, lay.nc
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     f32 = torch.float32
     sd = _store_dtype(q.dtype)
@@ -165,14 +183,14 @@ def _fwd_impl(
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
     if nc > 0:
         kern._prep_fwd[(nc, HV)](
-            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, cu_t, cs, cst, scale,
+            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec,
             num_warps=TUNE["prep_warps"] or 8, num_stages=1,
         )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, cu_t, coff, _max_seq_chunks(cu, BT),
+        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
@@ -238,11 +256,8 @@ def _bwd_impl(
     G = HV // H
     BT = Tb.shape[-1]
     dev = q.device
-    cu = _cu_list(cu_seqlens, B, T)
-    N = len(cu) - 1
-    Ttot = B * T
-    cs, cst, coff, nc = _chunk_table(cu, BT, dev)
-    cu_t = _cu_tensor(cu, cu_seqlens, dev)
+    lay = layout(cu_seqlens, B, T, BT, dev)
+    N, Ttot, nc = lay.N, lay.Ttot, lay.nc
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     f32 = torch.float32
     prec = _prec(q.dtype)
@@ -253,7 +268,7 @@ def _bwd_impl(
     BV = _recur_bv(K, V, N * HV, dev)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
-        g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff, _max_seq_chunks(cu, BT),
+        g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
         num_stages=TUNE["fwd_stages"],
@@ -266,7 +281,8 @@ def _bwd_impl(
     if nc > 0:
         chunk_bwd = kern._chunk_bwd if TUNE["bwd_variant"] == "twophase" else kern._chunk_bwd_onephase
         chunk_bwd[(nc, HV)](
-            q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
+            q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+            scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V), L2=use_qk_l2norm,
             PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1,
         )
@@ -402,6 +418,33 @@ def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm):
     return q.new_empty(q.shape[0], v.shape[1], v.shape[2])
 
 
+def _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, *, channel: bool) -> int:
+    """Shapes and dtypes of one decode step (GDN: g [N, HV]; KDA, channel: g float32 [N, HV, K]); returns K."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    N, H, K = q.shape
+    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
+        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    HV, V = v.shape[1], v.shape[2]
+    _check_dims(K, V)
+    g_shape = (N, HV, K) if channel else (N, HV)
+    if tuple(g.shape) != g_shape or (channel and g.dtype != torch.float32):
+        want = "float32 [N, HV, K]" if channel else "[N, HV]"
+        raise ValueError(f"g: expected {want} = {g_shape}, got {g.dtype} {tuple(g.shape)}")
+    if tuple(beta.shape) != (N, HV):
+        raise ValueError(f"beta: expected shape {(N, HV)} ([N, HV]), got {tuple(beta.shape)}")
+    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
+                         f"{tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
+    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
+        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    _check_device(q)
+    return K
+
+
 def fused_recurrent_gated_delta_rule_update(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
@@ -416,25 +459,7 @@ def fused_recurrent_gated_delta_rule_update(
         if q.shape[1] != 1:
             raise ValueError(f"q: expected one token per sequence ([N, 1, H, K]), got {tuple(q.shape)}")
         q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
-        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    HV, V = v.shape[1], v.shape[2]
-    _check_dims(K, V)
-    _check_device(q)
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != (N, HV):
-            raise ValueError(f"{name}: expected shape {(N, HV)} ([N, HV]), got {tuple(x.shape)}")
-    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
-                         f"{tuple(state_pool.shape)}")
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
-    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
-        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
-                         f"{tuple(state_indices.shape)}")
+    K = _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=False)
     scale = K**-0.5 if scale is None else float(scale)
     o = torch.ops.hybridlm.gdn_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
                                       bool(use_qk_l2norm))

@@ -30,11 +30,8 @@ def kda_chunk_fwd(
     HV, V = v.shape[2], v.shape[3]
     BT = 64
     dev = q.device
-    cu = gdn._cu_list(cu_seqlens, B, T)
-    N = len(cu) - 1
-    Ttot = B * T
-    cs, cst, coff, nc = gdn._chunk_table(cu, BT, dev)
-    cu_t = gdn._cu_tensor(cu, cu_seqlens, dev)
+    lay = gdn.layout(cu_seqlens, B, T, BT, dev)
+    N, Ttot, nc = lay.N, lay.Ttot, lay.nc
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     f32 = torch.float32
     sd = gdn._store_dtype(q.dtype)
@@ -49,13 +46,13 @@ def kda_chunk_fwd(
     prec = gdn._prec(q.dtype)
     if nc > 0:
         _kda_prep_fwd[(nc, HV)](
-            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, cu_t, cs, cst, scale,
+            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=8, num_stages=1,
         )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = gdn._recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, cu_t, coff, gdn._max_seq_chunks(cu, BT),
+        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
         LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],
@@ -97,11 +94,8 @@ def kda_chunk_bwd(
     G = HV // H
     BT = Tb.shape[-1]
     dev = q.device
-    cu = gdn._cu_list(cu_seqlens, B, T)
-    N = len(cu) - 1
-    Ttot = B * T
-    cs, cst, coff, nc = gdn._chunk_table(cu, BT, dev)
-    cu_t = gdn._cu_tensor(cu, cu_seqlens, dev)
+    lay = gdn.layout(cu_seqlens, B, T, BT, dev)
+    N, Ttot, nc = lay.N, lay.Ttot, lay.nc
     q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
     f32 = torch.float32
     prec = gdn._prec(q.dtype)
@@ -111,8 +105,8 @@ def kda_chunk_bwd(
     BV = gdn._recur_bv(K, V, N * HV, dev)
     dh0 = gdn._out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
-        BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, cu_t, coff,
-        gdn._max_seq_chunks(cu, BT), H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
+        lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True, num_warps=8,
         num_stages=gdn.TUNE["fwd_stages"],
     )
@@ -121,7 +115,8 @@ def kda_chunk_bwd(
     db = gdn._out((B, T, HV), q, f32)
     if nc > 0:
         _kda_chunk_bwd[(nc, HV)](
-            q, k, v, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, cu_t, cs, cst, scale,
+            q, k, v, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
+            lay.chunk_start, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=8,
             num_stages=1,
         )
@@ -218,26 +213,7 @@ def fused_recurrent_kda_update(
 ) -> torch.Tensor:
     """One KDA decode step for N sequences: q, k [N, H, K]; v [N, HV, V]; g [N, HV, K] (float32); beta [N, HV];
     state_pool fp32 [P, HV, K, V] updated in place at rows state_indices. Returns o [N, HV, V]."""
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
-        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    HV, V = v.shape[1], v.shape[2]
-    gdn._check_dims(K, V)
-    gdn._check_device(q)
-    if tuple(g.shape) != (N, HV, K) or g.dtype != torch.float32:
-        raise ValueError(f"g: expected float32 [N, HV, K] = {(N, HV, K)}, got {g.dtype} {tuple(g.shape)}")
-    if tuple(beta.shape) != (N, HV):
-        raise ValueError(f"beta: expected shape {(N, HV)} ([N, HV]), got {tuple(beta.shape)}")
-    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
-                         f"{tuple(state_pool.shape)}")
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
-    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
-        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
-                         f"{tuple(state_indices.shape)}")
+    K = gdn._check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=True)
     scale = K**-0.5 if scale is None else float(scale)
     return torch.ops.hybridlm.kda_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
                                          bool(use_qk_l2norm))
