@@ -99,6 +99,30 @@ class ShortConv(nn.Module):
         return y
 
 
+def decode_step(op: str, impl: str, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor | None:
+    """One cached decode token on the fused Triton step kernel, updating cache.recurrent in place (the state is
+    read once and written once, no copy), when the recurrence impl resolves to "triton" for these inputs
+    (impl="auto" on CUDA for head dims it takes, or "triton"). Returns o [B, 1, HV, V], or None: then the caller
+    runs the op as usual. q, k: [B, 1, H, K]; v: [B, 1, HV, V]; g: [B, 1, HV] (GDN) or [B, 1, HV, K] (KDA)."""
+    state = None if cache is None else cache.recurrent
+    if state is None or q.shape[1] != 1 or torch.is_grad_enabled() and q.requires_grad:
+        return None
+    from hybridlm.ops.recurrence import TRITON_SUPPORTS, resolve_impl
+
+    if resolve_impl(op, impl, q.device, q, v) != "triton" or not state.is_contiguous():
+        return None
+    if op in TRITON_SUPPORTS and TRITON_SUPPORTS[op](q, v) is not None:
+        return None  # inputs the kernels do not take: the op path decides (an explicit "triton" raises there)
+    from hybridlm.ops import triton as tk
+
+    idx = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
+    step = tk.fused_recurrent_kda_update if op == "kda" else tk.fused_recurrent_gated_delta_rule_update
+    o = step(q[:, 0], k[:, 0], v[:, 0], g=g[:, 0], beta=beta[:, 0], state_pool=state, state_indices=idx,
+             use_qk_l2norm=True)
+    return o[:, None]
+
+
 def step_impl(impl: str, cache, T: int) -> str:
     """The recurrence impl for one call: a single cached decode step uses the token loop ("naive", the recurrent
     form: nothing to chunk) unless a kernel was asked for explicitly; prefill / continuation keep `impl`."""

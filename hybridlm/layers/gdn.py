@@ -21,7 +21,7 @@ from torch import nn
 from hybridlm.ops import gated_delta_rule
 
 from . import conv as glue
-from .conv import ShortConv, step_impl, use_fused_glue
+from .conv import ShortConv, decode_step, step_impl, use_fused_glue
 from .norm import GatedRMSNorm
 
 LAYOUTS = ("fused", "split", "olmo")
@@ -109,10 +109,12 @@ class GatedDeltaNet(nn.Module):
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
         g, beta = self.gates(a, b)
-        o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                                    initial_state=None if cache is None else cache.recurrent,
-                                    output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
-        if cache is not None:
-            cache.recurrent = state
+        o = decode_step("gated_delta_rule", self.impl, cache, q, k, v, g, beta)  # in place on the cache, or None
+        if o is None:
+            o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                                        initial_state=None if cache is None else cache.recurrent,
+                                        output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
+            if cache is not None:
+                cache.recurrent = state
         norm, out = (self.o_norm, self.o_proj) if self.layout == "olmo" else (self.norm, self.out_proj)
         return out(norm(o, z, impl=self.impl).reshape(B, T, self.value_dim))

@@ -64,10 +64,12 @@ class KimiDeltaAttention(nn.Module):
                                             self.dt_bias)
         else:
             g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
-        o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                       initial_state=None if cache is None else cache.recurrent, output_final_state=cache is not None,
-                       impl=step_impl(self.impl, cache, T))
-        if cache is not None:
-            cache.recurrent = state
+        o = glue.decode_step("kda", self.impl, cache, q, k, v, g, beta)  # in place on the cache, or None
+        if o is None:
+            o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                           initial_state=None if cache is None else cache.recurrent,
+                           output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
+            if cache is not None:
+                cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)
         return self.o_proj(self.o_norm(o, gate, impl=self.impl).reshape(B, T, self.dim))

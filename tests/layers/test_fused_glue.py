@@ -137,3 +137,12 @@ def test_whole_layer_on_triton_equals_float64_reference_layer(interp_full, case)
     for name, err in res.items():
         tol = 1e-4 if name in SUMS else TOL
         assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
+
+
+@pytest.mark.parametrize("case", ["full_gdn_decode", "full_kda_decode"])
+def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
+    """Prefill on the chunk kernels, then single-token steps on the fused decode kernels (the cache's state
+    updated in place) vs the reference layer (float32): outputs and states within 1e-5, conv state exact."""
+    res = interp_full[case]
+    assert res["conv_state"] == 0.0, res
+    assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, res

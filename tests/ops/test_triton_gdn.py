@@ -54,6 +54,11 @@ def test_chunk_kernels_match_float64(interp_results, case):
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
+def test_inference_without_autograd_matches_float64(interp_results):
+    res = interp_results["no_grad_prefill"]
+    assert res["o"] <= TOL_OUT and res["final_state"] <= TOL_OUT, res
+
+
 def test_decode_step_matches_float64(interp_results):
     res = interp_results["decode"]
     assert res["o"] <= TOL_OUT and res["state"] <= TOL_OUT, res

@@ -197,7 +197,7 @@ def _fwd_impl(
     )
     if not save:
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
-        Qg = Kd = Pb = q.new_empty(0, dtype=sd)
+        Qg, Kd, Pb = (q.new_empty(0, dtype=sd) for _ in range(3))  # distinct: custom-op outputs may not alias
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
 
 
@@ -240,8 +240,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd),
                 q.new_empty(B * T, HV, K, dtype=sd), q.new_empty(B * T, HV, K, dtype=sd),
                 q.new_empty(NC, HV, BT, BT, dtype=sd))
-    e, es = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
-    return o, ht, e, es, es, es, es, es, es
+    return (o, ht, q.new_empty(0, dtype=f32), *(q.new_empty(0, dtype=sd) for _ in range(6)))
 
 
 def _bwd_impl(

@@ -73,6 +73,18 @@ def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, pu
     return out
 
 
+def no_grad_case(gen, *, B, T, H, HV, K, V):
+    """Inference (no autograd: the kernels keep no intermediates), with an initial and a final state."""
+    xs = inputs(gen, B, T, H, HV, K, V, B, True, torch.float32)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True,
+                                       use_qk_l2norm=True)
+        d = [x.to(F64) for x in xs]
+        o2, ht2 = gated_delta_rule(*d[:3], g=d[3], beta=d[4], initial_state=d[5], output_final_state=True,
+                                   use_qk_l2norm=True, impl="naive")
+    return {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+
+
 def decode_case(gen, *, N, P, H, HV, K, V, l2):
     idx = torch.randperm(P, generator=gen)[:N].to(torch.int32)
     q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
@@ -113,6 +125,7 @@ def main() -> int:
     res["gva4_K64_V128_T65_public"] = run_case(gen, B=1, T=65, H=1, HV=4, K=64, V=128, l2=True, h0=False,
                                                public=True)
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
+    res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))

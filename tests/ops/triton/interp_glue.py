@@ -337,6 +337,10 @@ def layer_full_cases(gen) -> dict:
     res["full_gdn_olmo_varlen"] = layer_case(gen, GatedDeltaNet(D, 1, 1, 64, 64, layout="olmo", beta_scale=2.0),
                                              B=1, T=80, D=D, cu=[0, 5, 80], ref64=True)
     res["full_kda_B2_T66"] = layer_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=66, D=D, ref64=True)
+    # prefill on the chunk kernels, then decode steps on the fused step kernels (state updated in place)
+    res["full_gdn_decode"] = layer_decode_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=66, D=D,
+                                               steps=3)
+    res["full_kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=5, D=D, steps=3)
     return res
 
 
