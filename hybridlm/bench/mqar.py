@@ -48,7 +48,8 @@ IGNORE = -100
 
 
 def mqar_batch(
-    n: int, *, seq_len: int, num_pairs: int, vocab_size: int, power_a: float = 0.01, generator: torch.Generator
+    n: int, *, seq_len: int, num_pairs: int, vocab_size: int, power_a: float = 0.01, random_non_queries: bool = True,
+    generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """n examples: inputs [n, seq_len] int64 and labels [n, seq_len] (IGNORE except where a value must be recalled).
 
@@ -57,7 +58,8 @@ def mqar_batch(
     even offset 2*gap_i of the query region; the label at that position is vi (the value is not written into the
     input: the model must recall it). Gaps are drawn without replacement with probability proportional to
     a * x^(a-1) (a power law: most queries soon after the context, a long tail far away). Every other query-region
-    position holds token 0.
+    position holds a random token of the whole vocabulary (Zoology's random_non_queries; token 0 when False), so a
+    mixer that writes every token into a fixed-size state keeps writing noise after the context.
     """
     check_mqar_setting(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size)
     total = seq_len + 1
@@ -73,6 +75,10 @@ def mqar_batch(
     gaps = torch.multinomial(p, num_pairs, replacement=False, generator=generator)  # [n, P]
     queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64)
     queries.scatter_(1, 2 * gaps, keys)
+    if random_non_queries:
+        noise = torch.randint(0, vocab_size, queries.shape, generator=generator)
+        is_query = torch.zeros_like(queries, dtype=torch.bool).scatter_(1, 2 * gaps, True)
+        queries = torch.where(is_query, queries, noise)
     seq = torch.cat([context, queries], dim=1)  # [n, total]
 
     labels = torch.full((n, total), IGNORE, dtype=torch.int64)
@@ -104,31 +110,42 @@ class LinearMixer(nn.Module):
 
     kind: "linear_attention" (no decay, Hebbian), "gla" (scalar decay per head, Hebbian; Mamba2-like), "deltanet"
     (delta rule), "gdn" (scalar decay + delta rule), "kda" (per-channel decay + delta rule). x: [B, T, D].
-    key_dim: q/k size per head (default width / num_heads); the state of a head is key_dim x (width / num_heads).
+    key_dim, value_dim: q/k and v sizes per head (default width / num_heads); a head's state is key_dim x value_dim,
+    so these set the memory of the recurrent mixers independently of the model width.
     The short conv (Zoology's short convolution / BaseConv role) lets a position see the previous token, which is
     how a recurrent mixer binds a key to the value that follows it.
     """
 
-    def __init__(self, kind: str, width: int, num_heads: int, key_dim: int | None = None, conv_size: int = 4):
+    def __init__(self, kind: str, width: int, num_heads: int, key_dim: int | None = None,
+                 value_dim: int | None = None, conv_size: int = 4):
         super().__init__()
-        self.kind, self.H, self.dh = kind, num_heads, width // num_heads
-        self.dk = key_dim or self.dh
-        self.split = [num_heads * self.dk, num_heads * self.dk, width]
+        self.kind, self.H = kind, num_heads
+        self.dk = key_dim or width // num_heads
+        self.dv = value_dim or width // num_heads
+        self.split = [num_heads * self.dk, num_heads * self.dk, num_heads * self.dv]
         self.qkv = nn.Linear(width, sum(self.split), bias=False)
         self.conv_w = nn.Parameter(torch.randn(sum(self.split), conv_size) / conv_size**0.5)
         n_gate = {"linear_attention": 0, "gla": num_heads, "deltanet": num_heads, "gdn": 2 * num_heads,
                   "kda": num_heads + num_heads * self.dk}[kind]
         self.gates = nn.Linear(width, n_gate, bias=True) if n_gate else None
-        self.z = nn.Linear(width, width, bias=False)
-        self.norm_w = nn.Parameter(torch.ones(self.dh))
-        self.out = nn.Linear(width, width, bias=False)
+        if kind in ("gla", "gdn", "kda"):
+            # decay rates softplus(bias) log-uniform in [1e-3, 1e-1] (Mamba2-style): memories last 10 to 1000 tokens at
+            # the start; a zero bias would halve the state every token and the model would first have to learn to keep
+            n_decay = num_heads * self.dk if kind == "kda" else num_heads
+            lo = {"gla": 0, "gdn": 0, "kda": num_heads}[kind]
+            with torch.no_grad():
+                dt = torch.exp(torch.empty(n_decay).uniform_(math.log(1e-3), math.log(1e-1)))
+                self.gates.bias[lo : lo + n_decay] = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+        self.z = nn.Linear(width, num_heads * self.dv, bias=False)
+        self.norm_w = nn.Parameter(torch.ones(self.dv))
+        self.out = nn.Linear(num_heads * self.dv, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         H, dk = self.H, self.dk
         qkv, _ = causal_conv1d(self.qkv(x), self.conv_w, activation="silu")
         q, k, v = qkv.split(self.split, dim=-1)
-        q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dh)
+        q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dv)
         kw = dict(use_qk_l2norm=True, chunk_size=64 if x.is_cuda else 16)  # 16: fastest on the CPU at these sizes
         if self.kind == "linear_attention":
             o, _ = linear_attention(q, k, v, **kw)
@@ -142,8 +159,8 @@ class LinearMixer(nn.Module):
         else:  # kda
             b, a = self.gates(x).float().split([H, H * dk], dim=-1)
             o, _ = kda(q, k, v, g=-F.softplus(a).reshape(B, T, H, dk), beta=torch.sigmoid(b), **kw)
-        z = self.z(x).reshape(B, T, H, self.dh)
-        return self.out(gated_rms_norm(o, z, self.norm_w, 1e-6).reshape(B, T, D))
+        z = self.z(x).reshape(B, T, H, self.dv)
+        return self.out(gated_rms_norm(o, z, self.norm_w, 1e-6).reshape(B, T, H * self.dv))
 
 
 class AttentionMixer(nn.Module):
@@ -203,14 +220,14 @@ class MQARModel(nn.Module):
     """Two blocks (Zoology's setting). mixer "gdn_attention" is the hybrid: GDN first, attention second."""
 
     def __init__(self, mixer: str, *, width: int, num_heads: int, vocab_size: int, key_dim: int | None = None,
-                 mlp: bool = False):
+                 value_dim: int | None = None, mlp: bool = False):
         super().__init__()
-        check_model_setting(mixer=mixer, width=width, num_heads=num_heads, key_dim=key_dim)
+        check_model_setting(mixer=mixer, width=width, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
         kinds = {"gdn_attention": ["gdn", "attention"]}.get(mixer, [mixer, mixer])
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(
             Block(AttentionMixer(width, num_heads) if k == "attention"
-                  else LinearMixer(k, width, num_heads, key_dim=key_dim), width, mlp=mlp)
+                  else LinearMixer(k, width, num_heads, key_dim=key_dim, value_dim=value_dim), width, mlp=mlp)
             for k in kinds
         )
         self.norm = nn.Parameter(torch.ones(width))
@@ -223,7 +240,8 @@ class MQARModel(nn.Module):
         return self.head(rms_norm(x, self.norm, 1e-6))
 
 
-def check_model_setting(*, mixer: str, width: int, num_heads: int, key_dim: int | None = None) -> None:
+def check_model_setting(*, mixer: str, width: int, num_heads: int, key_dim: int | None = None,
+                        value_dim: int | None = None) -> None:
     if mixer not in MIXERS:
         raise ValueError(f"mixer: expected one of {', '.join(MIXERS)}, got {mixer!r}")
     if num_heads < 1:
@@ -232,8 +250,9 @@ def check_model_setting(*, mixer: str, width: int, num_heads: int, key_dim: int 
         raise ValueError(
             f"width: expected a multiple of num_heads={num_heads} with an even head size, got width={width}"
         )
-    if key_dim is not None and key_dim < 1:
-        raise ValueError(f"key_dim: expected >= 1 (or None for width / num_heads), got {key_dim}")
+    for name, val in (("key_dim", key_dim), ("value_dim", value_dim)):
+        if val is not None and val < 1:
+            raise ValueError(f"{name}: expected >= 1 (or None for width / num_heads), got {val}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,7 +269,8 @@ class Setting:
 @dataclass
 class TrainConfig:
     num_heads: int = 1
-    key_dim: int | None = None  # q/k size per head; None: width / num_heads
+    key_dim: int | None = None  # q/k size per head of the recurrent mixers; None: width / num_heads
+    value_dim: int | None = None  # v size per head of the recurrent mixers; None: width / num_heads
     mlp: bool = False  # SwiGLU MLP after each mixer (Zoology's MQAR models have none)
     steps: int = 1000  # optimizer steps, each on a fresh batch (no example is seen twice)
     batch_size: int = 64
@@ -259,8 +279,8 @@ class TrainConfig:
     test_examples: int = 1000
 
     def tag(self) -> str:
-        return (f"h{self.num_heads}|dk{self.key_dim or '-'}|mlp{int(self.mlp)}|s{self.steps}|b{self.batch_size}"
-                f"|wu{self.warmup:g}|wd{self.weight_decay:g}")
+        return (f"h{self.num_heads}|dk{self.key_dim or '-'}|dv{self.value_dim or '-'}|mlp{int(self.mlp)}"
+                f"|s{self.steps}|b{self.batch_size}|wu{self.warmup:g}|wd{self.weight_decay:g}")
 
 
 @dataclass
@@ -285,7 +305,7 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     data = dict(seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size)
     x_te, y_te = mqar_batch(cfg.test_examples, **data, generator=torch.Generator().manual_seed(seed + 1_000_003))
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
-                      key_dim=cfg.key_dim, mlp=cfg.mlp).to(device)
+                      key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms, biases: no weight decay
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -349,12 +369,15 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: 
 
 
 PRESETS = {
-    "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=128, lrs=[3e-3],
-                 num_heads=1, key_dim=16, mlp=False, steps=600, batch_size=64, warmup=0.1, weight_decay=0.1,
-                 test_examples=500),
-    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[256], pairs=[64], vocab_size=8192,
-                  lrs=[1e-3, 3e-3, 1e-2], num_heads=1, key_dim=None, mlp=False, steps=1000, batch_size=128,
-                  warmup=0.1, weight_decay=0.1, test_examples=1000),
+    # CPU, minutes. Random tokens fill the query region (Zoology's data), so a state that cannot forget or overwrite
+    # (plain linear attention) fills up with noise; 8 pairs at width 64 (one 64 x 64 state per layer).
+    "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=512, lrs=[1e-2],
+                 num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=600, batch_size=64, warmup=0.1,
+                 weight_decay=0.1, test_examples=500),
+    # one GPU, resumable: Zoology's harder setting (256 tokens, 64 pairs), widths 64-256, a two-point lr sweep
+    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[256], pairs=[64], vocab_size=4096,
+                  lrs=[3e-3, 1e-2], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=1000,
+                  batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000),
 }
 
 
@@ -448,6 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, help="heads per mixer (default: the preset's)")
     parser.add_argument("--key-dim", type=int, help="q/k size per head of the recurrent mixers (default: the preset's;"
                         " 0 means width / num_heads)")
+    parser.add_argument("--value-dim", type=int, help="v size per head of the recurrent mixers (default: the preset's;"
+                        " 0 means width / num_heads)")
     parser.add_argument("--mlp", action=argparse.BooleanOptionalAction, default=None,
                         help="a SwiGLU MLP after each mixer (default: the preset's; Zoology uses none)")
     parser.add_argument("--steps", type=int, help="optimizer steps per cell, each on a fresh batch")
@@ -465,7 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
 
 
-_OVERRIDES = ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "key_dim", "mlp", "steps",
+_OVERRIDES = ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "key_dim", "value_dim",
+              "mlp", "steps",
               "batch_size", "warmup", "weight_decay", "test_examples")
 
 
@@ -475,14 +501,16 @@ def resolve_config(args: argparse.Namespace) -> dict:
     for name in _OVERRIDES:
         if getattr(args, name, None) is not None:
             cfg[name] = getattr(args, name)
-    if cfg["key_dim"] == 0:
-        cfg["key_dim"] = None
+    for name in ("key_dim", "value_dim"):
+        if cfg[name] == 0:
+            cfg[name] = None
     for w in cfg["widths"]:
         if w % cfg["num_heads"] != 0 or (w // cfg["num_heads"]) % 2 != 0:
             raise ValueError(f"widths: expected multiples of num_heads={cfg['num_heads']} with an even head size, "
                              f"got {w}")
     for m in cfg["mixers"]:
-        check_model_setting(mixer=m, width=cfg["widths"][0], num_heads=cfg["num_heads"], key_dim=cfg["key_dim"])
+        check_model_setting(mixer=m, width=cfg["widths"][0], num_heads=cfg["num_heads"], key_dim=cfg["key_dim"],
+                            value_dim=cfg["value_dim"])
     for name in ("steps", "batch_size", "test_examples"):
         if cfg[name] < 1:
             raise ValueError(f"{name}: expected >= 1, got {cfg[name]}")

@@ -1,0 +1,174 @@
+"""MQAR benchmark: the data follow Zoology's recipe, bad settings fail clearly, cells resume, and the ordering holds
+(softmax attention and the delta rule recall what plain linear attention cannot hold)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from hybridlm.bench import mqar
+from hybridlm.bench.mqar import IGNORE, MIXERS, Cell, MQARModel, Setting, TrainConfig, mqar_batch, train_cell
+
+
+def _batch(n=64, T=64, P=8, V=128, seed=0, noise=True):
+    return mqar_batch(n, seq_len=T, num_pairs=P, vocab_size=V, random_non_queries=noise,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("noise", [False, True])
+@pytest.mark.parametrize("T,P,V", [(64, 8, 128), (64, 16, 256), (33, 8, 40), (256, 64, 8192)])
+def test_every_query_target_is_the_value_paired_with_that_key(T, P, V, noise):
+    x, y = _batch(n=32, T=T, P=P, V=V, noise=noise)
+    assert x.shape == y.shape == (32, T) and x.dtype == y.dtype == torch.int64
+    half = V // 2
+    for xi, yi in zip(x.tolist(), y.tolist()):
+        keys, values = xi[0 : 2 * P : 2], xi[1 : 2 * P : 2]
+        assert len(set(keys)) == P and len(set(values)) == P  # distinct within the example
+        assert all(1 <= k < half for k in keys) and all(half <= v < V for v in values)
+        pairs = dict(zip(keys, values))
+        scored = [j for j, t in enumerate(yi) if t != IGNORE]
+        assert len(scored) == P  # one query per key
+        assert all(j >= 2 * P for j in scored)  # queries come after the context
+        assert sorted(xi[j] for j in scored) == sorted(keys)  # every key is queried once
+        for j in scored:
+            assert yi[j] == pairs[xi[j]]  # the target is the value that followed this key
+        assert all(j % 2 == 0 for j in scored)  # query keys sit at even offsets of the query region
+        rest = [xi[j] for j in range(2 * P, T) if j not in set(scored)]
+        if noise:  # the rest of the query region is random tokens of the whole vocabulary
+            assert all(0 <= t < V for t in rest)
+        else:  # or 0; the value is never shown after a query: it must be recalled
+            assert all(t == 0 for t in rest)
+        assert all(t == IGNORE for j, t in enumerate(yi) if j < 2 * P)
+
+
+def test_non_query_noise_is_random_and_leaves_the_labels_alone():
+    (xa, ya), (xb, yb) = _batch(seed=5, noise=True), _batch(seed=5, noise=False)
+    assert torch.equal(ya, yb) and torch.equal(xa[:, :16], xb[:, :16])  # same pairs, same queries
+    rest = (ya == IGNORE) & (xb == 0)
+    assert rest[:, 16:].any() and (xa[rest] != 0).float().mean() > 0.9  # noise where there were zeros
+    assert len(set(xa[rest].tolist())) > 100  # spread over the whole vocabulary (128)
+
+
+def test_query_gaps_follow_a_power_law():
+    x, y = _batch(n=512, T=256, P=8, V=1024)
+    gaps = ((y != IGNORE).nonzero()[:, 1] - 16) // 2  # slot index in the query region
+    space = (257 - 16) // 2
+    assert gaps.min() >= 0 and gaps.max() < space
+    # most queries come soon after the context, but some come late
+    assert (gaps < space // 4).float().mean() > 0.5
+    assert (gaps >= space // 2).any()
+
+
+def test_same_seed_same_data_other_seed_other_data():
+    a, b, c = _batch(seed=3), _batch(seed=3), _batch(seed=4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_too_many_pairs_for_the_sequence_is_an_error():
+    with pytest.raises(ValueError, match=r"num_pairs: expected 4 \* num_pairs <= seq_len \+ 1.*got num_pairs=17 "
+                                         r"with seq_len=64.*at most 16 pairs"):
+        _batch(T=64, P=17, V=1024)
+    with pytest.raises(ValueError, match=r"num_pairs: expected >= 1, got 0"):
+        _batch(P=0)
+
+
+def test_vocab_too_small_for_the_pairs_is_an_error():
+    with pytest.raises(ValueError, match=r"vocab_size: expected at least 18 .*got 16"):
+        _batch(T=64, P=8, V=16)
+
+
+def test_width_not_divisible_by_heads_is_an_error():
+    with pytest.raises(ValueError, match=r"width: expected a multiple of num_heads=3 .*got width=64"):
+        MQARModel("gdn", width=64, num_heads=3, vocab_size=128)
+    with pytest.raises(ValueError, match=r"width: expected a multiple of num_heads=2 with an even head size, "
+                                         r"got width=66"):
+        MQARModel("attention", width=66, num_heads=2, vocab_size=128)
+
+
+def test_unknown_mixer_is_an_error():
+    with pytest.raises(ValueError, match=r"mixer: expected one of attention, .*got 'mamba'"):
+        MQARModel("mamba", width=64, num_heads=1, vocab_size=128)
+
+
+def _args(tmp_path, **kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    mqar.add_arguments(p)
+    argv = ["--out", str(tmp_path), "--no-plot"]
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        argv += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
+    return p.parse_args(argv)
+
+
+def test_cli_rejects_bad_grids_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match=r"widths: expected multiples of num_heads=3 .*got 64"):
+        mqar.run(_args(tmp_path, widths=[64], num_heads=3))
+    with pytest.raises(ValueError, match=r"num_pairs: expected 4 \* num_pairs <= seq_len \+ 1"):
+        mqar.run(_args(tmp_path, seq_lens=[16], pairs=[8]))
+    with pytest.raises(ValueError, match=r"steps: expected >= 1, got 0"):
+        mqar.run(_args(tmp_path, steps=0))
+
+
+def test_every_mixer_builds_and_runs_forward_backward():
+    x, y = _batch(n=2, T=16, P=4, V=32)
+    for m in MIXERS:
+        model = MQARModel(m, width=32, num_heads=2, vocab_size=32, key_dim=8)
+        logits = model(x)
+        assert logits.shape == (2, 16, 32)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE).backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), m
+
+
+def test_cells_resume_and_record_where_they_ran(tmp_path, capsys):
+    kw = dict(mixers=["attention", "linear_attention"], widths=[16], seq_lens=[16], pairs=[2], vocab_size=32,
+              steps=3, batch_size=4, test_examples=8)
+    assert mqar.run(_args(tmp_path, max_cells=1, **kw)) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["cells"]) == 1
+    cell = data["cells"][0]
+    for field in ("device", "torch", "date", "accuracy", "ms_per_step", "key"):
+        assert field in cell
+    assert data["runs"][0]["device"] == "cpu" and "torch" in data["runs"][0] and "command" in data["runs"][0]
+    assert mqar.run(_args(tmp_path, **kw)) == 0  # resumes: only the missing cell runs
+    out = capsys.readouterr().out
+    assert "1 of 2 cells done, 1 to run" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [c["mixer"] for c in data["cells"]] == ["attention", "linear_attention"]
+    assert len(data["runs"]) == 2
+    assert mqar.run(_args(tmp_path, **kw)) == 0
+    assert "2 of 2 cells done, 0 to run" in capsys.readouterr().out
+    assert (tmp_path / "table.txt").read_text().count("\n") >= 4
+
+
+def test_time_budget_stops_between_cells(tmp_path, capsys):
+    kw = dict(mixers=["attention", "linear_attention", "gla"], widths=[16], seq_lens=[16], pairs=[2],
+              vocab_size=32, steps=3, batch_size=4, test_examples=8)
+    assert mqar.run(_args(tmp_path, max_minutes=1e-6, **kw)) == 0
+    assert "stopping before" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "results.json").read_text())["cells"]) == 1  # the first cell always runs
+
+
+# The ordering, at the tiny preset's setting: random tokens fill the query region (Zoology's data), and plain linear
+# attention, which can neither forget nor overwrite, fills its 64 x 64 state with them; the delta rule overwrites
+# and softmax attention keeps every token. Measured (seed: attention, deltanet, linear attention):
+# 0: 0.996, 0.907, 0.132. About 2 minutes on 2 free CPU cores.
+ORDER_SETTING = Setting(seq_len=64, num_pairs=8, vocab_size=512)
+ORDER_CONFIG = TrainConfig(num_heads=1, steps=600, batch_size=64, test_examples=256)
+
+
+@pytest.mark.slow
+def test_attention_and_delta_rule_recall_beyond_linear_attention():
+    # fresh each run (the margins must hold for any seed); HYBRIDLM_MQAR_SEED=N repeats a failing one
+    seed = int(os.environ.get("HYBRIDLM_MQAR_SEED", random.randrange(1 << 30)))
+    acc = {m: train_cell(Cell(m, 64, ORDER_SETTING, 1e-2), ORDER_CONFIG, seed=seed, device=torch.device("cpu"))
+           ["accuracy"] for m in ("attention", "deltanet", "linear_attention")}
+    msg = f"seed {seed}: {acc}"
+    assert acc["attention"] > 0.9, msg
+    assert acc["attention"] > acc["linear_attention"] + 0.4, msg
+    assert acc["deltanet"] > acc["linear_attention"] + 0.3, msg
