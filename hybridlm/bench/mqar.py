@@ -374,8 +374,9 @@ PRESETS = {
     "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=512, lrs=[1e-2],
                  num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=600, batch_size=64, warmup=0.1,
                  weight_decay=0.1, test_examples=500),
-    # one GPU, resumable: Zoology's harder setting (256 tokens, 64 pairs), widths 64-256, a two-point lr sweep
-    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[256], pairs=[64], vocab_size=4096,
+    # one GPU, resumable: 32 pairs in 128 tokens (the context fills half the sequence), widths 64-256 (one head: a
+    # width x width state per layer), a two-point lr sweep; 42 cells of 1000 steps x 128 examples
+    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[128], pairs=[32], vocab_size=4096,
                   lrs=[3e-3, 1e-2], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=1000,
                   batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000),
 }
