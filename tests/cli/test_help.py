@@ -53,20 +53,13 @@ def test_top_level_help_still_works(capsys):
         assert name in out
 
 
-# Modules owned elsewhere that still have flags without help text (reported; remove from here once fixed).
-_KNOWN_MISSING_HELP = {"generate", "memory", "bench kernels"}
-
-
 def _modules() -> list[tuple[str, str]]:
     mods = [(k, v[0]) for k, v in SUBCOMMANDS.items()]
     mods += [(f"bench {k}", v[0]) for k, v in BENCHES.items() if k != "layers"]  # layers: not in this version
     return sorted(mods)
 
 
-@pytest.mark.parametrize("name,module_name", [
-    pytest.param(n, m, marks=pytest.mark.xfail(reason="flags without help text; owned elsewhere", strict=False))
-    if n in _KNOWN_MISSING_HELP else (n, m) for n, m in _modules()
-])
+@pytest.mark.parametrize("name,module_name", _modules())
 def test_every_flag_has_help_text(name, module_name):
     parser = argparse.ArgumentParser()
     importlib.import_module(module_name).add_arguments(parser)
