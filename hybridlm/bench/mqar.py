@@ -143,7 +143,8 @@ class LinearMixer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         H, dk = self.H, self.dk
-        qkv, _ = causal_conv1d(self.qkv(x), self.conv_w, activation="silu")
+        qkv = self.qkv(x)  # bf16 under autocast: the conv weight follows it (one dtype for the Triton conv too)
+        qkv, _ = causal_conv1d(qkv, self.conv_w.to(qkv.dtype), activation="silu")
         q, k, v = qkv.split(self.split, dim=-1)
         q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dv)
         kw = dict(use_qk_l2norm=True, chunk_size=64 if x.is_cuda else 16)  # 16: fastest on the CPU at these sizes
@@ -178,7 +179,7 @@ class AttentionMixer(nn.Module):
         B, T, D = x.shape
         qkv = self.qkv(x)
         if self.conv_w is not None:
-            qkv, _ = causal_conv1d(qkv, self.conv_w, activation="silu")
+            qkv, _ = causal_conv1d(qkv, self.conv_w.to(qkv.dtype), activation="silu")
         q, k, v = (t.reshape(B, T, self.H, self.dh).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         q, k = rotary(q), rotary(k)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
