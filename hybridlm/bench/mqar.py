@@ -117,9 +117,9 @@ class LinearMixer(nn.Module):
     """
 
     def __init__(self, kind: str, width: int, num_heads: int, key_dim: int | None = None,
-                 value_dim: int | None = None, conv_size: int = 4):
+                 value_dim: int | None = None, conv_size: int = 4, impl: str = "auto"):
         super().__init__()
-        self.kind, self.H = kind, num_heads
+        self.kind, self.H, self.impl = kind, num_heads, impl
         self.dk = key_dim or width // num_heads
         self.dv = value_dim or width // num_heads
         self.split = [num_heads * self.dk, num_heads * self.dk, num_heads * self.dv]
@@ -147,7 +147,8 @@ class LinearMixer(nn.Module):
         qkv, _ = causal_conv1d(qkv, self.conv_w.to(qkv.dtype), activation="silu")
         q, k, v = qkv.split(self.split, dim=-1)
         q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dv)
-        kw = dict(use_qk_l2norm=True, chunk_size=64 if x.is_cuda else 16)  # 16: fastest on the CPU at these sizes
+        # chunk 16: fastest on the CPU at these sizes; impl "auto" takes the Triton kernels on CUDA where they exist
+        kw = dict(use_qk_l2norm=True, chunk_size=64 if x.is_cuda else 16, impl=self.impl)
         if self.kind == "linear_attention":
             o, _ = linear_attention(q, k, v, **kw)
         elif self.kind == "gla":
@@ -221,14 +222,15 @@ class MQARModel(nn.Module):
     """Two blocks (Zoology's setting). mixer "gdn_attention" is the hybrid: GDN first, attention second."""
 
     def __init__(self, mixer: str, *, width: int, num_heads: int, vocab_size: int, key_dim: int | None = None,
-                 value_dim: int | None = None, mlp: bool = False):
+                 value_dim: int | None = None, mlp: bool = False, impl: str = "auto"):
         super().__init__()
         check_model_setting(mixer=mixer, width=width, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim)
         kinds = {"gdn_attention": ["gdn", "attention"]}.get(mixer, [mixer, mixer])
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(
             Block(AttentionMixer(width, num_heads) if k == "attention"
-                  else LinearMixer(k, width, num_heads, key_dim=key_dim, value_dim=value_dim), width, mlp=mlp)
+                  else LinearMixer(k, width, num_heads, key_dim=key_dim, value_dim=value_dim, impl=impl), width,
+                  mlp=mlp)
             for k in kinds
         )
         self.norm = nn.Parameter(torch.ones(width))
@@ -278,6 +280,8 @@ class TrainConfig:
     warmup: float = 0.1  # fraction of steps of linear warmup, then cosine decay to 0
     weight_decay: float = 0.1
     test_examples: int = 1000
+    impl: str = "auto"  # recurrence implementation (hybridlm.ops impl); not part of the cell key
+    amp: bool = True  # bf16 autocast on CUDA; not part of the cell key
 
     def tag(self) -> str:
         return (f"h{self.num_heads}|dk{self.key_dim or '-'}|dv{self.value_dim or '-'}|mlp{int(self.mlp)}"
@@ -306,13 +310,13 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     data = dict(seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size)
     x_te, y_te = mqar_batch(cfg.test_examples, **data, generator=torch.Generator().manual_seed(seed + 1_000_003))
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
-                      key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp).to(device)
+                      key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp, impl=cfg.impl).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms, biases: no weight decay
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cell.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, cfg.steps, cfg.warmup))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = _autocast(device, cfg.amp)
     t0 = time.perf_counter()
     losses = []
     for step in range(cfg.steps):
@@ -329,12 +333,16 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
         if step % 50 == 0 or step == cfg.steps - 1:
             losses.append(round(loss.item(), 4))
     train_s = time.perf_counter() - t0
-    acc = evaluate(model, x_te, y_te, batch_size=cfg.batch_size, device=device)
+    acc = evaluate(model, x_te, y_te, batch_size=cfg.batch_size, device=device, amp=cfg.amp)
     return {"key": cell.key(cfg), "mixer": cell.mixer, "width": cell.width, **asdict(s), "lr": cell.lr,
             **asdict(cfg), "accuracy": acc, "final_train_loss": losses[-1], "loss_every_50": losses,
             "ms_per_step": round(1000 * train_s / cfg.steps, 2), "seconds": round(time.perf_counter() - t0, 2),
             "seed": seed, "device": device_name(device), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _autocast(device: torch.device, amp: bool):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if amp and device.type == "cuda" else contextlib.nullcontext()
 
 
 def lr_factor(step: int, steps: int, warmup: float) -> float:
@@ -350,10 +358,11 @@ def device_name(device: torch.device) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device: torch.device) -> float:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device: torch.device,
+             amp: bool = True) -> float:
     model.eval()
     right = total = 0
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = _autocast(device, amp)
     for i in range(0, x.shape[0], batch_size):
         yb = y[i : i + batch_size].to(device)
         with autocast:
@@ -490,6 +499,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop before a cell that would end past this many minutes (estimated from the cells "
                         "run so far); rerun the same command to resume")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--impl", choices=("auto", "chunk", "naive", "triton"), default="auto",
+                        help="recurrence implementation of hybridlm.ops (auto: Triton kernels on CUDA where they exist,"
+                        " else the PyTorch chunk form); chunk is the fallback if a kernel fails")
+    parser.add_argument("--no-amp", dest="amp", action="store_false",
+                        help="run in float32 on CUDA instead of bf16 autocast")
 
 
 _OVERRIDES = ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "key_dim", "value_dim",
@@ -525,7 +539,7 @@ def resolve_config(args: argparse.Namespace) -> dict:
 
 
 def train_config(cfg: dict) -> TrainConfig:
-    return TrainConfig(**{f: cfg[f] for f in TrainConfig.__dataclass_fields__})
+    return TrainConfig(**{f: cfg[f] for f in TrainConfig.__dataclass_fields__ if f in cfg})
 
 
 def load_results(path: str) -> dict:
@@ -550,6 +564,7 @@ def estimate_seconds(cell: Cell, cfg: TrainConfig, done: list[dict], device: str
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
+    cfg["impl"], cfg["amp"] = getattr(args, "impl", "auto"), getattr(args, "amp", True)
     tcfg = train_config(cfg)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dev = device_name(device)
