@@ -113,12 +113,12 @@ def kda_chunk_bwd(
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
     dv = gdn._out((B, T, HV, V), q, f32)
     db = gdn._out((B, T, HV), q, f32)
-    if nc > 0:
+    for phase in (1, 2) if nc > 0 else ():  # two launches: each kernel holds half the live tiles
         _kda_chunk_bwd[(nc, HV)](
             q, k, v, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
             lay.chunk_start, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=8,
-            num_stages=1,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, PHASE=phase,
+            num_warps=8, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

@@ -154,14 +154,48 @@ def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.cons
 
 
 @triton.jit
+def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
+                 scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+                 PREC: tl.constexpr, LOWP: tl.constexpr):
+    """Phase 1 of `_kda_chunk_bwd`: through O = scale (Q e^b) S + P Vn. Stores dq (final), dk's part (dk buffer)
+    and db's part (dg buffer, finished by phase 2)."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    incl = rows[:, None] >= rows[None, :]
+    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
+    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        qq = qr * rq[:, None]
+    else:
+        qq = qr
+    dqn = dQS * eb * scale
+    db = dQS * qq * eb * scale
+    N = tl.where(incl, dP * scale, 0.0)
+    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
+    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
+    dqn += Y1
+    db += qq * Y1 - kk * Y2
+    if L2:
+        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+    tl.store(dq + krow, dqn, mask=rmask[:, None])
+    tl.store(dk + krow, Y2, mask=rmask[:, None])
+    tl.store(dg + krow, db, mask=rmask[:, None])
+
+
+@triton.jit
 def _kda_chunk_bwd(
     q, k, v, beta, Tbuf, Bc, BL, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
-    """dq, dk, dv, dg [.., K], dbeta of one KDA chunk from S, dS' (after the chunk), Vn, dVn:
-    1. the output's paths (O = scale (Q e^b) S + P Vn): dq complete, dk's part parked in its buffer;
+    """dq, dk, dv, dg [.., K], dbeta of one KDA chunk from S, dS' (after the chunk), Vn, dVn, in two launches
+    (PHASE 1 then 2; each compiled kernel holds half the live tiles):
+    1. the output's paths (O = scale (Q e^b) S + P Vn): dq complete, dk's and db's parts parked in the dk and dg
+       buffers;
     2. the state write (S' = e^{bL} S + (K e^{bL-b})^T Vn), W = T diag(beta) (K e^b), U = T diag(beta) V and the
        UT transform (dA = -T^T dT T^T); per-channel decay gradients by the same block factorisation as the
        forward (`_rows_prod`, `_cols_prod`); dg = reverse cumsum of db over the chunk."""
@@ -181,70 +215,53 @@ def _kda_chunk_bwd(
     bL = tl.load(BL + (ic * HV + ihv).to(tl.int64) * K + offs_k)
     # rows past the chunk's end carry b = bL so that every masked factor below stays exp(<= 0)
     b = tl.where(rmask[:, None], b, bL[None, :])
-    incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
 
-    # phase 1
-    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
-    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
-    if L2:
-        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
-        qq = qr * rq[:, None]
-    else:
-        qq = qr
     kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
     eb = tl.exp(b)
-    dqn = dQS * eb * scale
-    db = dQS * qq * eb * scale
-    N = tl.where(incl, dP * scale, 0.0)
-    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
-    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
-    dqn += Y1
-    db += qq * Y1 - kk * Y2
-    if L2:
-        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
-    tl.store(dq + krow, dqn, mask=rmask[:, None])
-    tl.store(dk + krow, Y2, mask=rmask[:, None])
-
-    # phase 2
-    Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
-    dKd, dW, dT, dbeta_, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv,
-                                               HV, K, V, BT, BV, PREC, LOWP)
-    # Kd = K e^{bL - b}; S decays by e^{bL}
-    ed = tl.exp(bL[None, :] - b)
-    dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
-    t = dKd * kk * ed
-    db -= t
-    dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
-    # W = T Kb, Kb = diag(beta) K e^b
-    kb = kk * eb * bb[:, None]
-    dW_d = _op(dW, DT, LOWP)
-    dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
-    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
-    dkn += dKb * eb * bb[:, None]
-    dbeta_ += tl.sum(dKb * kk * eb, 1)
-    db += dKb * kb
-    # T = (I + A)^{-1}; A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} (j < i)
-    dA = tl.where(strict, -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
-                                  tl.trans(Tm_d), input_precision=PREC), 0.0)
-    X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC, DT, LOWP)
-    dbeta_ += tl.sum(kk * X1, 1)
-    X1 = X1 * bb[:, None]
-    X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC,
-                    DT, LOWP)
-    dkn += X1 + X2
-    db += kk * X1 - kk * X2
-    # bL is b at the last valid row
-    db += tl.where((rows == nval - 1)[:, None], dbL[None, :], 0.0)
-    db = tl.where(rmask[:, None], db, 0.0)
-    dgg = tl.cumsum(db, 0, reverse=True)
-    if L2:
-        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
-        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
-        dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
-    tl.store(dk + krow, dkn, mask=rmask[:, None])
-    tl.store(dg + krow, dgg, mask=rmask[:, None])
-    tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)
+    if PHASE == 1:
+        _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
+                     scale, H, HV, K, V, BT, BV, L2, PREC, LOWP)
+    else:  # phase 2
+        db = tl.load(dg + krow, mask=rmask[:, None], other=0.0)
+        Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
+        dKd, dW, dT, dbeta_, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv,
+                                                   HV, K, V, BT, BV, PREC, LOWP)
+        # Kd = K e^{bL - b}; S decays by e^{bL}
+        ed = tl.exp(bL[None, :] - b)
+        dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
+        t = dKd * kk * ed
+        db -= t
+        dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
+        # W = T Kb, Kb = diag(beta) K e^b
+        kb = kk * eb * bb[:, None]
+        dW_d = _op(dW, DT, LOWP)
+        dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
+        dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+        dkn += dKb * eb * bb[:, None]
+        dbeta_ += tl.sum(dKb * kk * eb, 1)
+        db += dKb * kb
+        # T = (I + A)^{-1}; A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} (j < i)
+        dA = tl.where(strict, -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
+                                      tl.trans(Tm_d), input_precision=PREC), 0.0)
+        X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC, DT, LOWP)
+        dbeta_ += tl.sum(kk * X1, 1)
+        X1 = X1 * bb[:, None]
+        X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC,
+                        DT, LOWP)
+        dkn += X1 + X2
+        db += kk * X1 - kk * X2
+        # bL is b at the last valid row
+        db += tl.where((rows == nval - 1)[:, None], dbL[None, :], 0.0)
+        db = tl.where(rmask[:, None], db, 0.0)
+        dgg = tl.cumsum(db, 0, reverse=True)
+        if L2:
+            kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+            rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+            dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
+        tl.store(dk + krow, dkn, mask=rmask[:, None])
+        tl.store(dg + krow, dgg, mask=rmask[:, None])
+        tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)
 
 
 __all__ = ["_kda_prep_fwd", "_kda_chunk_bwd", "triton"]
