@@ -102,8 +102,9 @@ def main(argv=None) -> int:
         if row.get("ok") and (best_f is None or row["ms"] < best_f["ms"]):
             best_f = row
     fset = best_f["setting"] if best_f else {}
-    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=True, bwd_variant=var)
-                for var, bv, w in itertools.product(("twophase", "onephase"), (64, 32), (8, 16))]
+    kernels = (("twophase", True), ("twophase", False), ("onephase", False))  # (variant, two launches)
+    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=w, bwd_lowp=True, bwd_variant=var, bwd_split=split)
+                for (var, split), bv, w in itertools.product(kernels, (64, 32), (8,))]
     bwd_grid.append(dict(fset, bwd_bv=64, bwd_warps=8, bwd_lowp=False))
     best_b = None
     for s in bwd_grid:

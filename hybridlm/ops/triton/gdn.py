@@ -30,12 +30,13 @@ BT_CHOICES = (64, 32, 16)
 # launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
 # (H100, B4 T4096 H16 D128 bf16, BT 32: warps 8 / BV 64 gave fwd+bwd 8.4 ms, warps 8 / BV 32 61.6 ms; 2026-11-22)
 # fwd_bv: V block of the forward recurrence (grid V/BV x sequences x heads); fwd_warps: its warps;
-# bwd_variant: "twophase" (dq first, then the state/UT part) or "onephase" (one V loop) chunk backward kernel
+# bwd_variant: "twophase" (dq first, then the state/UT part) or "onephase" (one V loop) chunk backward kernel;
+# bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
-        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase"}
+        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True}
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -278,13 +279,17 @@ def _bwd_impl(
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
     if nc > 0:
-        chunk_bwd = kern._chunk_bwd if TUNE["bwd_variant"] == "twophase" else kern._chunk_bwd_onephase
-        chunk_bwd[(nc, HV)](
-            q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq, lay.chunk_start,
-            scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V), L2=use_qk_l2norm,
-            PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1,
-        )
+        if TUNE["bwd_variant"] == "twophase":  # one launch per phase (PHASE 1, 2) or both in one (PHASE 0)
+            launches = [(kern._chunk_bwd, dict(PHASE=ph)) for ph in ((1, 2) if TUNE["bwd_split"] else (0,))]
+        else:
+            launches = [(kern._chunk_bwd_onephase, {})]
+        for fn, extra in launches:
+            fn[(nc, HV)](
+                q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
+                lay.chunk_start, scale,
+                H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V),
+                L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1, **extra,
+            )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)

@@ -380,11 +380,13 @@ def _chunk_bwd(
     cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    PHASE: tl.constexpr = 0,
 ):
     """dq, dk, dv, dg, dbeta of one chunk, in two phases so that few [BT, K] accumulators are live at once:
-    1. the output's paths (through the chunk-initial state and the intra-chunk attention): dq complete, a
-       partial dk parked in dk's buffer; 2. the state write, W and the UT transform: dv, dbeta, dg, the rest of
-    dk. Dot operands are 16-bit when LOWP (PREC otherwise); accumulators fp32."""
+    1. the output's paths (through the chunk-initial state and the intra-chunk attention): dq complete, the
+       partial dk and dg parked in their buffers; 2. the state write, W and the UT transform: dv, dbeta, dg, the
+    rest of dk. PHASE 1 or 2 runs one phase per launch (each compiled kernel holds half the live tiles), 0 both.
+    Dot operands are 16-bit when LOWP (PREC otherwise); accumulators fp32."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
@@ -404,69 +406,75 @@ def _chunk_bwd(
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
 
-    # phase 1: O = diag(scale gamma) Q S + P Vn with P = scale (Q K^T) e^{b_i - b_j} (j <= i)
-    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
-    qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
-    if L2:
-        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
-        qq = qr * rq[:, None]
-    else:
-        qq = qr
     kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
-    qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
-    dqn = dQS * (scale * gam)[:, None]
-    dgc = tl.sum(qq * dqn, 1)
-    Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
-    QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
-    R = tl.where(incl, dP * QK * Gi * scale, 0.0)
-    dPg_d = _op(tl.where(incl, dP * Gi * scale, 0.0), DT, LOWP)
-    dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
-    dgc += tl.sum(R, 1) - tl.sum(R, 0)
-    if L2:
-        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
-    tl.store(dq + krow, dqn, mask=rmask[:, None])
-    # the keys' part of this phase waits in dk's buffer (read back by this same program below)
-    tl.store(dk + krow, tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC), mask=rmask[:, None])
-
-    # phase 2: S' = e^{bL} S + (K e^{bL - b})^T Vn, Vn = U - W S with W = T diag(beta gamma) K, U = T diag(beta) V
-    Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
-    dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
-                                           K, V, BT, BV, PREC, LOWP)
-    ed = tl.exp(gL - gc)
-    dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
-    r = tl.sum(kk * dKd, 1) * ed
-    dgc -= r
-    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
-    # W = T Kb with Kb = diag(beta gamma) K
-    bg = bb * gam
-    dW_d = _op(dW, DT, LOWP)
-    dT += tl.dot(dW_d, tl.trans(_op(kk * bg[:, None], DT, LOWP)), input_precision=PREC)
-    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
-    dkn += dKb * bg[:, None]
-    t = tl.sum(kk * dKb, 1)
-    db += t * gam
-    dgc += t * bg
-    # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
-    dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
-                 input_precision=PREC)
-    Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
-    dAG = tl.where(strict, dA * Gs, 0.0)
-    dKK_d = _op(dAG * bb[:, None], DT, LOWP)
-    dkn += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
-    RA = dAG * tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
-    db += tl.sum(RA, 1)
-    RA = RA * bb[:, None]
-    dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
-    dgc += tl.where(rows == nval - 1, dgL, 0.0)
-    dgc = tl.where(rmask, dgc, 0.0)
-    dgg = tl.cumsum(dgc, 0, reverse=True)
-    if L2:
-        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
-        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
-        dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
-    tl.store(dk + krow, dkn, mask=rmask[:, None])
-    tl.store(dg + r64 * HV + ihv, dgg, mask=rmask)
-    tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
+    kk_d = _op(kk, DT, LOWP)
+    if PHASE != 2:
+        # phase 1: O = diag(scale gamma) Q S + P Vn with P = scale (Q K^T) e^{b_i - b_j} (j <= i)
+        dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
+        qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
+        if L2:
+            rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+            qq = qr * rq[:, None]
+        else:
+            qq = qr
+        qq_d = _op(qq, DT, LOWP)
+        dqn = dQS * (scale * gam)[:, None]
+        dgc = tl.sum(qq * dqn, 1)
+        Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+        QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
+        R = tl.where(incl, dP * QK * Gi * scale, 0.0)
+        dPg_d = _op(tl.where(incl, dP * Gi * scale, 0.0), DT, LOWP)
+        dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
+        dgc += tl.sum(R, 1) - tl.sum(R, 0)
+        if L2:
+            dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+        tl.store(dq + krow, dqn, mask=rmask[:, None])
+        # the keys' part of this phase waits in dk's buffer (read back by this same program below)
+        tl.store(dk + krow, tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC), mask=rmask[:, None])
+        if PHASE == 1:
+            tl.store(dg + r64 * HV + ihv, dgc, mask=rmask)
+    if PHASE != 1:
+        # phase 2: S' = e^{bL} S + (K e^{bL - b})^T Vn, Vn = U - W S with W = T diag(beta gamma) K, U = T diag(beta) V
+        if PHASE == 2:
+            dgc = tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)
+        Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
+        dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
+                                               K, V, BT, BV, PREC, LOWP)
+        ed = tl.exp(gL - gc)
+        dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
+        r = tl.sum(kk * dKd, 1) * ed
+        dgc -= r
+        dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+        # W = T Kb with Kb = diag(beta gamma) K
+        bg = bb * gam
+        dW_d = _op(dW, DT, LOWP)
+        dT += tl.dot(dW_d, tl.trans(_op(kk * bg[:, None], DT, LOWP)), input_precision=PREC)
+        dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+        dkn += dKb * bg[:, None]
+        t = tl.sum(kk * dKb, 1)
+        db += t * gam
+        dgc += t * bg
+        # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
+        dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
+                     input_precision=PREC)
+        Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+        dAG = tl.where(strict, dA * Gs, 0.0)
+        dKK_d = _op(dAG * bb[:, None], DT, LOWP)
+        dkn += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
+        RA = dAG * tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
+        db += tl.sum(RA, 1)
+        RA = RA * bb[:, None]
+        dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
+        dgc += tl.where(rows == nval - 1, dgL, 0.0)
+        dgc = tl.where(rmask, dgc, 0.0)
+        dgg = tl.cumsum(dgc, 0, reverse=True)
+        if L2:
+            kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
+            rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+            dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
+        tl.store(dk + krow, dkn, mask=rmask[:, None])
+        tl.store(dg + r64 * HV + ihv, dgg, mask=rmask)
+        tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
 
 
 @triton.jit
