@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One lent-GPU call: install carried wheels (fla for the comparisons), then run the named steps, each under its
+# own time limit so that one slow or failing step does not take the others' results with it.
+#
+#   bash scripts/gpu_call.sh STEP[:SECONDS] ...      (results under $OUT/STEP/, logs in $OUT/STEP.log)
+#
+# Steps: info, profile (bench kernels, first shape, per-kernel CUDA times), tune (launch sweep -> tune.json),
+# kernels (full kernel table, with tune.json when the tune step ran), layers (whole-layer table), check (GDN/KDA
+# vs float64, pass/fail), glue (fused glue vs float64), train30m (the gpu-30m preset), mqar (paper preset cells).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || echo "wheel install failed"
+else
+  export PYTHONPATH=$PWD
+fi
+TUNE_ARG=()
+for spec in "$@"; do
+  step=${spec%%:*}
+  secs=${spec#*:}
+  [ "$secs" = "$spec" ] && secs=300
+  echo "=== $step (limit ${secs}s) $(date -u +%H:%M:%S)"
+  case $step in
+    info) cmd=(bash -c "nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; python3 -m pip show fla-core 2>/dev/null | head -2") ;;
+    profile) cmd=(python3 -m hybridlm.bench.kernels --quick --profile --rep 50 --no-sdpa --out "$OUT/profile" "${TUNE_ARG[@]}") ;;
+    tune) cmd=(python3 scripts/gpu_tune_gdn.py --json "$OUT/tune.json" --max-seconds $((secs - 40))) ;;
+    kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
+    layers) cmd=(python3 -m hybridlm.bench.layers --rep 50 --out "$OUT/layers") ;;
+    check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
+    glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
+    *) cmd=(bash -c "$step") ;;
+  esac
+  timeout -k 10 "$secs" "${cmd[@]}" 2>&1 | tee "$OUT/$step.log" | tail -n 60
+  echo "--- $step exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)"
+  if [ "$step" = tune ] && [ -f "$OUT/tune.json" ]; then TUNE_ARG=(--tune-json "$OUT/tune.json"); fi
+done
+# the tool brings back at most 8 files: pack everything into one archive beside the step logs' tails
+tar czf /tmp/gpu_call.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_call.tgz "$OUT/"
