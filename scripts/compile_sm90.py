@@ -64,16 +64,27 @@ def main(argv=None) -> int:
         "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
                              dict(NCH=i32, H=i32, HV=i32),
-                             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp), 2),
+                             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp,
+                                  OUT=True), 2),
+        "_recur_fwd(state)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
+                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
+                              dict(NCH=i32, H=i32, HV=i32),
+                              dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp,
+                                   OUT=False), 2),
+        "_out_fwd": (kern._out_fwd, dict(Qg=sd, Pb=sd, hbuf=sd, vnbuf=sd, o=dt, cu=i32, chunk_seq=i32,
+                                         chunk_start=i32),
+                     dict(HV=i32), dict(K=args.k, V=args.v, BT=args.bt, PREC=prec, BV=min(64, args.v), LOWP=lowp), 1),
         "_recur_bwd": (kern._recur_bwd, dict(g="fp32", Wbuf=sd, Qg=sd, Kd=sd, Pb=sd, do=dt, dht="fp32",
                                              dh0="fp32", dhbuf=sd, dvnbuf=sd, cu=i32, chunk_off=i32),
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
-        "_chunk_bwd": (kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd,
-                                             vnbuf=sd, dvnbuf=sd, do=dt, dq="fp32", dk="fp32", dv="fp32",
-                                             dg="fp32", dbeta="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
-                       dict(scale="fp32", H=i32, HV=i32), dict(common, BV=args.bwd_bv, LOWP=lowp), 1),
     }
+    for ph in (1, 2):
+        jobs[f"_chunk_bwd(phase {ph})"] = (
+            kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
+                                  dvnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", cu=i32,
+                                  chunk_seq=i32, chunk_start=i32),
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BV=args.bwd_bv, LOWP=lowp, PHASE=ph), 1)
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}")
     for name, (fn, ptrs, ints, cx, stages) in jobs.items():
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
@@ -92,10 +103,10 @@ def main(argv=None) -> int:
             try:
                 r = compile_one(fn, sig, consts, w, stages)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
-                print(f"{name:18} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
+                print(f"{name:20} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")
             except Exception as e:  # noqa: BLE001
-                print(f"{name:18} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
+                print(f"{name:20} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
     return 0
 
 

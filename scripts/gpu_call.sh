@@ -27,7 +27,7 @@ for spec in "$@"; do
     info) cmd=(bash -c "nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; python3 -m pip show fla-core 2>/dev/null | head -2") ;;
     profile) cmd=(python3 -m hybridlm.bench.kernels --quick --profile --rep 50 --no-sdpa --out "$OUT/profile" "${TUNE_ARG[@]}") ;;
     tune) cmd=(python3 scripts/gpu_tune_gdn.py --json "$OUT/tune.json" --max-seconds $((secs - 40))) ;;
-    kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
+    kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --profile --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
     layers) cmd=(python3 -m hybridlm.bench.layers --rep 50 --out "$OUT/layers") ;;
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;

@@ -38,7 +38,8 @@ def interp_results():
     return json.loads(line[len("RESULT "):])
 
 
-CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "compiled_T70"]
+CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "compiled_T70",
+         "inline_output_T70"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -54,8 +55,9 @@ def test_chunk_kernels_match_float64(interp_results, case):
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
-def test_inference_without_autograd_matches_float64(interp_results):
-    res = interp_results["no_grad_prefill"]
+@pytest.mark.parametrize("case", ["no_grad_prefill", "inline_output_no_grad"])
+def test_inference_without_autograd_matches_float64(interp_results, case):
+    res = interp_results[case]
     assert res["o"] <= TOL_OUT and res["final_state"] <= TOL_OUT, res
 
 

@@ -35,8 +35,11 @@ BT_CHOICES = (64, 32, 16)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
+# fwd_split_o: the sequential kernel carries only the state (two dots per chunk) and `_out_fwd` computes the
+#   output of every chunk in parallel from the stored chunk states (inference then stores them too)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
-        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True}
+        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True,
+        "fwd_split_o": True, "out_bv": 64, "out_warps": 8}
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -174,8 +177,11 @@ def _fwd_impl(
     Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
     o = _out((B, T, HV, V), q, q.dtype)
     ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
-    hb = torch.empty(NCmax, HV, K, V, device=dev, dtype=sd) if save else q.new_empty(0, dtype=sd)
-    vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if save else q.new_empty(0, dtype=sd)
+    split = TUNE["fwd_split_o"]
+    keep = save or split  # the chunk states and Vn go to memory
+    hb = (torch.empty(NCmax if save else max(nc, 1), HV, K, V, device=dev, dtype=sd) if keep
+          else q.new_empty(0, dtype=sd))
+    vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
     nw = _num_warps(K)
     NCb = NCmax if save else max(nc, 1)
@@ -193,13 +199,28 @@ def _fwd_impl(
     kern._recur_fwd[(V // BV, N * HV)](
         g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
+        OUT=not split,
     )
+    if split:
+        output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if not save:
+        hb, vn = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
         Qg, Kd, Pb = (q.new_empty(0, dtype=sd) for _ in range(3))  # distinct: custom-op outputs may not alias
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
+
+
+def output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
+    """O = Qg S + P Vn for every chunk at once (`_out_fwd`), after the state-only sequential pass."""
+    if lay.nc == 0:
+        return
+    BV = min(TUNE["out_bv"], V)
+    kern._out_fwd[(V // BV, lay.nc, HV)](
+        Qg, Pb, hb, vn, o, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, num_warps=TUNE["out_warps"], num_stages=1,
+    )
 
 
 @torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
@@ -273,9 +294,13 @@ def _bwd_impl(
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
         num_stages=TUNE["fwd_stages"],
     )
-    dq = _out((Ttot, HV, K), q, f32)
-    dk = _out((Ttot, HV, K), q, f32)
-    dv = _out((B, T, HV, V), q, f32)
+    # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32
+    # for the sum over each key head's value heads. dk's partial sum between the two phases is parked in fp32.
+    gd = f32 if G > 1 else q.dtype
+    dq = _out((Ttot, HV, K), q, gd)
+    dk = _out((Ttot, HV, K), q, gd)
+    dkp = dk if gd == f32 else torch.empty(Ttot, HV, K, device=dev, dtype=f32)
+    dv = _out((B, T, HV, V), q, v.dtype)
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
     if nc > 0:
@@ -285,7 +310,7 @@ def _bwd_impl(
             launches = [(kern._chunk_bwd_onephase, {})]
         for fn, extra in launches:
             fn[(nc, HV)](
-                q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
+                q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay.cu_t, lay.chunk_seq,
                 lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V),
                 L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1, **extra,

@@ -84,17 +84,27 @@ def _blk(ptr, r0, c0, BT: tl.constexpr):
 
 
 @triton.jit
-def _inv_diag(ptr, r0, BT: tl.constexpr):
-    """(I + A_ii)^{-1} of the strictly lower [16, 16] diagonal block of A at row/column r0, by forward
-    substitution: row i = e_i - a_i T (rows < i are final). Rows of A are read from memory, not extracted
-    from registers, so each step costs one small reduction."""
+def _inv_diags(ptr, BT: tl.constexpr):
+    """(I + A_bb)^{-1} of every strictly lower [16, 16] diagonal block of A (NB = BT / 16 blocks), as one
+    [NB, 16, 16] tile, by forward substitution run on all blocks together: row i = e_i - a_i T (rows < i are
+    final). 15 dependent steps instead of 15 NB, and unrolled: the rows of A are read from memory and no load
+    depends on T, so every load can be in flight before the first step needs it."""
+    NB: tl.constexpr = BT // 16
+    b = tl.arange(0, NB)
     r = tl.arange(0, 16)
-    Ti = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, 16):
-        a_i = tl.load(ptr + (r0 + i) * BT + r0 + r, mask=r < i, other=0.0)
-        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
-        Ti = tl.where(r[:, None] == i, t_i[None, :], Ti)
+    Ti = tl.where((r[:, None] == r[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, 16, 16], dtype=tl.float32)
+    base = (b * 16 * (BT + 1))[:, None] + r[None, :]  # A[16 b, 16 b + c]; row i adds i * BT
+    for i in tl.static_range(1, 16):
+        a_i = tl.load(ptr + base + i * BT, mask=(r < i)[None, :], other=0.0)
+        t_i = tl.where(r == i, 1.0, 0.0)[None, :] - tl.sum(a_i[:, :, None] * Ti, 1)
+        Ti = tl.where((r == i)[None, :, None], t_i[:, None, :], Ti)
     return Ti
+
+
+@triton.jit
+def _pick(Ti, j, NB: tl.constexpr):
+    """Block j of a [NB, 16, 16] tile, as [16, 16]."""
+    return tl.sum(tl.where((tl.arange(0, NB) == j)[:, None, None], Ti, 0.0), 0)
 
 
 @triton.jit
@@ -106,21 +116,23 @@ def _eye_rows(r0, BT: tl.constexpr):
 @triton.jit
 def _solve_ut(p_T, BT: tl.constexpr):
     """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
-    blocks: the diagonal blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j)
-    with fp32 dots (NB = BT / 16 in {1, 2, 4})."""
+    blocks: the diagonal blocks by forward substitution (all at once, `_inv_diags`), then block row
+    i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots (NB = BT / 16 in {1, 2, 4})."""
+    NB: tl.constexpr = BT // 16
     rows = tl.arange(0, BT)
-    T0 = tl.dot(_inv_diag(p_T, 0, BT), _eye_rows(0, BT), input_precision="ieee")
+    Tii = _inv_diags(p_T, BT)
+    T0 = tl.dot(_pick(Tii, 0, NB), _eye_rows(0, BT), input_precision="ieee")
     if BT >= 32:
         X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
-        T1 = tl.dot(_inv_diag(p_T, 16, BT), X1, input_precision="ieee")
+        T1 = tl.dot(_pick(Tii, 1, NB), X1, input_precision="ieee")
     if BT == 64:
         X2 = (_eye_rows(32, BT) - tl.dot(_blk(p_T, 32, 0, BT), T0, input_precision="ieee")
               - tl.dot(_blk(p_T, 32, 16, BT), T1, input_precision="ieee"))
-        T2 = tl.dot(_inv_diag(p_T, 32, BT), X2, input_precision="ieee")
+        T2 = tl.dot(_pick(Tii, 2, NB), X2, input_precision="ieee")
         X3 = (_eye_rows(48, BT) - tl.dot(_blk(p_T, 48, 0, BT), T0, input_precision="ieee")
               - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
               - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
-        T3 = tl.dot(_inv_diag(p_T, 48, BT), X3, input_precision="ieee")
+        T3 = tl.dot(_pick(Tii, 3, NB), X3, input_precision="ieee")
     tl.debug_barrier()  # every read of A is done before T overwrites it
     r16 = tl.arange(0, 16)
     p_row = p_T + r16[:, None] * BT + rows[None, :]
@@ -202,13 +214,14 @@ def _recur_fwd(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
-    CHANNEL: tl.constexpr = False,
+    CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
     storage dtype (tensor-core rate); otherwise fp32 (PREC: tf32 or ieee). The state and every accumulator stay
     fp32. CHANNEL (KDA): g is the per-chunk total log-decay per key channel, [chunks, HV, K], and S decays by
-    row."""
+    row. Without OUT the output is left to `_out_fwd` (all chunks in parallel, from the stored chunk-initial
+    states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -244,24 +257,54 @@ def _recur_fwd(
             dec = tl.exp(tl.sum(gs, 0))
         W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
         U = tl.load(_seq_tile(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), boundary_check=(0,))
-        p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
-                                (0, 0), (BT, BT), (1, 0))
-        P = tl.load(p_p, boundary_check=(0,))
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
         vn_d = _op(vn, DT, LOWP)
         if STORE:
             tl.store(_seq_tile(vnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), vn.to(vnbuf.dtype.element_ty),
                      boundary_check=(0,))
-        oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
-                                                                         input_precision=PREC)
-        tl.store(_seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), oo.to(o.dtype.element_ty),
-                 boundary_check=(0,))
+        if OUT:
+            qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
+            p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
+                                    (0, 0), (BT, BT), (1, 0))
+            P = tl.load(p_p, boundary_check=(0,))
+            oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
+                                                                             input_precision=PREC)
+            tl.store(_seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), oo.to(o.dtype.element_ty),
+                     boundary_check=(0,))
         S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
+
+
+@triton.jit
+def _out_fwd(
+    Qg, Pb, hbuf, vnbuf, o, cu, chunk_seq, chunk_start,
+    HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    LOWP: tl.constexpr,
+):
+    """O = Qg S + P Vn of one chunk and V block (grid V/BV x chunks x HV), from the chunk-initial state S and
+    the corrected values Vn that `_recur_fwd` stored: every chunk in parallel, off the serial path."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    iv = tl.program_id(0)
+    ic = tl.program_id(1)
+    ihv = tl.program_id(2)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    offs_v = iv * BV + tl.arange(0, BV)
+    blk = (ic * HV + ihv).to(tl.int64)
+    qg = tl.load(Qg + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    S = tl.load(hbuf + blk * K * V + offs_k[:, None] * V + offs_v[None, :])
+    P = tl.load(Pb + blk * BT * BT + rows[:, None] * BT + rows[None, :])
+    vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+    vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
+    oo = tl.dot(_op(qg, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC)
+    oo += tl.dot(_op(P, DT, LOWP), _op(vn, DT, LOWP), input_precision=PREC)
+    tl.store(o + vrow, oo.to(o.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -376,7 +419,7 @@ def _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask,
 
 @triton.jit
 def _chunk_bwd(
-    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dkp, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
@@ -386,7 +429,8 @@ def _chunk_bwd(
     1. the output's paths (through the chunk-initial state and the intra-chunk attention): dq complete, the
        partial dk and dg parked in their buffers; 2. the state write, W and the UT transform: dv, dbeta, dg, the
     rest of dk. PHASE 1 or 2 runs one phase per launch (each compiled kernel holds half the live tiles), 0 both.
-    Dot operands are 16-bit when LOWP (PREC otherwise); accumulators fp32."""
+    Dot operands are 16-bit when LOWP (PREC otherwise); accumulators fp32. dk's partial sum waits in dkp (fp32;
+    may be dk itself when dk is fp32)."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
@@ -430,7 +474,7 @@ def _chunk_bwd(
             dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
         tl.store(dq + krow, dqn, mask=rmask[:, None])
         # the keys' part of this phase waits in dk's buffer (read back by this same program below)
-        tl.store(dk + krow, tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC), mask=rmask[:, None])
+        tl.store(dkp + krow, tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC), mask=rmask[:, None])
         if PHASE == 1:
             tl.store(dg + r64 * HV + ihv, dgc, mask=rmask)
     if PHASE != 1:
@@ -441,7 +485,7 @@ def _chunk_bwd(
         dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
                                                K, V, BT, BV, PREC, LOWP)
         ed = tl.exp(gL - gc)
-        dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
+        dkn = tl.load(dkp + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
         r = tl.sum(kk * dKd, 1) * ed
         dgc -= r
         dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
@@ -479,13 +523,14 @@ def _chunk_bwd(
 
 @triton.jit
 def _chunk_bwd_onephase(
-    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    q, k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dkp, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     """Variant of `_chunk_bwd` with one loop over V blocks (more accumulators live at once); kept while the GPU
-    sweep (scripts/gpu_tune_gdn.py, TUNE["bwd_variant"]) decides between them. 16-bit dot operands when LOWP."""
+    sweep (scripts/gpu_tune_gdn.py, TUNE["bwd_variant"]) decides between them. 16-bit dot operands when LOWP.
+    dkp is unused (same arguments as `_chunk_bwd`)."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)

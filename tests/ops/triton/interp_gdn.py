@@ -126,6 +126,10 @@ def main() -> int:
                                                public=True)
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
+    _gdn.TUNE["fwd_split_o"] = False  # the output computed inside the sequential kernel (the other launch plan)
+    res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+    res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
+    _gdn.TUNE["fwd_split_o"] = True
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
