@@ -10,6 +10,8 @@ Non-standard here:
   cos/sin are float32 and cast to the activations' dtype.
 - The mask is an explicit boolean [B, 1, T, T] built by `build_attention_mask` (causal, key padding, packed
   documents). Each query may always see itself, so fully padded rows stay finite (their outputs are unused).
+  mask None means plain causal with queries and keys aligned (no cache, nothing padded or packed): SDPA's
+  is_causal, which lets it pick its FlashAttention backend (no mask takes it), with GQA by enable_gqa (no copies).
 """
 
 from __future__ import annotations
@@ -79,9 +81,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, h, T, d]; k, v: [B, hkv, S, d]; GQA by repeat_interleave (query head i reads kv head i // groups)."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [B, h, T, d]; k, v: [B, hkv, S, d]; query head i reads kv head i // groups. mask: bool [B|1, 1, T, S], or
+    None for plain causal attention with S == T (is_causal; GQA by enable_gqa, else by repeat_interleave)."""
     groups = q.shape[1] // k.shape[1]
+    if mask is None:
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"mask None means causal with as many keys as queries; got {q.shape[2]} queries and "
+                             f"{k.shape[2]} keys (pass the mask of build_attention_mask)")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -115,9 +123,10 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None) -> torch.Tensor:
-        """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask; position_ids: [B|1, T].
-        cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask, or None (causal, no cache);
+        position_ids: [B|1, T]. cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V."""
         B, T, _ = x.shape
         q = self.q_proj(x)
         gate = None

@@ -29,9 +29,9 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, D, bias=bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
-        """x: [B, T, D]; mask bool [B|1, 1, T, S]; position_ids unused (no rotary).
+        """x: [B, T, D]; mask bool [B|1, 1, T, S], or None (causal, no cache); position_ids unused (no rotary).
         cache: a LatentState (hybridlm.model.cache) that receives the normed latent and k_rot."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)

@@ -9,6 +9,8 @@ Non-standard here:
   the short conv restarts, attention gets a block-diagonal causal mask, and default positions restart.
 - Default positions are 0..T-1 even with left padding (transformers' forward does the same).
 - `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops.
+- Attention gets an explicit mask only when something needs one (padding, packed documents, a cache); otherwise
+  None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
 """
 
 from __future__ import annotations
@@ -135,8 +137,9 @@ class HybridLM(nn.Module):
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # nothing padded: skip the masking work
         mask2d = None if attention_mask is None else attention_mask[:, past:].to(x.dtype)
-        attn_mask = None
-        if any(not blk.linear for blk in self.layers):
+        attn_mask = None  # None: plain causal (SDPA's is_causal, FlashAttention-eligible)
+        if any(not blk.linear for blk in self.layers) and (attention_mask is not None or cu_seqlens is not None
+                                                           or cache is not None):
             attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens, past=past,
                                              device=x.device)
         if position_ids is None:
