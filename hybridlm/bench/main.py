@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("hybridlm.bench.kernels", "Triton GDN kernels vs fla-core and SDPA (CUDA)"),
     "layers": ("hybridlm.bench.layers", "layer-level benchmark"),
     "mqar": ("hybridlm.bench.mqar", "multi-query associative recall"),
+    "train": ("hybridlm.bench.train", "training tokens/s of a ~350M 3:1 hybrid, ours vs fla's model classes"),
 }
 
 

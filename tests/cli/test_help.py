@@ -30,7 +30,7 @@ def test_subcommand_help_is_its_own(name, capsys):
             assert opt in out, (name, opt)
 
 
-@pytest.mark.parametrize("kind", ["kernels", "mqar"])
+@pytest.mark.parametrize("kind", ["kernels", "mqar", "train"])
 def test_bench_kind_help_is_its_own(kind, capsys):
     out = _help_of(["bench", kind, "--help"], capsys)
     assert out.startswith(f"usage: hybridlm bench {kind} "), out

@@ -1,0 +1,474 @@
+"""Training throughput of a ~350M 3:1 hybrid: ours against the same shape built from fla's model classes.
+
+    python -m hybridlm.bench.train [--seq-len 4096] [--batch-size 4] [--steps 10] [--out DIR]  (= hybridlm bench train)
+    python -m hybridlm.bench.train --tiny                                                      (CPU smoke run)
+
+One step is what a training job does: forward under bf16 autocast (fp32 on a CPU), the same fp32 cross entropy on
+the logits for both models, backward, gradient clipping to 1.0, AdamW (`hybridlm.train.optim`, fused on CUDA, the
+same parameter groups for both) and zero_grad. After --warmup steps (Triton compilation and autotuning happen
+there), --steps steps are timed one by one between torch.cuda.synchronize calls; tokens/s = batch * T / median
+step time. Peak memory: torch.cuda.max_memory_allocated from before the model is built, so parameters, gradients,
+optimizer state and activations all count. A model that fails (out of memory or anything else) gets its error in
+its row; the other one still runs. Writes train.json (device, versions, date, command, both configs, every step
+time) and train.md (the table).
+
+Non-standard here:
+- The shape (`SHAPE_350M`): hidden 1024, 24 blocks, every 4th softmax attention (blocks 3, 7, ..., 23), SwiGLU
+  MLP 2816, Gated DeltaNet with 8 key and 8 value heads of width 128, short conv 4, attention 8 query / 2 kv heads
+  of width 128, full RoPE (theta 1e4), vocab 32000, tied embeddings. Ours is the Qwen3.5 layout
+  (`gdn_layout="split"`, gated attention with q/k RMSNorm, zero-centred norms); fla's is
+  `GatedDeltaNetForCausalLM` with `attn` placing its `Attention` layers, which has no output gate and no q/k norm,
+  so ours has 6 x (1024 x 1024 + 256) more parameters. Both counts are printed.
+- fla is imported here only, and only when asked for. fla 0.6.0 refuses its gated chunk backward on Hopper with
+  Triton < 3.7.1 (its issue #640); this benchmark lifts that guard (`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 =
+  True`) and says so in the table. fla's `Attention` needs the flash_attn package; when it is not installed its
+  `flash_attn_func` is replaced by a stand-in on torch SDPA (is_causal, GQA by enable_gqa), also said in the table.
+- Ours runs with impl="auto": the Triton GDN kernels and fused glue on CUDA, and SDPA with is_causal for attention
+  (no explicit mask when nothing is padded or packed). Which paths "auto" picked is recorded in train.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_OUT = os.path.join("runs", "bench-train")
+GUARD_NOTE = ("fla 0.6.0's guard against its gated chunk backward on Hopper with Triton < 3.7.1 (fla #640) was "
+              "lifted for this run: fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model shape both implementations are built to."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    linear_heads: int  # Gated DeltaNet key heads
+    linear_value_heads: int
+    linear_head_dim: int  # key and value head width
+    attn_heads: int
+    attn_kv_heads: int
+    attn_head_dim: int  # fla ties it to hidden_size // attn_heads
+    conv_size: int = 4
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    attn_every: int = 4  # block i is softmax attention when (i + 1) % attn_every == 0
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if (i + 1) % self.attn_every == 0]
+
+
+SHAPE_350M = Shape(vocab_size=32000, hidden_size=1024, num_layers=24, intermediate_size=2816, linear_heads=8,
+                   linear_value_heads=8, linear_head_dim=128, attn_heads=8, attn_kv_heads=2, attn_head_dim=128)
+SHAPE_TINY = Shape(vocab_size=256, hidden_size=64, num_layers=4, intermediate_size=192, linear_heads=2,
+                   linear_value_heads=2, linear_head_dim=32, attn_heads=2, attn_kv_heads=1, attn_head_dim=32)
+# (seq_len, batch_size, steps, warmup) when the flags are not given
+RUN_DEFAULTS = {"350m": (4096, 4, 10, 3), "tiny": (64, 2, 2, 1)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 4096; --tiny: 64)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per step (default 4, about 30 GB for ours on one GPU; --tiny: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first, where Triton compiles and autotunes (default 3; --tiny: 1)")
+    parser.add_argument("--grad-ckpt", action="store_true",
+                        help="activation checkpointing in both models (each block recomputed in the backward)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--no-fla", action="store_true", help="only our model, even if fla is installed")
+    parser.add_argument("--tiny", action="store_true",
+                        help="hidden 64, 4 blocks, vocab 256 and the --tiny defaults above: a smoke run that works "
+                             "on a CPU (fla is skipped there: its kernels need CUDA)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cuda, cuda:N or cpu")
+    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for train.json / train.md (default {DEFAULT_OUT})")
+
+
+# --- the two models ---------------------------------------------------------------------------------------------
+
+
+def ours_config(shape: Shape, seq_len: int):
+    """HybridConfig of our model for `shape` (Qwen3.5 layout)."""
+    from hybridlm.model.config import HybridConfig
+
+    n = shape.num_layers
+    attn = set(shape.attention_layers)
+    return HybridConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, num_hidden_layers=n,
+        layer_types=["full_attention" if i in attn else "linear_attention" for i in range(n)],
+        mlp_types=["dense"] * n, norm_kind="zero_centered", gdn_layout="split",
+        linear_num_key_heads=shape.linear_heads, linear_num_value_heads=shape.linear_value_heads,
+        linear_key_head_dim=shape.linear_head_dim, linear_value_head_dim=shape.linear_head_dim,
+        linear_conv_kernel_dim=shape.conv_size, attention_kind="gated", attn_gate="elementwise", qk_norm="head",
+        num_attention_heads=shape.attn_heads, num_key_value_heads=shape.attn_kv_heads, head_dim=shape.attn_head_dim,
+        rope_theta=shape.rope_theta, partial_rotary_factor=1.0, intermediate_size=shape.intermediate_size,
+        tie_word_embeddings=shape.tie_embeddings, max_position_embeddings=max(seq_len, 4096),
+    )
+
+
+def fla_config_kwargs(shape: Shape, seq_len: int) -> dict:
+    """Keyword arguments of fla 0.6.0's GatedDeltaNetConfig for `shape` (plain data: testable without fla)."""
+    if shape.hidden_size != shape.attn_heads * shape.attn_head_dim:
+        raise ValueError(f"fla's Attention has head_dim = hidden_size // num_heads; the shape has hidden_size "
+                         f"{shape.hidden_size} but {shape.attn_heads} x {shape.attn_head_dim} attention channels")
+    return dict(
+        attn_mode="chunk", hidden_size=shape.hidden_size, expand_v=1.0, use_gate=True, use_short_conv=True,
+        conv_size=shape.conv_size, head_dim=shape.linear_head_dim, num_heads=shape.linear_heads,
+        num_v_heads=shape.linear_value_heads, max_position_embeddings=seq_len, hidden_ratio=4,
+        intermediate_size=shape.intermediate_size, hidden_act="swish", num_hidden_layers=shape.num_layers,
+        norm_eps=1e-6, vocab_size=shape.vocab_size, tie_word_embeddings=shape.tie_embeddings, use_cache=False,
+        attn={"layers": shape.attention_layers, "num_heads": shape.attn_heads, "num_kv_heads": shape.attn_kv_heads,
+              "qkv_bias": False, "window_size": None, "rope_theta": shape.rope_theta},
+    )
+
+
+def sdpa_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                         softmax_scale: float | None = None, causal: bool = False,
+                         window_size: tuple[int, int] = (-1, -1), **_ignored) -> torch.Tensor:
+    """Stand-in for flash_attn_func on torch SDPA: q [B, T, H, d], k / v [B, S, Hkv, d] -> [B, T, H, d].
+
+    Only what fla's Attention asks for in training: no dropout, no sliding window."""
+    if dropout_p or tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"the SDPA stand-in for flash_attn_func takes no dropout ({dropout_p}) and no "
+                                  f"window ({window_size})")
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                       scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def _no_varlen(*_args, **_kwargs):
+    raise NotImplementedError("flash_attn is not installed and its varlen function has no stand-in here "
+                              "(this benchmark passes neither padding nor cu_seqlens)")
+
+
+def load_fla(device: torch.device, no_fla: bool) -> tuple[str | None, list[str], str | None]:
+    """Import fla for the comparison -> (version, notes for the table, reason it is skipped or None)."""
+    if no_fla:
+        return None, [], "--no-fla"
+    if device.type != "cuda":
+        return None, [], f"fla's kernels need CUDA (device {device})"
+    try:
+        from importlib.metadata import version
+
+        import fla
+
+        notes = patch_fla()
+    except Exception as e:  # noqa: BLE001  (any import failure only skips the fla row)
+        return None, [], f"fla does not import: {e!r}"
+    try:
+        ver = version("fla-core")
+    except Exception:  # noqa: BLE001
+        ver = getattr(fla, "__version__", "unknown")
+    return ver, notes, None
+
+
+def patch_fla() -> list[str]:
+    """Lift fla 0.6.0's Hopper guard and, without flash_attn, give its Attention the SDPA stand-in; -> notes."""
+    import fla.layers.attn as fla_attn
+    import fla.ops.common.chunk_o as fla_chunk_o
+
+    notes = []
+    if hasattr(fla_chunk_o, "TRITON_ABOVE_3_7_1"):
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+        notes.append(GUARD_NOTE)
+    if getattr(fla_attn, "flash_attn_func", None) is None:
+        fla_attn.flash_attn_func = sdpa_flash_attn_func
+        fla_attn.flash_attn_varlen_func = _no_varlen
+        notes.append("flash_attn is not installed: fla's Attention ran on a stand-in for flash_attn_func built on "
+                     "torch SDPA (is_causal, enable_gqa), the same SDPA call as ours")
+    return notes
+
+
+def build_ours(shape: Shape, seq_len: int, device: torch.device):
+    from hybridlm.model.hybrid import HybridLM
+
+    cfg = ours_config(shape, seq_len)
+    with torch.device(device):
+        model = HybridLM(cfg, impl="auto")
+    return model, cfg.to_dict(), lambda m, ids: m(ids).logits
+
+
+def build_fla(shape: Shape, seq_len: int, device: torch.device):
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    cfg = GatedDeltaNetConfig(**fla_config_kwargs(shape, seq_len))
+    with torch.device(device):
+        model = GatedDeltaNetForCausalLM(cfg)
+    return model, cfg.to_dict(), lambda m, ids: m(input_ids=ids, use_cache=False).logits
+
+
+def enable_grad_ckpt(model) -> None:
+    if hasattr(model, "gradient_checkpointing_enable"):  # transformers models (fla)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        from hybridlm.train.parallel import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+
+
+# --- timing -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSpec:
+    seq_len: int
+    batch_size: int
+    steps: int
+    warmup: int
+    lr: float
+    seed: int
+    grad_ckpt: bool
+    compile: bool
+    device: torch.device
+    bf16: bool
+
+
+class _LogCollector(logging.Handler):
+    """Keeps the messages of the `hybridlm` loggers (which paths impl="auto" picked) while a model runs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _collect_logs(name: str = "hybridlm"):
+    logger, handler = logging.getLogger(name), _LogCollector()
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(fwd: Callable, model, optimizer, ids: torch.Tensor, spec: RunSpec) -> float:
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 else contextlib.nullcontext()
+    with ctx:
+        logits = fwd(model, ids[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())  # also a device sync
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(name: str, build: Callable, shape: Shape, spec: RunSpec) -> tuple[dict, dict | None]:
+    """One model's row (params, step times, tokens/s, peak memory; or its error) and its config dict."""
+    from hybridlm.train.optim import build_optimizer
+
+    row: dict = {"model": name}
+    config = None
+    dev = spec.device
+    _free(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        torch.manual_seed(spec.seed)
+        model, config, fwd = build(shape, spec.seq_len, dev)
+        row["params"] = sum(p.numel() for p in model.parameters())
+        model.train()
+        if spec.grad_ckpt:
+            enable_grad_ckpt(model)
+        optimizer = build_optimizer(model, spec.lr, 0.1)
+        run_model = torch.compile(model) if spec.compile else model
+        g = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, shape.vocab_size, (spec.batch_size, spec.seq_len + 1), generator=g).to(dev)
+        losses = [_train_step(fwd, run_model, optimizer, ids, spec) for _ in range(spec.warmup)]
+        times = []
+        for _ in range(spec.steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            losses.append(_train_step(fwd, run_model, optimizer, ids, spec))
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        row.update(step_ms=step_s * 1e3, tokens_per_s=spec.batch_size * spec.seq_len / step_s,
+                   step_ms_all=[t * 1e3 for t in times], loss_first=losses[0], loss_last=losses[-1])
+    except torch.OutOfMemoryError as e:
+        row["error"] = f"out of memory: {str(e).splitlines()[0][:300]}"
+    except Exception as e:  # noqa: BLE001  (one failing model must not hide the other's row)
+        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        if dev.type == "cuda":
+            row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        model = optimizer = run_model = None  # noqa: F841  (drop the references before freeing)
+        _free(dev)
+    return row, config
+
+
+# --- output -----------------------------------------------------------------------------------------------------
+
+
+def _fmt(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "-"
+
+
+def markdown_table(info: dict, rows: list[dict]) -> str:
+    lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, fla {info['fla']}, "
+             f"{info['date_utc']} UTC",
+             f"{info['precision']}, AdamW + grad clip, batch {info['batch_size']} x T {info['seq_len']}, "
+             f"{info['warmup']} warm-up + {info['steps']} timed steps (median), grad ckpt "
+             f"{'on' if info['grad_ckpt'] else 'off'}, torch.compile {'on' if info['compile'] else 'off'}",
+             "", "| model | params | tokens/s | ours/fla | step ms | peak GiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {_fmt(r, 'params', ',')} | {_fmt(r, 'tokens_per_s', ',.0f')} | "
+                     f"{_fmt(r, 'ratio_ours_over_fla', '.2f')} | {_fmt(r, 'step_ms', '.1f')} | "
+                     f"{_fmt(r, 'peak_GiB', '.1f')} |")
+    for r in rows:
+        for key in ("error", "skipped"):
+            if key in r:
+                lines.append(f"\n{r['model']} {key}: {r[key]}")
+    lines += ["", "Notes:"] + [f"- {n}" for n in info["notes"]]
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+
+
+def _shape_notes(shape: Shape) -> list[str]:
+    extra = len(shape.attention_layers) * (shape.hidden_size * shape.attn_heads * shape.attn_head_dim
+                                           + 2 * shape.attn_head_dim)
+    return [
+        f"shape: hidden {shape.hidden_size}, {shape.num_layers} blocks, softmax attention at blocks "
+        f"{shape.attention_layers}, SwiGLU {shape.intermediate_size}, GDN {shape.linear_heads} key / "
+        f"{shape.linear_value_heads} value heads x {shape.linear_head_dim}, conv {shape.conv_size}, attention "
+        f"{shape.attn_heads} / {shape.attn_kv_heads} kv heads x {shape.attn_head_dim}, vocab {shape.vocab_size}, "
+        f"tied embeddings {shape.tie_embeddings}",
+        "ours: Qwen3.5 layout (one in_proj_qkv and one short conv over q|k|v, gated attention with an output "
+        "gate and q/k RMSNorm, zero-centred RMSNorm, PyTorch SwiGLU); fla: GatedDeltaNetForCausalLM with its "
+        "Attention at the same blocks (no output gate, no q/k norm; fused RMSNorm and SwiGLU kernels): ours has "
+        f"{extra:,} more parameters from the gate and q/k norms",
+        "loss: logits of each model, then the same fp32 F.cross_entropy (fla's fused loss is not used)",
+    ]
+
+
+def _resolve_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(arg)
+    except RuntimeError as e:
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {arg!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {arg}: no CUDA device is visible; use --device cpu with --tiny")
+    return dev
+
+
+def _spec(args: argparse.Namespace) -> tuple[Shape, RunSpec]:
+    """Validated shape and run settings from the flags."""
+    dev = _resolve_device(args.device)
+    if dev.type == "cpu" and args.device == "auto" and not args.tiny:
+        raise ValueError("no CUDA device: the 350M run needs one; pass --tiny for the CPU smoke run "
+                         "(or --device cpu to insist)")
+    shape = SHAPE_TINY if args.tiny else SHAPE_350M
+    defaults = RUN_DEFAULTS["tiny" if args.tiny else "350m"]
+    vals = [v if v is not None else d for v, d in zip((args.seq_len, args.batch_size, args.steps, args.warmup),
+                                                        defaults)]
+    for flag, v, low in zip(("--seq-len", "--batch-size", "--steps", "--warmup"), vals, (2, 1, 1, 0)):
+        if v < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {v}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr: must be > 0, got {args.lr}")
+    seq_len, batch, steps, warmup = vals
+    return shape, RunSpec(seq_len, batch, steps, warmup, args.lr, args.seed, args.grad_ckpt, args.compile, dev,
+                          bf16=dev.type == "cuda")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape, spec = _spec(args)
+    except ValueError as e:
+        print(f"hybridlm bench train: error: {e}", file=sys.stderr)
+        return 2
+    dev = spec.device
+    fla_version, fla_notes, fla_skip = load_fla(dev, args.no_fla)
+    info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            **_versions(), "fla": fla_version, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "command": getattr(args, "command", None) or shlex.join(sys.argv),
+            "precision": "bf16 autocast" if spec.bf16 else "fp32", "seq_len": spec.seq_len,
+            "batch_size": spec.batch_size, "steps": spec.steps, "warmup": spec.warmup, "grad_ckpt": spec.grad_ckpt,
+            "compile": spec.compile, "shape": asdict(shape),
+            "notes": _shape_notes(shape) + fla_notes}
+    print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
+          f"{spec.warmup} + {spec.steps} steps", flush=True)
+    with _collect_logs() as impl_log:
+        ours, ours_cfg = measure("ours", build_ours, shape, spec)
+    ours["label"] = "ours (hybridlm, impl=auto)"
+    rows, configs = [ours], {"ours": ours_cfg, "fla": None}
+    print(json.dumps({k: v for k, v in ours.items() if k != "step_ms_all"}), flush=True)
+    if fla_skip is None:
+        theirs, configs["fla"] = measure("fla", build_fla, shape, spec)
+        print(json.dumps({k: v for k, v in theirs.items() if k != "step_ms_all"}), flush=True)
+    else:
+        theirs = {"model": "fla", "skipped": fla_skip}
+    theirs["label"] = "fla GatedDeltaNetForCausalLM" + (f" ({fla_version})" if fla_version else "")
+    rows.append(theirs)
+    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+        ours["ratio_ours_over_fla"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    table = markdown_table(info, rows)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "train.json"), "w", encoding="utf-8") as f:
+        json.dump({"info": info, "configs": configs, "rows": rows, "ours_impl_log": impl_log}, f, indent=1,
+                  default=str)
+    with open(os.path.join(args.out, "train.md"), "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.train", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command = shlex.join(["python", "-m", "hybridlm.bench.train", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""`hybridlm bench train`: the tiny CPU run writes its JSON and table, the two shapes agree with each other and with
+fla's config arguments, the flash_attn stand-in is causal attention, and a failing model is a row, not a crash."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hybridlm.bench import train as bench
+from hybridlm.model.hybrid import HybridLM
+
+
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_tiny_cpu_run_writes_json_and_table(tmp_path, one_thread):
+    assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "train.json") as f:
+        rec = json.load(f)
+    info = rec["info"]
+    for key in ("device", "torch", "triton", "fla", "date_utc", "command", "precision", "notes"):
+        assert key in info, key
+    assert info["command"].startswith("python -m hybridlm.bench.train --tiny")
+    assert (info["seq_len"], info["batch_size"], info["steps"], info["warmup"]) == (64, 2, 2, 1)
+    assert rec["configs"]["ours"]["hidden_size"] == 64 and rec["configs"]["fla"] is None
+    ours, fla = rec["rows"]
+    expected = HybridLM(bench.ours_config(bench.SHAPE_TINY, 64)).num_parameters()
+    assert ours["model"] == "ours" and ours["params"] == expected
+    assert ours["tokens_per_s"] > 0 and len(ours["step_ms_all"]) == 2 and math.isfinite(ours["loss_last"])
+    assert abs(ours["loss_first"] - math.log(256)) < 0.5  # random init: about log(vocab)
+    assert fla["model"] == "fla" and "CUDA" in fla["skipped"]
+    assert any("hybridlm.layers" in m or "impl" in m for m in rec["ours_impl_log"]), rec["ours_impl_log"]
+    table = (tmp_path / "train.md").read_text()
+    assert "| model | params | tokens/s | ours/fla | step ms | peak GiB |" in table
+    assert f"| ours (hybridlm, impl=auto) | {expected:,} |" in table
+    assert "fla skipped: fla's kernels need CUDA" in table
+
+
+def test_350m_shape_counts_and_fla_arguments():
+    shape = bench.SHAPE_350M
+    cfg = bench.ours_config(shape, 4096)
+    with torch.device("meta"):
+        n = HybridLM(cfg).num_parameters()
+    assert n == 357_348_384  # printed by the benchmark; fla's build of the same shape: 6 x (1024^2 + 256) fewer
+    kw = bench.fla_config_kwargs(shape, 4096)
+    assert kw["attn"]["layers"] == [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    assert kw["attn"]["layers"] == [3, 7, 11, 15, 19, 23]
+    assert kw["hidden_size"] // kw["attn"]["num_heads"] == cfg.head_dim == 128  # fla's attention head width
+    assert kw["attn"]["num_kv_heads"] == cfg.num_key_value_heads
+    assert (kw["num_heads"], kw["num_v_heads"], kw["head_dim"], kw["expand_v"]) == (8, 8, 128, 1.0)
+    assert (kw["intermediate_size"], kw["conv_size"], kw["vocab_size"]) == (2816, 4, 32000)
+    assert kw["tie_word_embeddings"] is cfg.tie_word_embeddings is True
+
+
+def test_fla_shape_must_tie_attention_width_to_hidden():
+    bad = bench.Shape(vocab_size=256, hidden_size=64, num_layers=4, intermediate_size=128, linear_heads=2,
+                      linear_value_heads=2, linear_head_dim=32, attn_heads=2, attn_kv_heads=1, attn_head_dim=16)
+    with pytest.raises(ValueError, match="head_dim = hidden_size // num_heads"):
+        bench.fla_config_kwargs(bad, 64)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_flash_attn_stand_in_is_causal_attention(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    B, T, H, d = 2, 17, 4, 8
+    q = torch.randn(B, T, H, d, generator=g, dtype=torch.float64)
+    k = torch.randn(B, T, kv_heads, d, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, kv_heads, d, generator=g, dtype=torch.float64)
+    o = bench.sdpa_flash_attn_func(q, k, v, causal=True)
+    # reference: head h reads kv head h // (H / kv_heads), scores masked above the diagonal
+    kr, vr = (x.repeat_interleave(H // kv_heads, dim=2) for x in (k, v))
+    s = torch.einsum("bthd,bshd->bhts", q, kr) / math.sqrt(d)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhts,bshd->bthd", s.softmax(-1), vr)
+    torch.testing.assert_close(o, ref)
+    with pytest.raises(NotImplementedError, match="window"):
+        bench.sdpa_flash_attn_func(q, k, v, causal=True, window_size=(8, 0))
+
+
+def _spec(**kw):
+    base = dict(seq_len=16, batch_size=2, steps=1, warmup=0, lr=1e-3, seed=0, grad_ckpt=False, compile=False,
+                device=torch.device("cpu"), bf16=False)
+    return bench.RunSpec(**{**base, **kw})
+
+
+def test_a_failing_model_is_a_row_not_a_crash(one_thread):
+    def broken(shape, seq_len, device):
+        raise RuntimeError("no kernel for this")
+
+    row, config = bench.measure("broken", broken, bench.SHAPE_TINY, _spec())
+    assert row["model"] == "broken" and "RuntimeError: no kernel for this" in row["error"]
+    assert "tokens_per_s" not in row and config is None
+
+
+def test_grad_ckpt_runs_our_model(one_thread):
+    row, config = bench.measure("ours", bench.build_ours, bench.SHAPE_TINY, _spec(grad_ckpt=True, steps=2))
+    assert "error" not in row, row
+    assert row["tokens_per_s"] > 0 and config["num_hidden_layers"] == 4
+
+
+@pytest.mark.parametrize("flags,name", [(["--batch-size", "0"], "--batch-size"), (["--seq-len", "1"], "--seq-len"),
+                                        (["--steps", "0"], "--steps"), (["--lr", "0"], "--lr"),
+                                        (["--device", "gpu7"], "--device")])
+def test_bad_flags_name_the_argument(tmp_path, capsys, flags, name):
+    assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), *flags]) == 2
+    assert name in capsys.readouterr().err
+    assert not (tmp_path / "train.json").exists()
