@@ -6,7 +6,9 @@
 #
 # Steps: info, profile (bench kernels, first shape, per-kernel CUDA times), tune (launch sweep -> tune.json),
 # kernels (full kernel table, with tune.json when the tune step ran), layers (whole-layer table), check (GDN/KDA
-# vs float64, pass/fail), glue (fused glue vs float64), train30m (the gpu-30m preset), mqar (paper preset cells).
+# vs float64, pass/fail), glue (fused glue vs float64), train30m (the gpu-30m preset), mqar (paper preset cells),
+# train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two
+# GPUs vs one, loss and tokens/s).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -31,6 +33,8 @@ for spec in "$@"; do
     layers) cmd=(python3 -m hybridlm.bench.layers --rep 50 --out "$OUT/layers") ;;
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
+    train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
+    fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
     *) cmd=(bash -c "$step") ;;
   esac
   timeout -k 10 "$secs" "${cmd[@]}" 2>&1 | tee "$OUT/$step.log" | tail -n 60

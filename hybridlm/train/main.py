@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -45,6 +46,7 @@ from .presets import TRAIN_PRESETS, build_config
 from .tokenizer import load_tokenizer
 
 DEFAULT_OUT = os.path.join("runs", "train")
+TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's steps after the first ten (compilation)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -243,6 +245,13 @@ def sample(model, tokenizer, prompt_ids: list[int], n: int, temperature: float, 
     return ids
 
 
+def median_tokens_per_s(rates: list[float], warmup: int = TPS_WARMUP_STEPS) -> tuple[float | None, int]:
+    """(median tokens/s over the steps after `warmup`, how many steps that is); at most half the steps are
+    dropped; (None, 0) with no step."""
+    kept = rates[min(warmup, len(rates) // 2):]
+    return (statistics.median(kept) if kept else None), len(kept)
+
+
 def _oom_message(args, err) -> str:
     return (f"a micro-batch of {args.batch_size} x {args.seq_len} tokens does not fit in memory ({err}); "
             "lower --batch-size (raise --grad-accum to keep the same global batch), use --activation-checkpointing, "
@@ -426,6 +435,7 @@ def train(args) -> dict:
     model.train()
     last_loss = math.nan
     ema_tps = None
+    rates: list[float] = []  # tokens/s of each step this process ran
     val = math.nan
     while step < max_steps:
         t0 = time.time()
@@ -460,6 +470,7 @@ def train(args) -> dict:
         dt = time.time() - t0
         tps = tokens_per_step / max(dt, 1e-9)
         ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
+        rates.append(tps)
         metrics.add(step=step, tokens=tokens_seen, loss=last_loss, loss_per_byte=last_loss / bytes_per_token,
                     lr=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm), tokens_per_s=tps,
                     epoch=sampler.epoch_of(micro), elapsed=time.time() - t_start)
@@ -479,6 +490,7 @@ def train(args) -> dict:
                "best_val_nats_per_byte": best_val, "unigram_nats_per_byte": unigram,
                "below_unigram": unigram - val, "params": n_params, "tokens_seen": tokens_seen,
                "wall_s": time.time() - t_start, "preset": preset_name}
+    summary["tokens_per_s"], summary["tokens_per_s_steps"] = median_tokens_per_s(rates)
 
     # --- sample, plot ---
     if args.sample_tokens > 0:

@@ -42,6 +42,8 @@ def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
     _run([sys.executable, "-m", "hybridlm.train", *ARGS, "--data", small_corpus, "--batch-size", "8", "--out", single])
     a, b = _summary(fsdp), _summary(single)
     assert abs(a["final_train_loss"] - b["final_train_loss"]) <= 1e-2
+    # tokens/s: the median over the last 3 of 6 steps (at most half are dropped as warm-up), all ranks' tokens
+    assert a["tokens_per_s_steps"] == b["tokens_per_s_steps"] == 3 and a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
     # the sharded checkpoint's export is a from_pretrained folder
     last = ckpt.resolve_resume(fsdp)
     assert os.path.isdir(os.path.join(last, "dcp"))
@@ -50,3 +52,12 @@ def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
     shutil.rmtree(os.path.join(fsdp, "checkpoints", "step_000006"))
     _run([*torchrun, *ARGS, "--data", small_corpus, "--batch-size", "4", "--out", fsdp, "--resume"])
     assert abs(_summary(fsdp)["final_train_loss"] - a["final_train_loss"]) <= 1e-6
+
+
+def test_median_tokens_per_s_drops_the_warm_up_steps():
+    from hybridlm.train.main import median_tokens_per_s
+
+    assert median_tokens_per_s([1.0] * 10 + [5.0, 7.0, 6.0] * 4, warmup=10) == (6.0, 12)
+    assert median_tokens_per_s([1.0, 9.0, 3.0, 4.0], warmup=10) == (3.5, 2)  # at most half dropped
+    assert median_tokens_per_s([2.0], warmup=10) == (2.0, 1)
+    assert median_tokens_per_s([]) == (None, 0)
