@@ -1,1 +1,1 @@
-"""Benchmarks: `hybridlm bench kernels` (Triton GDN vs fla and SDPA); room for `layers` and `mqar`."""
+"""Benchmarks: `hybridlm bench kernels` / `layers` / `train` (against fla and SDPA) and `mqar` (recall)."""
