@@ -87,7 +87,7 @@ RUN_DEFAULTS = {"350m": (4096, 4, 10, 3), "tiny": (64, 2, 2, 1)}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 4096; --tiny: 64)")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per step (default 4, about 30 GB for ours on one GPU; --tiny: 2)")
+                        help="rows per step (default 4: 16k tokens; --tiny: 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps first, where Triton compiles and autotunes (default 3; --tiny: 1)")
