@@ -57,10 +57,17 @@ def main(argv=None) -> int:
     lowp = dt != "fp32"
     common = dict(K=args.k, V=args.v, BT=args.bt, L2=True, PREC=prec)
     i32 = "i32"
+    prep_ptrs = dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd,
+                     cu=i32, chunk_seq=i32, chunk_start=i32)
+    prep_ints = dict(H=i32, HV=i32, scale="fp32")
     jobs = {
-        "_prep_fwd": (kern._prep_fwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd,
-                                           Qg=sd, Kd=sd, Pb=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
-                      dict(H=i32, HV=i32, scale="fp32"), dict(common, BV=min(64, args.v)), 1),
+        f"_prep_fwd(stage {st}{' il' if il else ''}{' lowp' if lp else ''})": (
+            kern._prep_fwd, prep_ptrs, prep_ints,
+            dict(common, BV=min(64, args.v), STAGE=st, INTERLEAVE=il, LOWP=lp and lowp), 1)
+        for st, il, lp in ((0, False, False), (1, False, False), (1, False, True), (2, False, False),
+                           (2, True, False), (3, False, False), (3, False, True))
+    }
+    jobs.update({
         "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
                              dict(NCH=i32, H=i32, HV=i32),
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
                                              dh0="fp32", dhbuf=sd, dvnbuf=sd, cu=i32, chunk_off=i32),
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
-    }
+    })
     for ph in (1, 2):
         jobs[f"_chunk_bwd(phase {ph})"] = (
             kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
@@ -103,10 +110,10 @@ def main(argv=None) -> int:
             try:
                 r = compile_one(fn, sig, consts, w, stages)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
-                print(f"{name:20} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
+                print(f"{name:24} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")
             except Exception as e:  # noqa: BLE001
-                print(f"{name:20} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
+                print(f"{name:24} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
     return 0
 
 

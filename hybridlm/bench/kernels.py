@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA (FlashAttention) rows")
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--parts", default="decode,kda,gdn",
+                        help="comma-separated rows to run, in this order: decode (one-token step), kda (first shape), "
+                        "gdn (the chunked shapes)")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of ours, first shape")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
@@ -178,13 +181,34 @@ def _bench_kda(B, T, H, D, dev, gen, args):
     return res
 
 
+def _bench_decode(dev, gen, fla, args):
+    """One token for 256 sequences on an fp32 state pool [256, 32, 128, 128], in place; fla out of place."""
+    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
+
+    P, HV, K, V = 256, 32, 128, 128
+    N = 256
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    pool = r(P, HV, K, V)
+    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
+    qd, kd, vd = r(N, HV, K).to(torch.bfloat16), r(N, HV, K).to(torch.bfloat16), r(N, HV, V).to(torch.bfloat16)
+    gd = F.logsigmoid(r(N, HV) + 3.0)
+    bd = torch.sigmoid(r(N, HV)).to(torch.bfloat16)
+    dec = {"shape": f"decode N{N} pool [{P},{HV},{K},{V}] fp32", "bytes": 2 * N * HV * K * V * 4}
+    dec["ours_ms"] = _bench(lambda: fused_recurrent_gated_delta_rule_update(
+        qd, kd, vd, g=gd, beta=bd, state_pool=pool, state_indices=idx, use_qk_l2norm=True), args.rep)
+    if fla is not None:
+        h0 = r(N, HV, K, V)
+        dec["fla_ms"] = _bench(lambda: fla[1](qd[:, None], kd[:, None], vd[:, None], g=gd[:, None],
+                                              beta=bd[:, None], initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True), args.rep)
+    return dec
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("hybridlm bench kernels: needs a CUDA device", file=sys.stderr)
         return 2
     import triton
-
-    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
 
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -220,39 +244,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['device']}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
-    shapes = SHAPES[:1] if args.quick else SHAPES
-    for B, T, H, D in shapes:
-        res = _bench_shape(B, T, H, D, dev, gen, fla, args)
-        rows.append(res)
-        print(json.dumps(res), flush=True)
-        torch.cuda.empty_cache()
-
-    # KDA at the first shape
-    try:
-        rows.append(_bench_kda(*SHAPES[0], dev, gen, args))
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = set(parts) - {"decode", "kda", "gdn"}
+    if unknown:
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; expected a subset of decode,kda,gdn")
+    for part in parts:  # cheap rows first, so a time limit cuts the long ones
+        if part == "decode":
+            rows.append(_bench_decode(dev, gen, fla, args))
+        elif part == "kda":
+            try:
+                rows.append(_bench_kda(*SHAPES[0], dev, gen, args))
+            except Exception as e:  # noqa: BLE001
+                print(f"kda row skipped: {e!r}", file=sys.stderr)
+                continue
+        else:
+            for B, T, H, D in SHAPES[:1] if args.quick else SHAPES:
+                rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args))
+                print(json.dumps(rows[-1]), flush=True)
+                torch.cuda.empty_cache()
+            continue
         print(json.dumps(rows[-1]), flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"kda row skipped: {e!r}", file=sys.stderr)
-
-    # decode: one token for 256 sequences, fp32 state pool [256, 32, 128, 128]
-    P, HV, K, V = 256, 32, 128, 128
-    N = 256
-    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
-    pool = r(P, HV, K, V)
-    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
-    qd, kd, vd = r(N, HV, K).to(torch.bfloat16), r(N, HV, K).to(torch.bfloat16), r(N, HV, V).to(torch.bfloat16)
-    gd = F.logsigmoid(r(N, HV) + 3.0)
-    bd = torch.sigmoid(r(N, HV)).to(torch.bfloat16)
-    dec = {"shape": f"decode N{N} pool [{P},{HV},{K},{V}] fp32", "bytes": 2 * N * HV * K * V * 4}
-    dec["ours_ms"] = _bench(lambda: fused_recurrent_gated_delta_rule_update(
-        qd, kd, vd, g=gd, beta=bd, state_pool=pool, state_indices=idx, use_qk_l2norm=True), args.rep)
-    if fla is not None:
-        h0 = r(N, HV, K, V)
-        dec["fla_ms"] = _bench(lambda: fla[1](qd[:, None], kd[:, None], vd[:, None], g=gd[:, None],
-                                              beta=bd[:, None], initial_state=h0, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True), args.rep)
-    rows.append(dec)
-    print(json.dumps(dec), flush=True)
 
     table = _table(info, rows)
     print(table)

@@ -39,7 +39,11 @@ BT_CHOICES = (64, 32, 16)
 #   output of every chunk in parallel from the stored chunk states (inference then stores them too)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True,
-        "fwd_split_o": True, "out_bv": 64, "out_warps": 8}
+        "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": False,
+        "solve_warps": 4, "prep_lowp": False}
+# prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
+#   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another; prep_lowp: 16-bit
+#   operands for the prep's dots (Q K^T, K K^T, T K, T V; T is still solved in fp32)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -189,11 +193,15 @@ def _fwd_impl(
     Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
     if nc > 0:
-        kern._prep_fwd[(nc, HV)](
-            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec,
-            num_warps=TUNE["prep_warps"] or 8, num_stages=1,
-        )
+        stages = ((1, TUNE["prep_warps"] or 8), (2, TUNE["solve_warps"]), (3, TUNE["prep_warps"] or 8)) \
+            if TUNE["prep_split"] else ((0, TUNE["prep_warps"] or 8),)
+        for stage, warps in stages:
+            kern._prep_fwd[(nc, HV)](
+                q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+                H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
+                INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
+                num_stages=1,
+            )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](

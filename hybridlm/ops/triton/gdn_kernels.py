@@ -102,6 +102,29 @@ def _inv_diags(ptr, BT: tl.constexpr):
 
 
 @triton.jit
+def _inv_diag(ptr, r0, BT: tl.constexpr):
+    """(I + A_ii)^{-1} of the one strictly lower [16, 16] diagonal block of A at row/column r0, by forward
+    substitution (row i = e_i - a_i T, rows of A read from memory)."""
+    r = tl.arange(0, 16)
+    Ti = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, 16):
+        a_i = tl.load(ptr + (r0 + i) * BT + r0 + r, mask=r < i, other=0.0)
+        t_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Ti, 0)
+        Ti = tl.where(r[:, None] == i, t_i[None, :], Ti)
+    return Ti
+
+
+@triton.jit
+def _diag_inv(ptr, Tii, j, BT: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Diagonal block j of T: from the interleaved [NB, 16, 16] tile, or solved on its own."""
+    if INTERLEAVE:
+        y = _pick(Tii, j, BT // 16)
+    else:
+        y = _inv_diag(ptr, 16 * j, BT)
+    return y
+
+
+@triton.jit
 def _pick(Ti, j, NB: tl.constexpr):
     """Block j of a [NB, 16, 16] tile, as [16, 16]."""
     return tl.sum(tl.where((tl.arange(0, NB) == j)[:, None, None], Ti, 0.0), 0)
@@ -114,25 +137,28 @@ def _eye_rows(r0, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_ut(p_T, BT: tl.constexpr):
+def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
     """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
-    blocks: the diagonal blocks by forward substitution (all at once, `_inv_diags`), then block row
-    i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots (NB = BT / 16 in {1, 2, 4})."""
-    NB: tl.constexpr = BT // 16
+    blocks: the diagonal blocks by forward substitution (one after another, or all at once with INTERLEAVE:
+    `_inv_diags`), then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots (NB = BT / 16 in
+    {1, 2, 4})."""
     rows = tl.arange(0, BT)
-    Tii = _inv_diags(p_T, BT)
-    T0 = tl.dot(_pick(Tii, 0, NB), _eye_rows(0, BT), input_precision="ieee")
+    if INTERLEAVE:
+        Tii = _inv_diags(p_T, BT)
+    else:
+        Tii = tl.zeros([BT // 16, 16, 16], dtype=tl.float32)  # unused
+    T0 = tl.dot(_diag_inv(p_T, Tii, 0, BT, INTERLEAVE), _eye_rows(0, BT), input_precision="ieee")
     if BT >= 32:
         X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
-        T1 = tl.dot(_pick(Tii, 1, NB), X1, input_precision="ieee")
+        T1 = tl.dot(_diag_inv(p_T, Tii, 1, BT, INTERLEAVE), X1, input_precision="ieee")
     if BT == 64:
         X2 = (_eye_rows(32, BT) - tl.dot(_blk(p_T, 32, 0, BT), T0, input_precision="ieee")
               - tl.dot(_blk(p_T, 32, 16, BT), T1, input_precision="ieee"))
-        T2 = tl.dot(_pick(Tii, 2, NB), X2, input_precision="ieee")
+        T2 = tl.dot(_diag_inv(p_T, Tii, 2, BT, INTERLEAVE), X2, input_precision="ieee")
         X3 = (_eye_rows(48, BT) - tl.dot(_blk(p_T, 48, 0, BT), T0, input_precision="ieee")
               - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
               - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
-        T3 = tl.dot(_pick(Tii, 3, NB), X3, input_precision="ieee")
+        T3 = tl.dot(_diag_inv(p_T, Tii, 3, BT, INTERLEAVE), X3, input_precision="ieee")
     tl.debug_barrier()  # every read of A is done before T overwrites it
     r16 = tl.arange(0, 16)
     p_row = p_T + r16[:, None] * BT + rows[None, :]
@@ -149,14 +175,17 @@ def _prep_fwd(
     q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
 ):
     """Everything of one chunk that does not depend on the state, so the sequential kernel only streams tiles:
     A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K, U = T diag(beta) V,
     Qg = scale Q e^b (reads the chunk-initial state), Kd = K e^{bL-b} (writes the next state),
-    P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks: the diagonal
-    blocks by forward substitution, then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots
-    (`_solve_ut`); A is staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later
-    kernels."""
+    P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks (`_solve_ut`);
+    A is staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later kernels.
+    STAGE 0 does it all in one launch; 1, 2, 3 are three launches (Qg, Kd, P and A; the solve; W and U), each
+    with fewer live tiles, so more programs share a multiprocessor. LOWP: the dots' operands (Q, K, T, V) are
+    rounded to the 16-bit storage dtype (tensor-core rate, fewer registers); T itself is always solved in fp32."""
+    DT: tl.constexpr = Wbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -165,40 +194,47 @@ def _prep_fwd(
     rmask = rows < nval
     r64 = bos + rows
     offs_k = tl.arange(0, K)
-    kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
-    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    gc = tl.cumsum(gg, 0)
-    gL = tl.sum(gg, 0)
-    strict = rows[:, None] > rows[None, :]
-    incl = rows[:, None] >= rows[None, :]
-    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
-    # state-independent reads and writes of the recurrence
-    tl.store(Kd + krow, (kk * tl.exp(gL - gc)[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
-    qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
-    tl.store(Qg + krow, (qq * (scale * tl.exp(gc))[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
-    P = tl.dot(qq, tl.trans(kk), input_precision=PREC) * scale
-    P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
     p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
-    tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
-    # the UT transform
-    KK = tl.dot(kk, tl.trans(kk), input_precision=PREC)
-    A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
-    tl.store(Tbuf + p_TT, A)
-    tl.debug_barrier()
-    _solve_ut(p_T, BT)
-    tl.debug_barrier()
-    Tm = tl.load(Tbuf + p_TT)
-    kb = kk * (bb * tl.exp(gc))[:, None]
-    W = tl.dot(Tm, kb, input_precision=PREC)
-    tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
-        U = tl.dot(Tm, vv * bb[:, None], input_precision=PREC)
-        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
-                 mask=rmask[:, None])
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    if STAGE != 2:
+        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+        gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        gc = tl.cumsum(gg, 0)
+    if STAGE < 2:
+        gL = tl.sum(gg, 0)
+        strict = rows[:, None] > rows[None, :]
+        incl = rows[:, None] >= rows[None, :]
+        # state-independent reads and writes of the recurrence
+        tl.store(Kd + krow, (kk * tl.exp(gL - gc)[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
+        qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
+        tl.store(Qg + krow, (qq * (scale * tl.exp(gc))[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
+        kk_d = _op(kk, DT, LOWP)
+        P = tl.dot(_op(qq, DT, LOWP), tl.trans(kk_d), input_precision=PREC) * scale
+        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
+        # the UT transform's A
+        KK = tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
+        A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        tl.store(Tbuf + p_TT, A)
+    if STAGE == 0:
+        tl.debug_barrier()
+    if STAGE == 0 or STAGE == 2:
+        _solve_ut(p_T, BT, INTERLEAVE)
+    if STAGE == 0:
+        tl.debug_barrier()
+    if STAGE == 0 or STAGE == 3:
+        Tm = _op(tl.load(Tbuf + p_TT), DT, LOWP)
+        kb = kk * (bb * tl.exp(gc))[:, None]
+        W = tl.dot(Tm, _op(kb, DT, LOWP), input_precision=PREC)
+        tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
+        for v0 in range(0, V, BV):
+            offs_v = v0 + tl.arange(0, BV)
+            vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
+            U = tl.dot(Tm, _op(vv * bb[:, None], DT, LOWP), input_precision=PREC)
+            tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
+                     mask=rmask[:, None])
 
 
 @triton.jit
