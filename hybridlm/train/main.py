@@ -186,12 +186,16 @@ def _autocast(device: torch.device, bf16: bool):
 
 def _forward_calls(batch, packing: str, dist: Dist):
     """The (input_ids, targets, cu_seqlens) calls of a micro-batch. Under FSDP every rank must make the same number
-    of forward/backward calls: with "auto" packing a rank with one call adds a dummy one (one row, every target
-    ignored: zero loss and zero gradient, but the same collectives)."""
+    of forward/backward calls: with "auto" packing the ranks agree on the largest count (one small all-reduce), and
+    a rank with fewer adds a dummy call (one row, every target ignored: zero loss and zero gradient, but the same
+    collectives). Padding only when another rank needs it keeps most steps at one call per rank."""
     calls = batch.pieces(packing)
-    if dist.enabled and packing == "auto" and len(calls) < 2:
-        ids = batch.input_ids.view(-1)[: batch.seq_len].view(1, -1)
-        calls.append((ids, torch.full_like(ids, IGNORE), None))
+    if dist.enabled and packing == "auto":
+        n = torch.tensor([len(calls)], device=dist.device)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        while len(calls) < int(n.item()):
+            ids = batch.input_ids.view(-1)[: batch.seq_len].view(1, -1)
+            calls.append((ids, torch.full_like(ids, IGNORE), None))
     return calls
 
 

@@ -130,10 +130,10 @@ def main() -> int:
     res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
     res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
     _gdn.TUNE["fwd_split_o"] = True
-    # the other prep plan: one launch, the diagonal inversions interleaved
-    _gdn.TUNE.update(prep_split=False, solve_interleave=True)
-    res["one_launch_prep_interleaved_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    _gdn.TUNE.update(prep_split=True, solve_interleave=False)
+    # the other prep plan: one launch, the diagonal inversions one after another
+    _gdn.TUNE.update(prep_split=False, solve_interleave=False)
+    res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+    _gdn.TUNE.update(prep_split=True, solve_interleave=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
