@@ -454,7 +454,9 @@ def train(args) -> dict:
                     ids, tg = ids.to(device, non_blocking=True), tg.to(device, non_blocking=True)
                     cu = None if cu is None else cu.to(device, non_blocking=True)
                     loss = _loss_sum(fwd_model, ids, tg, cu, device, bf16)
-                    (loss / n_tg.float()).backward()
+                    # FSDP averages gradients over ranks: scale by the world size so that the gradient is the
+                    # global token mean, as on one process (the same norm, so the same clipping)
+                    (loss * dist.world / n_tg.float()).backward()
                     loss_sum += loss.detach().double()
         except torch.OutOfMemoryError as e:
             raise TrainError(_oom_message(args, e)) from e

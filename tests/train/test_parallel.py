@@ -41,7 +41,9 @@ def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
     single = str(tmp_path / "single")
     _run([sys.executable, "-m", "hybridlm.train", *ARGS, "--data", small_corpus, "--batch-size", "8", "--out", single])
     a, b = _summary(fsdp), _summary(single)
-    assert abs(a["final_train_loss"] - b["final_train_loss"]) <= 1e-2
+    # fp32 on the CPU: the same gradients up to summation order (FSDP averages over ranks; the job scales the
+    # loss by the world size so that they are the global token mean). Without that scale: 1.1e-3 after 12 steps.
+    assert abs(a["final_train_loss"] - b["final_train_loss"]) <= 1e-5, (a["final_train_loss"], b["final_train_loss"])
     # tokens/s: the median over the last 3 of 6 steps (at most half are dropped as warm-up), all ranks' tokens
     assert a["tokens_per_s_steps"] == b["tokens_per_s_steps"] == 3 and a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
     # the sharded checkpoint's export is a from_pretrained folder
