@@ -31,6 +31,7 @@ for spec in "$@"; do
     tune) cmd=(python3 scripts/gpu_tune_gdn.py --json "$OUT/tune.json" --max-seconds $((secs - 40))) ;;
     kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --profile --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
     kernelsq) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --profile --out "$OUT/kernelsq" "${TUNE_ARG[@]}") ;;
+    kdagdn) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --parts kda,gdn --profile --out "$OUT/kdagdn" "${TUNE_ARG[@]}") ;;
     layers) cmd=(python3 -m hybridlm.bench.layers --rep 50 --out "$OUT/layers") ;;
     layersq) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn,kda --out "$OUT/layersq") ;;
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
