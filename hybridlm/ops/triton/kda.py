@@ -84,7 +84,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
 @torch.library.custom_op("hybridlm::kda_chunk_bwd", mutates_args=())
 def kda_chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    beta: torch.Tensor, saved: list[torch.Tensor], cu_seqlens: torch.Tensor | None, scale: float,
+    g: torch.Tensor, beta: torch.Tensor, saved: list[torch.Tensor], cu_seqlens: torch.Tensor | None, scale: float,
     use_qk_l2norm: bool, has_h0: bool,
 ) -> list[torch.Tensor]:
     """Returns [dq, dk, dv, dg, dbeta, dinitial_state or empty]."""
@@ -96,7 +96,7 @@ def kda_chunk_bwd(
     dev = q.device
     lay = gdn.layout(cu_seqlens, B, T, BT, dev)
     N, Ttot, nc = lay.N, lay.Ttot, lay.nc
-    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     f32 = torch.float32
     prec = gdn._prec(q.dtype)
     dhb = torch.empty_like(hb)
@@ -115,7 +115,7 @@ def kda_chunk_bwd(
     db = gdn._out((B, T, HV), q, f32)
     for phase in (1, 2) if nc > 0 else ():  # two launches: each kernel holds half the live tiles
         _kda_chunk_bwd[(nc, HV)](
-            q, k, v, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
+            q, k, v, g, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
             lay.chunk_start, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, PHASE=phase,
             num_warps=8, num_stages=1,
@@ -126,7 +126,7 @@ def kda_chunk_bwd(
 
 
 @kda_chunk_bwd.register_fake
-def _(do, dht, q, k, v, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0):
+def _(do, dht, q, k, v, g, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -141,7 +141,7 @@ class _ChunkKDA(torch.autograd.Function):
         save = any(ctx.needs_input_grad[:6])
         o, ht, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                                          use_qk_l2norm, output_final_state, save)
-        ctx.save_for_backward(q, k, v, beta, cu_seqlens, *saved)
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, *saved)
         ctx.scale, ctx.l2, ctx.has_h0, ctx.g_dtype = scale, use_qk_l2norm, initial_state is not None, g.dtype
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
@@ -149,10 +149,10 @@ class _ChunkKDA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, cu, *saved = ctx.saved_tensors
+        q, k, v, g, beta, cu, *saved = ctx.saved_tensors
         if dht is not None and dht.numel() == 0:
             dht = None
-        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, beta, saved, cu, ctx.scale,
+        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, g, beta, saved, cu, ctx.scale,
                                                                    ctx.l2, ctx.has_h0)
         return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None
 

@@ -8,6 +8,12 @@ into 16-row blocks: an off-diagonal block (rows after column block c) factors e^
 e^{b_i - r_c} e^{r_c - b_j} through r_c = b at the last row of block c, both factors <= 1 (one masked dot per
 column block); the diagonal blocks use the exact pairwise form, one in-block column at a time (16 steps, every
 block at once). Nothing overflows for any decay, and nothing is divided by a decay.
+
+Every exponent b_i - b_j (and bL - b_i) is summed directly from the g's between the two rows (`_g_tiles`,
+`_off_exps`, running sums in the diagonal loops), never taken as a difference of the cumulative b: under strong
+decay |b| reaches ~1e3 within a chunk, where an fp32 ulp is ~6e-5, so a difference of two cumulative sums carries
+an absolute error of that size and e^{b_i - b_j} a relative one (measured: fp32 dg 1.4e-5 relative RMS vs float64
+at decay 30 a step, 1e-6 with direct sums).
 """
 
 from __future__ import annotations
@@ -16,6 +22,31 @@ import triton
 import triton.language as tl
 
 from .gdn_kernels import _bwd_out_loop, _bwd_state_loop, _chunk_coords, _load_rows, _op, _solve_ut
+
+
+@triton.jit
+def _g_tiles(g, r64, nval, ihv, HV, K: tl.constexpr, BT: tl.constexpr):
+    """g of the chunk's rows and g of the row after each ([BT, K] fp32, 0 past the chunk's end)."""
+    rows = tl.arange(0, BT)
+    offs_k = tl.arange(0, K)
+    gg = tl.load(g + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=(rows < nval)[:, None], other=0.0)
+    gn = tl.load(g + ((r64 + 1)[:, None] * HV + ihv) * K + offs_k[None, :], mask=(rows + 1 < nval)[:, None],
+                 other=0.0)
+    return gg.to(tl.float32), gn.to(tl.float32)
+
+
+@triton.jit
+def _off_exps(gg, gn, cb: tl.constexpr, BT: tl.constexpr):
+    """Factors of the off-diagonal blocks of column block cb (r_c = b at its last row): xe_i = e^{b_i - r_c}
+    for rows after the block, ye_j = e^{r_c - b_j} for rows in it, 0 elsewhere; exponents summed from g."""
+    rows = tl.arange(0, BT)
+    last = cb * 16 + 15
+    after = (rows > last)[:, None]
+    xe = tl.exp(tl.where(after, tl.cumsum(tl.where(after, gg, 0.0), 0), float("-inf")))
+    inb = ((rows >= cb * 16) & (rows <= last))[:, None]
+    ysum = tl.cumsum(tl.where(((rows >= cb * 16) & (rows < last))[:, None], gn, 0.0), 0, reverse=True)
+    ye = tl.exp(tl.where(inb, ysum, float("-inf")))
+    return xe, ye
 
 
 @triton.jit
@@ -37,37 +68,38 @@ def _kda_prep_fwd(
     r64 = bos + rows
     offs_k = tl.arange(0, K)
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
-    b = tl.cumsum(tl.load(g + krow, mask=rmask[:, None], other=0.0).to(tl.float32), 0)  # [BT, K], rows past
-    # the end add 0, so the last row is bL
+    gg, gn = _g_tiles(g, r64, nval, ihv, HV, K, BT)
+    b = tl.cumsum(gg, 0)  # [BT, K], rows past the end add 0, so the last row is bL
     bL = tl.sum(tl.where(rows[:, None] == BT - 1, b, 0.0), 0)
     tl.store(Bc + krow, b, mask=rmask[:, None])
     tl.store(BL + (ic * HV + ihv).to(tl.int64) * K + offs_k, bL)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
     qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
-    tl.store(Kd + krow, (kk * tl.exp(bL[None, :] - b)).to(Kd.dtype.element_ty), mask=rmask[:, None])
+    ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}
+    tl.store(Kd + krow, (kk * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
     tl.store(Qg + krow, (qq * scale * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
-    tl.debug_barrier()  # b of every row is in memory for the gathers below
 
     # off-diagonal 16-row blocks, one column block c at a time, through r_c = b at its last row
     A = tl.zeros([BT, BT], dtype=tl.float32)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
-        last = cb * 16 + 15
-        r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
-        xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
-        ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
+        xe, ye = _off_exps(gg, gn, cb, BT)
         Y = kk * ye
         A += tl.dot(kk * xe, tl.trans(Y), input_precision=PREC)
         P += tl.dot(qq * xe, tl.trans(Y), input_precision=PREC)
-    # diagonal blocks, exact: in-block column j of every block at once (row i pairs with row 16*(i//16) + j)
+    # diagonal blocks, exact: in-block column j of every block at once (row i pairs with row 16*(i//16) + j),
+    # j from 15 down; acc = b_i - b_j = sum of g over rows j+1..i, one gathered row added per step
     pos = rows % 16
-    for j in range(16):
+    acc = tl.zeros([BT, K], dtype=tl.float32)
+    for jj in range(16):
+        j = 15 - jj
         src = rows - pos + j
         smask = src < nval
         kj = _load_rows(k, bos + src, smask, H * K, ih * K, offs_k, L2)
-        bj = tl.load(Bc + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :], mask=smask[:, None], other=0.0)
-        ke = kj * tl.exp(tl.where((pos >= j)[:, None], b - bj, float("-inf")))
+        acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs_k[None, :],
+                       mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+        ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
         sel = rows[None, :] == src[:, None]
         A = tl.where(sel & (pos > j)[:, None], tl.sum(kk * ke, 1)[:, None], A)
         P = tl.where(sel & (pos >= j)[:, None], tl.sum(qq * ke, 1)[:, None], P)
@@ -93,38 +125,38 @@ def _kda_prep_fwd(
 
 
 @triton.jit
-def _rows_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
+def _rows_prod(M, yy, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
                L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, LOWP: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, per channel: [BT, K]. M [BT, BT] is
     zero outside that range; yy [BT, K] the (normalised) rows of y; y (raw, in memory) is gathered again for the
-    diagonal blocks. Off-diagonal blocks through r_c (both factors <= 1), diagonal blocks exact."""
+    diagonal blocks. gg, gn: `_g_tiles`; g (in memory) is gathered for the diagonal blocks' exponents.
+    Off-diagonal blocks through r_c (both factors <= 1), diagonal blocks exact."""
     rows = tl.arange(0, BT)
     offs_k = tl.arange(0, K)
     out = tl.zeros([BT, K], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
-        last = cb * 16 + 15
-        r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
-        xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
-        ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
+        xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(_op(M, DT, LOWP), _op(yy * ye, DT, LOWP), input_precision=PREC) * xe
     pos = rows % 16
-    for j in range(16):
+    acc = tl.zeros([BT, K], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
+    for jj in range(16):
+        j = 15 - jj
         src = rows - pos + j
         smask = src < nval
         ys = _load_rows(y, bos + src, smask, stride, col0, offs_k, L2)
-        bs = tl.load(Bc + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :], mask=smask[:, None], other=0.0)
-        bs = tl.where(smask[:, None], bs, bL[None, :])  # past the end b stays at bL: every factor exp(<= 0)
+        acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs_k[None, :],
+                       mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
         if STRICT:
             keep = pos > j
         else:
             keep = pos >= j
         m = tl.sum(tl.where(rows[None, :] == src[:, None], M, 0.0), 1)
-        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], b - bs, float("-inf")))
+        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
 @triton.jit
-def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
+def _cols_prod(M, yy, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, BT: tl.constexpr,
                L2: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, LOWP: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, per channel: [BT, K] (the transpose
     partner of `_rows_prod`)."""
@@ -132,29 +164,27 @@ def _cols_prod(M, yy, b, bL, y, Bc, bos, nval, ihv, stride, col0, HV, K: tl.cons
     offs_k = tl.arange(0, K)
     out = tl.zeros([BT, K], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
-        last = cb * 16 + 15
-        r_c = tl.sum(tl.where(rows[:, None] == last, b, 0.0), 0)
-        xe = tl.exp(tl.where((rows > last)[:, None], b - r_c[None, :], float("-inf")))
-        ye = tl.exp(tl.where(((rows >= cb * 16) & (rows <= last))[:, None], r_c[None, :] - b, float("-inf")))
+        xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yy * xe, DT, LOWP), input_precision=PREC) * ye
     pos = rows % 16
+    acc = tl.zeros([BT, K], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
     for p in range(16):
         src = rows - pos + p
         smask = src < nval
         ys = _load_rows(y, bos + src, smask, stride, col0, offs_k, L2)
-        bs = tl.load(Bc + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :], mask=smask[:, None], other=0.0)
-        bs = tl.where(smask[:, None], bs, bL[None, :])  # past the end b stays at bL: every factor exp(<= 0)
+        acc += tl.load(g + ((bos + src)[:, None] * HV + ihv) * K + offs_k[None, :],
+                       mask=((pos < p) & smask)[:, None], other=0.0).to(tl.float32)
         if STRICT:
             keep = p > pos
         else:
             keep = p >= pos
         m = tl.sum(tl.where(rows[:, None] == src[None, :], M, 0.0), 0)
-        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], bs - b, float("-inf")))
+        out += m[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
 @triton.jit
-def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
+def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, g, gg, gn, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
                  scale, H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
                  PREC: tl.constexpr, LOWP: tl.constexpr):
     """Phase 1 of `_kda_chunk_bwd`: through O = scale (Q e^b) S + P Vn. Stores dq (final), dk's part (dk buffer)
@@ -173,8 +203,8 @@ def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb,
     dqn = dQS * eb * scale
     db = dQS * qq * eb * scale
     N = tl.where(incl, dP * scale, 0.0)
-    Y1 = _rows_prod(N, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
-    Y2 = _cols_prod(N, qq, b, bL, q, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
+    Y1 = _rows_prod(N, kk, gg, gn, k, g, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
+    Y2 = _cols_prod(N, qq, gg, gn, q, g, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, False, PREC, DT, LOWP)
     dqn += Y1
     db += qq * Y1 - kk * Y2
     if L2:
@@ -186,7 +216,7 @@ def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb,
 
 @triton.jit
 def _kda_chunk_bwd(
-    q, k, v, beta, Tbuf, Bc, BL, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
+    q, k, v, g, beta, Tbuf, Bc, BL, hbuf, dhbuf, vnbuf, dvnbuf, do, dq, dk, dv, dg, dbeta,
     cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
@@ -216,11 +246,12 @@ def _kda_chunk_bwd(
     # rows past the chunk's end carry b = bL so that every masked factor below stays exp(<= 0)
     b = tl.where(rmask[:, None], b, bL[None, :])
     strict = rows[:, None] > rows[None, :]
+    gg, gn = _g_tiles(g, r64, nval, ihv, HV, K, BT)
 
     kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
     eb = tl.exp(b)
     if PHASE == 1:
-        _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, Bc, b, bL, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
+        _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, g, gg, gn, eb, kk, krow, hb, r64, rmask, bos, nval, ihv, ih,
                      scale, H, HV, K, V, BT, BV, L2, PREC, LOWP)
     else:  # phase 2
         db = tl.load(dg + krow, mask=rmask[:, None], other=0.0)
@@ -228,7 +259,7 @@ def _kda_chunk_bwd(
         dKd, dW, dT, dbeta_, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv,
                                                    HV, K, V, BT, BV, PREC, LOWP)
         # Kd = K e^{bL - b}; S decays by e^{bL}
-        ed = tl.exp(bL[None, :] - b)
+        ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
         dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
         t = dKd * kk * ed
         db -= t
@@ -244,10 +275,10 @@ def _kda_chunk_bwd(
         # T = (I + A)^{-1}; A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} (j < i)
         dA = tl.where(strict, -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
                                       tl.trans(Tm_d), input_precision=PREC), 0.0)
-        X1 = _rows_prod(dA, kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC, DT, LOWP)
+        X1 = _rows_prod(dA, kk, gg, gn, k, g, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC, DT, LOWP)
         dbeta_ += tl.sum(kk * X1, 1)
         X1 = X1 * bb[:, None]
-        X2 = _cols_prod(dA * bb[:, None], kk, b, bL, k, Bc, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC,
+        X2 = _cols_prod(dA * bb[:, None], kk, gg, gn, k, g, bos, nval, ihv, H * K, ih * K, HV, K, BT, L2, True, PREC,
                         DT, LOWP)
         dkn += X1 + X2
         db += kk * X1 - kk * X2

@@ -86,6 +86,10 @@ def main() -> int:
                                           cu=[0, 1, 16, 80, 150])
     res["strong_decay_K64_V128_T65_public"] = chunk_case(gen, B=1, T=65, H=1, HV=1, K=64, V=128, l2=True, h0=False,
                                                          decay=30.0, public=True)
+    # the H100 check's one fp32 miss (dg 2.1e-5): the exponents of the decay factors were differences of the
+    # cumulative log-decay (|b| ~ 1e3 here, fp32 ulp ~ 6e-5); now summed from g directly (dg ~ 2e-6)
+    res["strong_decay_K64_V128_T300_fp32_1e-5"] = chunk_case(gen, B=1, T=300, H=1, HV=1, K=64, V=128, l2=True,
+                                                             h0=False, decay=30.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
     print("RESULT " + json.dumps(res))
