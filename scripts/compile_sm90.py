@@ -92,6 +92,16 @@ def main(argv=None) -> int:
                                   dvnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", cu=i32,
                                   chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=args.bwd_bv, LOWP=lowp, PHASE=ph), 1)
+    from hybridlm.ops.triton import kda_kernels as kk
+
+    jobs["_kda_prep_fwd"] = (kk._kda_prep_fwd, dict(prep_ptrs, Bc="fp32", BL="fp32"), prep_ints,
+                             dict(common, BV=min(64, args.v)), 1)
+    for ph in (1, 2):
+        jobs[f"_kda_chunk_bwd(phase {ph})"] = (
+            kk._kda_chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Bc="fp32", BL="fp32", hbuf=sd,
+                                    dhbuf=sd, vnbuf=sd, dvnbuf=sd, do=dt, dq="fp32", dk="fp32", dv="fp32",
+                                    dg="fp32", dbeta="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BV=min(64, args.v), LOWP=lowp, PHASE=ph), 1)
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}")
     for name, (fn, ptrs, ints, cx, stages) in jobs.items():
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
