@@ -15,6 +15,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up that keeps only gate and up for the backward (autograd's graph would also keep silu(gate)
+    and the product for down_proj: two more [.., I] tensors per MLP). The backward recomputes silu(gate) and runs
+    the same ops autograd runs (mul, silu_backward), so the gradients are bit-identical."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(dy * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = dy * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; in training (same dtypes, grad needed) through `_SiluMul`, which saves less."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) and gate.dtype == up.dtype \
+            and gate.shape == up.shape:
+        return _SiluMul.apply(gate, up)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
@@ -27,7 +55,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Experts(nn.Module):
