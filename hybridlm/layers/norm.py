@@ -21,19 +21,21 @@ NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
 
 
 class RMSNorm(nn.Module):
-    """x: [..., D] -> [..., D] (same dtype)."""
+    """x: [..., D] -> [..., D] (same dtype). impl "triton" (or "auto" on CUDA, see `use_fused_glue`) runs the fused
+    Triton norm (one pass forward, one backward; saves only x and the weight) with the same rounding points."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "llama"):
+    def __init__(self, dim: int, eps: float = 1e-6, kind: str = "llama", impl: str = "auto"):
         super().__init__()
         if kind not in NORM_KINDS:
             raise ValueError(f"kind: expected one of {NORM_KINDS}, got {kind!r}")
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.impl = kind, eps, impl
         self.weight = nn.Parameter(torch.zeros(dim) if kind == "zero_centered" else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = glue.tnorm.rms_norm if use_fused_glue(self.impl, x, "RMSNorm") else rms_norm
         if self.kind == "zero_centered":
-            return rms_norm(x, self.weight, self.eps, zero_centered=True)
-        return rms_norm(x, self.weight, self.eps, cast_before_weight=self.kind == "llama")
+            return fn(x, self.weight, self.eps, zero_centered=True)
+        return fn(x, self.weight, self.eps, cast_before_weight=self.kind == "llama")
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, kind={self.kind}"

@@ -76,7 +76,7 @@ class HybridBlock(nn.Module):
         self.layer_type = config.layer_types[layer]
         self.linear = self.layer_type == "linear_attention"
         self.post_norm = config.block_style == "olmo" and not self.linear
-        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)  # noqa: E731
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind, impl=impl)  # noqa: E731
         self.mixer = build_mixer(config, layer, impl)
         self.mlp = build_mlp(config, layer)
         self.norm1, self.norm2 = norm(), norm()  # pre-norms, or post-norms of an OLMo attention block
@@ -103,7 +103,7 @@ class HybridLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(config, i, impl) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind, impl=impl)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

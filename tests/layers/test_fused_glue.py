@@ -50,6 +50,15 @@ def test_fused_glue_equals_reference_glue(interp_layers, case):
         assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
 
 
+@pytest.mark.parametrize("kind", ["zero_centered", "llama", "fp32_weight"])
+def test_rmsnorm_module_fused_equals_reference(interp_layers, kind):
+    """The block norms' fused path (HybridBlock / HybridLM pass their impl) against the PyTorch norm, fp32."""
+    res = interp_layers[f"rmsnorm_{kind}"]
+    assert set(res) == {"y", "dx", "dweight"}
+    for name, err in res.items():
+        assert err <= TOL, f"rmsnorm {kind} {name}: rel {err:.3g} > {TOL} (seed {interp_layers['seed']})"
+
+
 @pytest.mark.parametrize("case", ["gdn_decode", "kda_decode"])
 def test_fused_glue_decode_equals_reference(interp_layers, case):
     res = interp_layers[case]

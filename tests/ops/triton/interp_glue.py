@@ -321,7 +321,29 @@ def layer_cases(gen) -> dict:
     res["gdn_decode"] = layer_decode_case(gen, gdn(layout="split"), B=2, T=6, D=D, steps=2)
     res["kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 2, 16), B=2, T=5, D=D, steps=2)
     res["gdn_glue_compiled"] = layer_compiled_case(gen)
+    for kind in ("zero_centered", "llama", "fp32_weight"):
+        res[f"rmsnorm_{kind}"] = rmsnorm_module_case(gen, kind)
     return res
+
+
+def rmsnorm_module_case(gen, kind, D=48):
+    """The RMSNorm module with impl="triton" vs impl="naive" (PyTorch reference), fp32: y, dx, dweight."""
+    from hybridlm.layers.norm import RMSNorm
+
+    fused = RMSNorm(D, 1e-6, kind, impl="triton")
+    with torch.no_grad():
+        fused.weight.copy_(torch.randn(D, generator=gen) * 0.3 + (0.0 if kind == "zero_centered" else 1.0))
+    ref = copy.deepcopy(fused)
+    ref.impl = "naive"
+    x = torch.randn(3, 7, D, generator=gen) * 2.0
+    dy = torch.randn(3, 7, D, generator=gen)
+    outs = []
+    for m in (fused, ref):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        dx, dw = torch.autograd.grad((y * dy).sum(), [xi, m.weight])
+        outs.append((y, dx, dw))
+    return {n: rel(a, b) for n, a, b in zip(["y", "dx", "dweight"], outs[0], outs[1])}
 
 
 def layer_full_cases(gen) -> dict:
