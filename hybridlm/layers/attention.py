@@ -96,12 +96,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 class GatedAttention(nn.Module):
-    """x: [B, T, D] -> [B, T, D]."""
+    """x: [B, T, D] -> [B, T, D]. impl: the model's, for the q/k RMSNorms (fused Triton norm when it resolves so)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  gate: str = "elementwise", qk_norm: str = "head", norm_kind: str = "zero_centered",
                  norm_eps: float = 1e-6, rotary_dim: int = 0, rope_theta: float | None = 10000.0,
-                 bias: bool = False):
+                 bias: bool = False, impl: str = "auto"):
         super().__init__()
         if gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"gate: expected 'elementwise', 'headwise' or 'none', got {gate!r}")
@@ -116,11 +116,11 @@ class GatedAttention(nn.Module):
         self.v_proj = nn.Linear(D, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, D, bias=bias)
         if qk_norm == "head":
-            self.q_norm = RMSNorm(head_dim, norm_eps, norm_kind)
-            self.k_norm = RMSNorm(head_dim, norm_eps, norm_kind)
+            self.q_norm = RMSNorm(head_dim, norm_eps, norm_kind, impl=impl)
+            self.k_norm = RMSNorm(head_dim, norm_eps, norm_kind, impl=impl)
         elif qk_norm == "full":
-            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, norm_kind)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind)
+            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, norm_kind, impl=impl)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind, impl=impl)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,

@@ -18,14 +18,15 @@ from .norm import RMSNorm
 
 class MLA(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, latent_norm_eps: float = 1e-6, bias: bool = False):
+                 qk_rope_head_dim: int, v_head_dim: int, latent_norm_eps: float = 1e-6, bias: bool = False,
+                 impl: str = "auto"):
         super().__init__()
         self.nH, self.r, self.nope, self.rope, self.vd = (num_heads, kv_lora_rank, qk_nope_head_dim,
                                                           qk_rope_head_dim, v_head_dim)
         D = hidden_size
         self.q_proj = nn.Linear(D, num_heads * (qk_nope_head_dim + qk_rope_head_dim), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, latent_norm_eps, "llama")
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, latent_norm_eps, "llama", impl=impl)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, D, bias=bias)
 

@@ -54,11 +54,11 @@ def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Modu
     if c.attention_kind == "mla":
         return MLA(c.hidden_size, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank,
                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                   latent_norm_eps=c.mla_norm_eps, bias=c.attention_bias)
+                   latent_norm_eps=c.mla_norm_eps, bias=c.attention_bias, impl=impl)
     return GatedAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                           gate=c.attn_gate if c.attention_kind == "gated" else "none", qk_norm=c.qk_norm,
                           norm_kind=c.norm_kind, norm_eps=c.rms_norm_eps, rotary_dim=c.rotary_dim,
-                          rope_theta=c.rope_theta, bias=c.attention_bias)
+                          rope_theta=c.rope_theta, bias=c.attention_bias, impl=impl)
 
 
 def build_mlp(config: HybridConfig, layer: int) -> nn.Module:

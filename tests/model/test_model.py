@@ -90,6 +90,18 @@ def test_config_errors_name_the_field():
         get_preset("nope")
 
 
+@pytest.mark.parametrize("name", list(small_variants()))
+def test_impl_reaches_every_norm(name):
+    """No hidden switch: every RMSNorm (block, final, attention q/k, MLA latent) and gated norm's owner runs the
+    model's impl, so a model built with impl="naive" never takes the fused Triton norm on CUDA."""
+    from hybridlm.layers.norm import RMSNorm
+
+    model = HybridLM(small_variants()[name], impl="naive")
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) >= 2 * model.config.num_hidden_layers + 1
+    assert {m.impl for m in norms} == {"naive"}, [(n, m.impl) for n, m in model.named_modules() if m in norms]
+
+
 def test_small_presets_run():
     for name in ("tiny", "small"):
         cfg = get_preset(name)
