@@ -182,14 +182,13 @@ def _fwd_impl(
     Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
     o = _out((B, T, HV, V), q, q.dtype)
     ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
+    NCb = NCmax if save else max(nc, 1)
     split = TUNE["fwd_split_o"]
     keep = save or split  # the chunk states and Vn go to memory
-    hb = (torch.empty(NCmax if save else max(nc, 1), HV, K, V, device=dev, dtype=sd) if keep
-          else q.new_empty(0, dtype=sd))
+    hb = torch.empty(NCb, HV, K, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
     nw = _num_warps(K)
-    NCb = NCmax if save else max(nc, 1)
     Qg = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
@@ -213,7 +212,7 @@ def _fwd_impl(
         OUT=not split,
     )
     if split:
-        output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
+        _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if not save:
         hb, vn = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
@@ -221,7 +220,7 @@ def _fwd_impl(
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
 
 
-def output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
+def _output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
     """O = Qg S + P Vn for every chunk at once (`_out_fwd`), after the state-only sequential pass."""
     if lay.nc == 0:
         return
