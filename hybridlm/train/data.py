@@ -225,6 +225,42 @@ def make_batch(stream: Stream, rows: list[int], seq_len: int) -> Batch:
     return Batch(input_ids, targets, torch.tensor(cuts, dtype=torch.int32), len(rows), T)
 
 
+@dataclass
+class RowLayout:
+    """What a batch of rows will look like, read from the document starts alone (no batch built, no device, no
+    communication): every rank holds the whole stream, so each can work out every other rank's batches.
+
+    targets[r]: the targets of row r (make_batch's `n_targets` of that row); split[r]: a document starts strictly
+    inside row r (the row goes to the flattened cu_seqlens call of `Batch.pieces("auto")`)."""
+
+    targets: torch.Tensor  # [R] int64
+    split: torch.Tensor  # [R] bool
+    seq_len: int
+
+    @classmethod
+    def of(cls, stream: Stream, seq_len: int) -> RowLayout:
+        T, R = seq_len, stream.n_rows(seq_len)
+        s = stream.starts
+        a = torch.arange(R, dtype=torch.int64) * T
+        # row r covers positions a..a+T-1; position p has no target when p + 1 is a document start or the stream's
+        # end (starts[-1] == n_tokens), i.e. one position fewer per start in (a, a + T]
+        n_cut = torch.searchsorted(s, a + T, right=True) - torch.searchsorted(s, a, right=True)
+        split = torch.zeros(R, dtype=torch.bool)
+        inner = s[(s % T) != 0] // T
+        split[inner[inner < R]] = True
+        return cls(T - n_cut, split, T)
+
+    def n_targets(self, rows: list[int]) -> int:
+        return int(self.targets[rows].sum()) if rows else 0
+
+    def n_calls(self, rows: list[int], packing: str) -> int:
+        """len(make_batch(stream, rows, T).pieces(packing)) without building the batch."""
+        if packing == "flat":
+            return 1
+        sp = self.split[rows]
+        return int(bool(sp.any())) + int(not bool(sp.all()))
+
+
 class RowSampler:
     """Which rows micro-batch `micro` of rank `rank` gets: a seeded permutation per epoch, sharded by rank."""
 
@@ -238,12 +274,13 @@ class RowSampler:
             )
         self._epoch, self._perm = -1, None
 
-    def rows(self, micro: int) -> list[int]:
+    def rows(self, micro: int, rank: int | None = None) -> list[int]:
+        """The rows of micro-batch `micro` of this sampler's rank, or of `rank` (any rank's rows are known here)."""
         epoch, idx = divmod(micro, self.per_epoch)
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.n_rows, generator=g)
-        start = (idx * self.world + self.rank) * self.batch_rows
+        start = (idx * self.world + (self.rank if rank is None else rank)) * self.batch_rows
         return self._perm[start : start + self.batch_rows].tolist()
 
     def epoch_of(self, micro: int) -> float:

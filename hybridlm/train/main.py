@@ -8,6 +8,11 @@ Non-standard here:
   cu_seqlens (see data.Batch.pieces), so documents never see each other.
 - The loss of a step is the sum over its micro-batches of token losses divided by the step's total target count
   (all ranks), so grad accumulation and sharding give the same gradient as one big batch.
+- No step waits for the device: the global target count and the number of forward calls FSDP needs on every rank
+  come from the data layout (every rank holds the whole corpus and knows every rank's rows: `data.RowLayout`),
+  and the loss sums and gradient norms stay on the device until a flush (every --log-every steps, before an eval
+  or a save, and at the end: one all-reduce of the loss sums, one copy to the host). metrics.jsonl keeps one record
+  per step; the tokens/s of a step is the mean over the steps between two flushes.
 - Val loss is reported in nats per byte of text (for the byte tokenizer: nats per token) with the add-one unigram
   of the training split beside it, and perplexity per token.
 """
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .data import IGNORE, RowSampler, load_corpus, make_batch, unigram_nats
+from .data import IGNORE, RowLayout, RowSampler, load_corpus, make_batch, unigram_nats
 from .errors import TrainError
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import (
@@ -78,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (and at the end)")
+    g.add_argument("--log-every", type=int, default=None,
+                   help="bring the train loss and gradient norm to the host every N steps (and at eval/save steps "
+                        "and the end); metrics.jsonl still gets one record per step (default: 1 on CPU, 10 on GPU, "
+                        "where each copy to the host waits for the GPU)")
     g.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens per evaluation (default: 32768 on CPU, up to 1M on GPU)")
     g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (and at the end; 0: end)")
@@ -184,19 +193,31 @@ def _autocast(device: torch.device, bf16: bool):
     return contextlib.nullcontext()
 
 
-def _forward_calls(batch, packing: str, dist: Dist):
-    """The (input_ids, targets, cu_seqlens) calls of a micro-batch. Under FSDP every rank must make the same number
-    of forward/backward calls: with "auto" packing the ranks agree on the largest count (one small all-reduce), and
-    a rank with fewer adds a dummy call (one row, every target ignored: zero loss and zero gradient, but the same
-    collectives). Padding only when another rank needs it keeps most steps at one call per rank."""
+def _forward_calls(batch, packing: str, n_calls: int):
+    """The (input_ids, targets, cu_seqlens) calls of a micro-batch, padded to `n_calls`. Under FSDP every rank must
+    make the same number of forward/backward calls (each one all-gathers and reduce-scatters every block), and with
+    "auto" packing a batch takes one or two: `n_calls` is the largest count of any rank's batch, which every rank
+    works out from the data layout (`RowLayout.n_calls` of each rank's rows: no communication). A rank with fewer
+    adds a dummy call (one row, every target ignored: zero loss and zero gradient, but the same collectives), so most
+    steps stay at one call per rank."""
     calls = batch.pieces(packing)
-    if dist.enabled and packing == "auto":
-        n = torch.tensor([len(calls)], device=dist.device)
-        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        while len(calls) < int(n.item()):
-            ids = batch.input_ids.view(-1)[: batch.seq_len].view(1, -1)
-            calls.append((ids, torch.full_like(ids, IGNORE), None))
+    if len(calls) > n_calls:
+        raise RuntimeError(f"internal: this batch takes {len(calls)} forward calls but the data layout said at most "
+                           f"{n_calls} (RowLayout.n_calls disagrees with Batch.pieces)")
+    while len(calls) < n_calls:
+        ids = batch.input_ids.view(-1)[: batch.seq_len].view(1, -1)
+        calls.append((ids, torch.full_like(ids, IGNORE), None))
     return calls
+
+
+def _to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor onto `device` without blocking the host: pinned first on CUDA (an asynchronous copy from
+    pageable memory may wait for the device)."""
+    if t is None or t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
@@ -206,21 +227,24 @@ def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, stream, args, dist: Dist, device, bf16) -> tuple[float, int]:
-    """Sum of val token losses / count over the first --eval-tokens of the val split (rows split over ranks)."""
+def evaluate(model, stream, args, dist: Dist, device, bf16, layout: RowLayout | None = None) -> tuple[float, int]:
+    """Sum of val token losses / count over the first --eval-tokens of the val split (rows split over ranks).
+    The sums stay on the device until the end (one all-reduce and one host copy per evaluation)."""
     was_training = model.training
     model.eval()
     T = args.seq_len
+    layout = layout or RowLayout.of(stream, T)
     n_rows = min(stream.n_rows(T), max(1, args.eval_tokens // T))
     n_rows = max(dist.world, n_rows - n_rows % dist.world)  # the same number of batches on every rank
-    rows = [r % stream.n_rows(T) for r in range(n_rows)][dist.rank :: dist.world]
+    all_rows = [r % stream.n_rows(T) for r in range(n_rows)]
+    per_rank = [all_rows[k :: dist.world] for k in range(dist.world)]
     tot = torch.zeros(2, dtype=torch.float64, device=device)
     eb = args.batch_size * 4  # no activations kept: bigger batches
-    for i in range(0, len(rows), eb):
-        b = make_batch(stream, rows[i : i + eb], T)
-        for ids, tg, cu in _forward_calls(b, args.packing, dist):
-            ids, tg = ids.to(device), tg.to(device)
-            cu = None if cu is None else cu.to(device)
+    for i in range(0, len(per_rank[dist.rank]), eb):
+        b = make_batch(stream, per_rank[dist.rank][i : i + eb], T)
+        n_calls = max(layout.n_calls(rows[i : i + eb], args.packing) for rows in per_rank)
+        for ids, tg, cu in _forward_calls(b, args.packing, n_calls):
+            ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _to_device(cu, device)
             tot[0] += _loss_sum(model, ids, tg, cu, device, bf16).double()
             tot[1] += (tg != IGNORE).sum()
     all_reduce_sum(tot, dist)
@@ -256,6 +280,18 @@ def median_tokens_per_s(rates: list[float], warmup: int = TPS_WARMUP_STEPS) -> t
     return (statistics.median(kept) if kept else None), len(kept)
 
 
+def _clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (the same two calls inside, the same numbers), returning the total norm as
+    a plain tensor on the device: under FSDP2 the norm of the sharded gradients is reduced over ranks once here
+    (clipping needs it), and logging it later needs no second reduction and no wait for the device now."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(total, "full_tensor"):  # a DTensor (FSDP2): the partial norms of each rank's shards
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.detach()
+
+
 def _oom_message(args, err) -> str:
     return (f"a micro-batch of {args.batch_size} x {args.seq_len} tokens does not fit in memory ({err}); "
             "lower --batch-size (raise --grad-accum to keep the same global batch), use --activation-checkpointing, "
@@ -286,6 +322,10 @@ def train(args) -> dict:
     for name in ("seq_len", "batch_size", "lr", "warmup", "eval_every", "save_every"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
+    if args.log_every is None:
+        args.log_every = 1 if device.type == "cpu" else 10
+    if args.log_every < 1:
+        raise TrainError(f"--log-every: must be >= 1, got {args.log_every}")
     if args.seq_len < 2:
         raise TrainError(f"--seq-len: must be >= 2, got {args.seq_len}")
     if args.batch_size < 1 or args.grad_accum < 1:
@@ -418,9 +458,11 @@ def train(args) -> dict:
                 export=model.save_pretrained if cfg.hf_model_type else None)
             ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
 
+    val_layout = RowLayout.of(corpus.val, args.seq_len)
+
     def run_eval(at_step: int, bar=None) -> float:
         nonlocal best_val
-        loss, count = evaluate(fwd_model, corpus.val, args, dist, device, bf16)
+        loss, count = evaluate(fwd_model, corpus.val, args, dist, device, bf16, val_layout)
         per_byte = loss / bytes_per_token
         best_val = min(best_val, per_byte)
         metrics.add(step=at_step, tokens=tokens_seen, val_loss=loss, val_nats_per_byte=per_byte,
@@ -441,22 +483,59 @@ def train(args) -> dict:
     ema_tps = None
     rates: list[float] = []  # tokens/s of each step this process ran
     val = math.nan
-    while step < max_steps:
-        t0 = time.time()
+    layout = RowLayout.of(corpus.train, args.seq_len)
+    # Host synchronisations: none in a step. The loss sums and gradient norms of the steps since the last flush
+    # stay on the device (`pending`); a flush (every --log-every steps, before an eval or a save, and at the end)
+    # all-reduces the loss sums in one call and copies them with the norms to the host in one transfer. The
+    # step's target count (all ranks) and the number of forward calls FSDP needs come from the data layout.
+    pending: list[dict] = []
+    t_flush = time.time()  # the host and the device were last in step here
+
+    def flush() -> None:
+        nonlocal last_loss, ema_tps
+        if not pending:
+            return
+        losses = torch.stack([p.pop("loss_sum") for p in pending])
+        all_reduce_sum(losses, dist)
+        norms = torch.stack([p.pop("grad_norm").to(torch.float64) for p in pending])
+        host = torch.stack([losses, norms]).cpu().tolist()  # the one wait for the device
+        now = time.time()
+        span = max(now - t_flush, 1e-9)
+        tps = len(pending) * tokens_per_step / span  # each step of the span gets the span's mean
+        for i, (p, loss_sum, gn) in enumerate(zip(pending, *host)):
+            last_loss = loss_sum / p.pop("n_tg")
+            ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
+            rates.append(tps)
+            metrics.add(step=p["step"], tokens=p["tokens"], loss=last_loss, loss_per_byte=last_loss / bytes_per_token,
+                        lr=p["lr"], grad_norm=gn, tokens_per_s=tps, epoch=p["epoch"],
+                        elapsed=t_flush + span * (i + 1) / len(pending) - t_start)
+            if not math.isfinite(last_loss):
+                raise TrainError(f"the loss became {last_loss} at step {p['step']}; lower --lr or raise --warmup")
+        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{ema_tps:,.0f}", lr=f"{pending[-1]['lr']:.2e}")
+        pending.clear()
+
+    def one_step() -> dict:
+        """One optimizer step; returns its record for `pending`, the loss sum and the norm still on the device.
+        Nothing here waits for the device (tests/train/test_train_gpu.py checks that under CUDA's sync debug mode)."""
+        nonlocal step, micro, tokens_seen
         set_lr(optimizer, lr_at(step, lr=args.lr, warmup=args.warmup, total=max_steps, min_ratio=args.min_lr_ratio))
-        batches = [make_batch(corpus.train, sampler.rows(micro + a), args.seq_len) for a in range(args.grad_accum)]
-        n_tg = torch.tensor(float(sum(b.n_targets for b in batches)), dtype=torch.float64, device=device)
-        all_reduce_sum(n_tg, dist)
+        # every rank's rows are known here: the global target count and FSDP's call counts need no communication
+        rows = [[sampler.rows(m, r) for r in range(dist.world)] for m in range(micro, micro + args.grad_accum)]
+        batches = [make_batch(corpus.train, rr[dist.rank], args.seq_len) for rr in rows]
+        n_tg = sum(layout.n_targets(r) for rr in rows for r in rr)
+        n_calls = [max(layout.n_calls(r, args.packing) for r in rr) for rr in rows]
+        # the scale of each micro-batch's loss, filled on the device (torch.tensor(x, device=cuda) would copy from
+        # the host and wait); the value of the former float64 count cast to float32
+        n_tg_dev = torch.full((), float(n_tg), dtype=torch.float32, device=device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         try:
-            for b in batches:
-                for ids, tg, cu in _forward_calls(b, args.packing, dist):
-                    ids, tg = ids.to(device, non_blocking=True), tg.to(device, non_blocking=True)
-                    cu = None if cu is None else cu.to(device, non_blocking=True)
+            for b, nc in zip(batches, n_calls):
+                for ids, tg, cu in _forward_calls(b, args.packing, nc):
+                    ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _to_device(cu, device)
                     loss = _loss_sum(fwd_model, ids, tg, cu, device, bf16)
                     # FSDP averages gradients over ranks: scale by the world size so that the gradient is the
                     # global token mean, as on one process (the same norm, so the same clipping)
-                    (loss * dist.world / n_tg.float()).backward()
+                    (loss * dist.world / n_tg_dev).backward()
                     loss_sum += loss.detach().double()
         except torch.OutOfMemoryError as e:
             raise TrainError(_oom_message(args, e)) from e
@@ -464,30 +543,28 @@ def train(args) -> dict:
             if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
                 raise TrainError(_oom_message(args, e)) from e
             raise
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0
-                                                   else float("inf"))
+        grad_norm = _clip_grad_norm(model, args.grad_clip if args.grad_clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        all_reduce_sum(loss_sum, dist)
         step += 1
         micro += args.grad_accum
         tokens_seen += tokens_per_step
-        last_loss = float(loss_sum / n_tg)
-        dt = time.time() - t0
-        tps = tokens_per_step / max(dt, 1e-9)
-        ema_tps = tps if ema_tps is None else 0.9 * ema_tps + 0.1 * tps
-        rates.append(tps)
-        metrics.add(step=step, tokens=tokens_seen, loss=last_loss, loss_per_byte=last_loss / bytes_per_token,
-                    lr=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm), tokens_per_s=tps,
-                    epoch=sampler.epoch_of(micro), elapsed=time.time() - t_start)
-        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{ema_tps:,.0f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        return dict(step=step, tokens=tokens_seen, loss_sum=loss_sum, n_tg=n_tg, grad_norm=grad_norm,
+                    lr=optimizer.param_groups[0]["lr"], epoch=sampler.epoch_of(micro))
+
+    while step < max_steps:
+        pending.append(one_step())
         bar.update(1)
-        if not math.isfinite(last_loss):
-            raise TrainError(f"the loss became {last_loss} at step {step}; lower --lr or raise --warmup")
-        if args.eval_every and step % args.eval_every == 0 and step < max_steps:
+        do_eval = bool(args.eval_every) and step % args.eval_every == 0 and step < max_steps
+        do_save = bool(args.save_every) and step % args.save_every == 0 and step < max_steps
+        if len(pending) >= args.log_every or do_eval or do_save or step == max_steps:
+            flush()
+        if do_eval:
             val = run_eval(step, bar)
-        if args.save_every and step % args.save_every == 0 and step < max_steps:
+        if do_save:
             save(step)
+        if not pending:
+            t_flush = time.time()  # eval and save time stays out of tokens/s
     bar.close()
 
     val = run_eval(step)

@@ -9,6 +9,7 @@ import torch
 
 from hybridlm.train.data import (
     IGNORE,
+    RowLayout,
     RowSampler,
     Stream,
     load_corpus,
@@ -106,6 +107,42 @@ def test_pieces_auto_matches_flat():
             assert ids.dim() == 2 and ids.shape[1] == T
         else:
             assert ids.shape[0] == 1 and int(cu[-1]) == ids.shape[1] and cu.dtype == torch.int32
+
+
+@pytest.mark.parametrize("T", [2, 7, 16, 64])
+def test_row_layout_predicts_every_batch(T):
+    """RowLayout (what the training loop uses instead of an all-reduce) against built batches: the target count of
+    every row and the number of forward calls of random row sets, both packings, on fresh random document lengths
+    (1-token documents, documents ending on row boundaries, a stream that ends mid-row and one that ends on one)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(1, 3 * T + 2, (40,), generator=g).tolist()
+    lengths[3], lengths[4], lengths[5] = 1, T, 2 * T  # short, and boundaries on row starts (after an aligned prefix)
+    for end_aligned in (False, True):
+        if end_aligned:
+            lengths[-1] += (-sum(lengths)) % T
+        st, _ = _stream(lengths, seed=int(torch.randint(0, 1000, (), generator=g)))
+        lay = RowLayout.of(st, T)
+        R = st.n_rows(T)
+        assert lay.targets.shape == lay.split.shape == (R,)
+        for r in range(R):
+            b = make_batch(st, [r], T)
+            assert lay.n_targets([r]) == b.n_targets, (r, lay.n_targets([r]), b.n_targets)
+            assert bool(lay.split[r]) == (len(b.pieces("auto")) == 1 and b.pieces("auto")[0][2] is not None), r
+        assert bool(lay.split.any()) and not bool(lay.split.all())  # both kinds of row occur
+        for _ in range(30):
+            k = int(torch.randint(1, min(R, 6) + 1, (), generator=g))
+            rows = torch.randperm(R, generator=g)[:k].tolist()
+            b = make_batch(st, rows, T)
+            assert lay.n_targets(rows) == b.n_targets
+            for packing in ("auto", "flat"):
+                assert lay.n_calls(rows, packing) == len(b.pieces(packing)), (rows, packing)
+
+
+def test_sampler_rows_of_any_rank():
+    s = [RowSampler(100, 4, seed=7, rank=r, world=3) for r in range(3)]
+    for m in (0, 1, s[0].per_epoch, 2 * s[0].per_epoch + 1):
+        for r in range(3):
+            assert s[0].rows(m, r) == s[r].rows(m) == s[2].rows(m, r)
 
 
 def test_sampler_shards_by_rank_and_is_deterministic():
