@@ -20,11 +20,25 @@ ARGS = ["--preset", "test-micro", "--device", "cpu", "--max-steps", "6", "--save
         "--keep", "0"]
 
 
-def _run(cmd, timeout=180):
+def _run(cmd, timeout=900):
+    """timeout: a ceiling, not an expected time (~10 s each on an idle CPU; a loaded one slows the two ranks and
+    three Python start-ups several fold, and the 180 s before was the suspect of a failure under load). Ports are
+    not fixed: --standalone's rendezvous store binds port 0 and the ranks reuse it. On a timeout torchrun gets
+    SIGTERM, which it passes on to its ranks (each in a session of its own: killing torchrun alone would orphan
+    them), and the test fails with the output so far."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = "", "(no output: it did not stop on SIGTERM)"
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-2000:]}{err[-4000:]}")
+    assert p.returncode == 0, f"exit {p.returncode}: {' '.join(cmd)}\n{out[-2000:]}{err[-4000:]}"
 
 
 def _summary(out):
