@@ -2,7 +2,13 @@
 shared memory per program, registers per thread and spills (from ptxas via cuobjdump). Catches compile errors
 and shared-memory overflows before any GPU time is spent.
 
-    python scripts/compile_sm90.py [--bt 64] [--k 128] [--v 128] [--dtype bf16]
+    python scripts/compile_sm90.py [--bt 64] [--k 128] [--v 128] [--dtype bf16] [--only NAME,...]
+
+Arguments are specialised as Triton's launcher does for the benchmark shape: pointers 16-byte aligned (torch
+allocations are), H and HV as given by --heads (16: a multiple-of-16 hint). Before 2026-11-24 this script gave no
+such hints, so every load and store compiled unvectorised, with one 64-bit address per element; that overstated
+registers and spills (sm_90, K=V=128 bf16, 8 warps: `_chunk_bwd` phase 2 2048 B of stack without the hints,
+400 B with them; phase 1 296 B vs none). --no-align reproduces the old numbers.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 
 
-def compile_one(fn, sig, constexprs, num_warps, num_stages):
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=()):
+    """div16: argument names the launcher would specialise as multiples of 16 (pointers from torch allocations,
+    ints like H = 16): without that hint the loads and stores are not vectorised (one 64-bit address per element,
+    so far more registers than a real launch uses)."""
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     res = {"shared": k.metadata.shared}
     with tempfile.TemporaryDirectory() as d:
@@ -48,8 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="input dtype")
     ap.add_argument("--bv", type=int, default=64, help="V block of the recurrences")
     ap.add_argument("--bwd-bv", type=int, default=64, help="V block of the chunk backward")
+    ap.add_argument("--sf-bv", default="32,64", help="V blocks of the state-first chunk backward to compile")
     ap.add_argument("--warps", default="4,8", help="num_warps values to try")
+    ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
+    ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
+                    "16: divisibility hint, as Triton's launcher specialises ints)")
+    ap.add_argument("--no-align", action="store_true", help="no 16-byte alignment hint on the pointers (compiles "
+                    "as before 2026-11-24: unvectorised memory access, registers and spills overstated)")
     args = ap.parse_args(argv)
     dt = args.dtype
     sd = dt  # storage dtype of W, U, states, Vn
@@ -92,6 +108,19 @@ def main(argv=None) -> int:
                                   dvnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", cu=i32,
                                   chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=args.bwd_bv, LOWP=lowp, PHASE=ph), 1)
+    # the state-first plan (TUNE bwd_variant "statefirst"): the state launch, then the output launch, with the UT
+    # transform's dKK dots in the first (default, BV 32) or parked for the second (bwd_ut_dots=False, BV 64)
+    for ut, bv in ((ut, int(bv)) for ut in (True, False) for bv in args.sf_bv.split(",")):
+        tag = f"{'ut dots' if ut else 'dKK parked'}, BV {bv}"
+        jobs[f"_chunk_bwd_state({tag})"] = (
+            kern._chunk_bwd_state, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
+                                        dvnbuf=sd, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", dKKbuf=sd, cu=i32,
+                                        chunk_seq=i32, chunk_start=i32),
+            dict(H=i32, HV=i32), dict(common, BV=bv, LOWP=lowp, UT_DOTS=ut), 1)
+        jobs[f"_chunk_bwd_out({tag})"] = (
+            kern._chunk_bwd_out, dict(q=dt, k=dt, g="fp32", beta=dt, hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt,
+                                      dkp="fp32", dg="fp32", dKKbuf=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BV=bv, LOWP=lowp, UT_DOTS=ut), 1)
     from hybridlm.ops.triton import kda_kernels as kk
 
     jobs["_kda_prep_fwd"] = (kk._kda_prep_fwd, dict(prep_ptrs, Bc="fp32", BL="fp32"), prep_ints,
@@ -102,28 +131,56 @@ def main(argv=None) -> int:
                                     dhbuf=sd, vnbuf=sd, dvnbuf=sd, do=dt, dq="fp32", dk="fp32", dv="fp32",
                                     dg="fp32", dbeta="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=min(64, args.v), LOWP=lowp, PHASE=ph), 1)
-    print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}")
+    # the K-blocked KDA kernels (kda.TUNE variant "kblock"), at each key-channel block
+    for bk in (int(x) for x in args.kda_bk.split(",")):
+        kc = dict(common, BK=bk)
+        chunk_ptrs = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
+        jobs[f"_kda_prep_ap(bk {bk})"] = (
+            kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
+                                  Bc="fp32", BL="fp32"), prep_ints, kc, 1)
+        jobs[f"_kda_prep_wu(bk {bk})"] = (
+            kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, beta=dt, Tbuf="fp32", Bc="fp32", Wbuf=sd, Ubuf=sd),
+            prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1)
+        jobs[f"_kda_bwd_out_blk(bk {bk})"] = (
+            kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", Bc="fp32", hbuf=sd, vnbuf=sd, do=dt,
+                                      dq="fp32", dk="fp32", dg="fp32"),
+            dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
+        jobs[f"_kda_bwd_state_blk(bk {bk})"] = (
+            kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Bc="fp32",
+                                        BL="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32",
+                                        dg="fp32", dbeta="fp32"),
+            dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
+    jobs["_kda_solve"] = (kk._kda_solve, dict(Tbuf="fp32"), dict(HV=i32), dict(BT=args.bt, INTERLEAVE=True), 1)
+    heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))
+    print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}, "
+          f"H,HV={args.heads}, {'no ' if args.no_align else ''}pointer alignment hint")
     for name, (fn, ptrs, ints, cx, stages) in jobs.items():
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
             continue
         for w in (int(x) for x in args.warps.split(",")):
             names = fn.arg_names
             sig = {}
+            consts = {n: cx[n] for n in names if n in cx}
+            div16 = []
             for n in names:
                 if n in ptrs:
                     sig[n] = "*" + ptrs[n]
+                    div16 += [] if args.no_align else [n]
+                elif n in heads and heads[n] == 1:  # the launcher passes an int equal to 1 as a constant
+                    sig[n] = "constexpr"
+                    consts[n] = 1
                 elif n in ints:
                     sig[n] = ints[n]
+                    div16 += [n] if n in heads and heads[n] % 16 == 0 else []
                 else:
                     sig[n] = "constexpr"
-            consts = {n: cx[n] for n in names if n in cx}
             try:
-                r = compile_one(fn, sig, consts, w, stages)
+                r = compile_one(fn, sig, consts, w, stages, div16)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
-                print(f"{name:24} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
+                print(f"{name:42} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")
             except Exception as e:  # noqa: BLE001
-                print(f"{name:24} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
+                print(f"{name:42} warps {w}: FAILED {type(e).__name__}: {str(e)[-300:]}")
     return 0
 
 

@@ -3,10 +3,13 @@
 CPU (CI): tests/ops/triton/interp_kda.py under TRITON_INTERPRET=1 in a child process, fresh random fp32 inputs:
 GVA 2, varlen (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, beta up to 2, per-channel
 log-decays down to -30 a step (the overflow case), T = 1, 65, 70, K = 64 with V = 64/128, the public
-`kda(..., impl="triton")`, and the decode step on a state pool. Tolerances (relative RMS): 1e-5 for o and the
-states (against the naive recurrence and the chunk path), 3e-5 for every gradient (q, k, v, g, beta,
-initial_state; against the float64 chunk path's autograd); 1e-5 for every tensor, gradients included, in the
-strong-decay T = 300 case (decay 30 a step: the fp32 bar of the GPU check, which dg once missed at 2.1e-5).
+`kda(..., impl="triton")`, and the decode step on a state pool; the default launch plan (K-blocked kernels,
+key-channel block 32, output kernel of its own) everywhere, and the other plans the GPU sweep compares once each
+(whole-K kernels with the output inside the sequential kernel; key-channel block 16).
+Tolerances (relative RMS): 1e-5 for o and the states (against the naive recurrence and the chunk path), 3e-5 for
+every gradient (q, k, v, g, beta, initial_state; against the float64 chunk path's autograd); 1e-5 for every
+tensor, gradients included, in the strong-decay T = 300 case (decay 30 a step: the fp32 bar of the GPU check,
+which dg once missed at 2.1e-5).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def interp_results():
     return json.loads(line[len("RESULT "):])
 
 
-CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "T1"]
+CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "T1",
+         "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):

@@ -15,7 +15,17 @@ import torch
 
 from . import gdn
 from . import gdn_kernels as kern
-from .kda_kernels import _kda_chunk_bwd, _kda_prep_fwd
+from . import kda_kernels as kk
+
+# Launch plan (the GPU sweep, scripts/gpu_tune_gdn.py --kda, A/Bs these):
+# variant: "kblock" walks the key channels in blocks of bk columns (prep as three launches: A/P and the tiles,
+#   the UT solve, W/U; backward as two launches), "whole" holds [BT, K] tiles (one-launch prep; spills at K=128)
+# bk: key-channel block of the "kblock" kernels (16, 32 or 64; at most K)
+# split_o: the sequential kernel carries only the state and `_out_fwd` writes the output of every chunk at once
+#   (Qg and P already carry the per-channel decay, so GDN's output kernel serves KDA unchanged)
+# prep_warps / solve_warps / bwd_warps: num_warps of those launches; prep_lowp: 16-bit operands for T K and T V
+TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_warps": 4, "bwd_warps": 8,
+        "prep_lowp": False}
 
 
 @torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
@@ -39,27 +49,59 @@ def kda_chunk_fwd(
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     Tb, Pb, BLb = e(NCb, HV, BT, BT, dt=f32), e(NCb, HV, BT, BT), e(NCb, HV, K, dt=f32)
     Wb, Ub, Qg, Kd, Bc = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K), e(Ttot, HV, K, dt=f32)
-    hb = e(NCb, HV, K, V) if save else q.new_empty(0, dtype=sd)
-    vn = e(Ttot, HV, V) if save else q.new_empty(0, dtype=sd)
+    split = TUNE["split_o"]
+    keep = save or split  # the chunk states and Vn go to memory
+    hb = e(NCb, HV, K, V) if keep else q.new_empty(0, dtype=sd)
+    vn = e(Ttot, HV, V) if keep else q.new_empty(0, dtype=sd)
     o = gdn._out((B, T, HV, V), q, q.dtype)
     ht = gdn._out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
     prec = gdn._prec(q.dtype)
     if nc > 0:
-        _kda_prep_fwd[(nc, HV)](
-            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, num_warps=8, num_stages=1,
-        )
+        _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale, use_qk_l2norm, prec, sd)
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = gdn._recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
         BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=save,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],
+        OUT=not split,
     )
+    if split:
+        gdn._output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, gdn.TUNE["fwd_lowp"] and sd != f32)
     if not save:
         return [o, ht]
     return [o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb]
+
+
+def _bk(K: int) -> int:
+    bk = min(TUNE["bk"], K)
+    if bk not in (16, 32, 64, 128, 256) or K % bk:
+        raise ValueError(f"TUNE['bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['bk']}")
+    return bk
+
+
+def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, l2: bool, prec: str,
+          sd: torch.dtype) -> None:
+    """Everything of each chunk that does not depend on the state (T, W, U, Qg, Kd, P, b, bL)."""
+    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    BT = Tb.shape[-1]
+    grid = (lay.nc, HV)
+    chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
+    if TUNE["variant"] == "whole":
+        kk._kda_prep_fwd[grid](
+            q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, *chunks, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=l2, PREC=prec, num_warps=8, num_stages=1,
+        )
+        return
+    BK = _bk(K)
+    kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, Bc, BLb, *chunks, scale, H=H, HV=HV, K=K, BT=BT, BK=BK,
+                          L2=l2, PREC=prec, num_warps=TUNE["prep_warps"], num_stages=1)
+    kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
+                        num_stages=1)
+    kk._kda_prep_wu[grid](k, v, beta, Tb, Bc, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
+                          L2=l2, PREC=prec, LOWP=TUNE["prep_lowp"] and sd != torch.float32,
+                          num_warps=TUNE["prep_warps"], num_stages=1)
 
 
 @kda_chunk_fwd.register_fake
@@ -113,12 +155,23 @@ def kda_chunk_bwd(
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
     dv = gdn._out((B, T, HV, V), q, f32)
     db = gdn._out((B, T, HV), q, f32)
-    for phase in (1, 2) if nc > 0 else ():  # two launches: each kernel holds half the live tiles
-        _kda_chunk_bwd[(nc, HV)](
-            q, k, v, g, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, lay.cu_t, lay.chunk_seq,
-            lay.chunk_start, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, PHASE=phase,
-            num_warps=8, num_stages=1,
+    chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
+    if nc > 0 and TUNE["variant"] == "whole":
+        for phase in (1, 2):  # two launches: each kernel holds half the live tiles
+            kk._kda_chunk_bwd[(nc, HV)](
+                q, k, v, g, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, do, dq, dk, dv, dg, db, *chunks, scale,
+                H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, PHASE=phase,
+                num_warps=8, num_stages=1,
+            )
+    elif nc > 0:
+        BK, bw = _bk(K), TUNE["bwd_warps"]
+        kk._kda_bwd_out_blk[(nc, HV)](
+            q, k, g, Bc, hb, vn, do, dq, dk, dg, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
+        )
+        kk._kda_bwd_state_blk[(nc, HV)](
+            k, v, g, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, *chunks, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

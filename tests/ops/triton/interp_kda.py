@@ -5,6 +5,7 @@ every run (seed printed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 
 from hybridlm.ops import kda  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
+from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -77,6 +79,18 @@ def decode_case(gen, *, N, P, H, HV, K, V):
             "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
 
 
+@contextlib.contextmanager
+def launch_plan(**tune):
+    """Run with other `kda.TUNE` settings (the other launch plans the GPU sweep compares)."""
+    old = dict(_kda.TUNE)
+    _kda.TUNE.update(tune)
+    try:
+        yield
+    finally:
+        _kda.TUNE.clear()
+        _kda.TUNE.update(old)
+
+
 def main() -> int:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -91,6 +105,13 @@ def main() -> int:
     res["strong_decay_K64_V128_T300_fp32_1e-5"] = chunk_case(gen, B=1, T=300, H=1, HV=1, K=64, V=128, l2=True,
                                                              h0=False, decay=30.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    # the other launch plans: the whole-K kernels with the output inside the sequential kernel (the plan before
+    # 2026-11-24), and the K-blocked kernels at key-channel block 16 (4 blocks at K = 64)
+    with launch_plan(variant="whole", split_o=False):
+        res["whole_K_inline_output_gva2_T70"] = chunk_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+    with launch_plan(bk=16):
+        res["bk16_varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                   cu=[0, 1, 16, 80, 150], decay=30.0)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
     print("RESULT " + json.dumps(res))
     return 0
