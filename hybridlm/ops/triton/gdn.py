@@ -30,7 +30,12 @@ BT_CHOICES = (64, 32, 16)
 # launch knobs of the per-chunk backward kernel (scripts/gpu_tune_gdn.py sweeps them)
 # (H100, B4 T4096 H16 D128 bf16, BT 32: warps 8 / BV 64 gave fwd+bwd 8.4 ms, warps 8 / BV 32 61.6 ms; 2026-11-22)
 # fwd_bv: V block of the forward recurrence (grid V/BV x sequences x heads); fwd_warps: its warps;
-# bwd_variant: "twophase" (dq first, then the state/UT part) or "onephase" (one V loop) chunk backward kernel;
+# bwd_variant: "twophase" (dq first, then the state/UT part) or "onephase" (one V loop) chunk backward kernel,
+#   or "statefirst": `_chunk_bwd_state` (state write, W, UT transform) then `_chunk_bwd_out` (output paths, and
+#   the finish), k/q read after the V loops (sm_90 compile, K=V=128 bf16, 8 warps, with the launcher's alignment
+#   hints: 255 regs / 0 B and 225 / 0 B of stack at BV 32, where twophase phase 2 spills 400 B at BV 64);
+#   bwd_ut_dots (statefirst): the UT transform's two dKK dots into dk in the state launch, else dKK [BT, BT] is
+#   parked in scratch (+16 KB per chunk and head at bf16) and they run in the output launch (BV 64 then)
 # bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
@@ -40,7 +45,7 @@ BT_CHOICES = (64, 32, 16)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
-        "solve_warps": 4, "prep_lowp": False}
+        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -311,7 +316,10 @@ def _bwd_impl(
     dv = _out((B, T, HV, V), q, v.dtype)
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
-    if nc > 0:
+    if nc > 0 and TUNE["bwd_variant"] == "statefirst":
+        _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale,
+                              H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
+    elif nc > 0:
         if TUNE["bwd_variant"] == "twophase":  # one launch per phase (PHASE 1, 2) or both in one (PHASE 0)
             launches = [(kern._chunk_bwd, dict(PHASE=ph)) for ph in ((1, 2) if TUNE["bwd_split"] else (0,))]
         else:
@@ -326,6 +334,31 @@ def _bwd_impl(
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)
+
+
+def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,
+                          scale: float, H: int, HV: int, K: int, V: int, BT: int, l2: bool, prec: str,
+                          lowp: bool) -> None:
+    """The chunk backward as `_chunk_bwd_state` (state write, W, UT transform: dv, dbeta final, dk's and dg's
+    parts parked in dkp and dg) then `_chunk_bwd_out` (output paths, then dq, dk, dg finished). With
+    TUNE["bwd_ut_dots"] False the UT transform's dKK [BT, BT] waits in a scratch buffer (dot operand dtype) and
+    its two dots into dk run in the second launch."""
+    ut = TUNE["bwd_ut_dots"]
+    dkk = dhb if ut else torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or _state_first_bv(K, ut), V), L2=l2,
+                  PREC=prec, LOWP=lowp, UT_DOTS=ut, num_warps=TUNE["bwd_warps"] or 8, num_stages=1)
+    kern._chunk_bwd_state[(lay.nc, HV)](
+        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, **common,
+    )
+    kern._chunk_bwd_out[(lay.nc, HV)](
+        q, k, g, beta, hb, vn, do, dq, dk, dkp, dg, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale, **common,
+    )
+
+
+def _state_first_bv(K: int, ut_dots: bool) -> int:
+    """V block of the state-first launches: sm_90 compile (K 128, bf16, 8 warps) spills 40 B/thread at 64 with the
+    UT dots in the state launch, none at 32 or with them parked."""
+    return 32 if ut_dots or K > 128 else 64
 
 
 @torch.library.custom_op("hybridlm::gdn_chunk_bwd", mutates_args=())

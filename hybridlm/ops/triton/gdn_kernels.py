@@ -681,6 +681,147 @@ def _chunk_bwd_onephase(
 
 
 @triton.jit
+def _chunk_gates(g, beta, r64, rmask, ihv, HV):
+    """Of one chunk: the in-chunk cumulative log-decay b [BT], its total bL, and beta [BT] (fp32; 0 past nval)."""
+    gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    return tl.cumsum(gg, 0), tl.sum(gg, 0), bb
+
+
+@triton.jit
+def _load_unit_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
+    """Rows as `_load_rows`, plus their inverse norms r [BT] (the l2norm backward needs them; 1 without L2)."""
+    x = tl.load(ptr + rows64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if L2:
+        r = tl.rsqrt(tl.sum(x * x, 1) + 1e-6)
+    else:
+        r = tl.full([x.shape[0]], 1.0, dtype=tl.float32)
+    return x * r[:, None], r
+
+
+@triton.jit
+def _chunk_bwd_state(
+    k, v, g, beta, Tbuf, hbuf, dhbuf, vnbuf, dvnbuf, dkp, dv, dg, dbeta, dKKbuf,
+    cu, chunk_seq, chunk_start,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    UT_DOTS: tl.constexpr = True,
+):
+    """First launch of the state-first chunk backward (TUNE bwd_variant "statefirst"): every path of one chunk
+    through the state write S' = e^{bL} S + Kd^T Vn and through Vn = U - W S, W = T diag(beta gamma) K,
+    U = T diag(beta) V, T = (I + A)^{-1}. k is read only after the V loop, so the loop holds just its own
+    accumulators. Non-standard outputs, finished by `_chunk_bwd_out`: dv and dbeta are final; dk's part goes to
+    dkp (fp32), dg's per-row part (before the reverse cumsum, with dbL on the last row) to dg. The UT transform's
+    dKK = strict(dA e^{b_i - b_j}) beta [BT, BT] enters dk through two [BT, BT] x [BT, K] dots: here (UT_DOTS),
+    or parked in dKKbuf (dot operand dtype) for the second launch."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
+    gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    Tm_d = _op(tl.load(Tbuf + p_TT), DT, LOWP)
+    hb = (ic * HV + ihv).to(tl.int64) * K * V
+    dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
+                                           K, V, BT, BV, PREC, LOWP)
+    kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+    # the state write: Kd = K e^{bL - b}, and S' decays by e^{bL}
+    ed = tl.exp(gL - gc)
+    b_dk = dKd * ed[:, None]
+    r = tl.sum(kk * dKd, 1) * ed
+    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+    dgc = tl.where(rows == nval - 1, dgL, 0.0) - r
+    # W = T Kb with Kb = diag(beta gamma) K
+    gam = tl.exp(gc)
+    bg = bb * gam
+    dW_d = _op(dW, DT, LOWP)
+    dT += tl.dot(dW_d, tl.trans(_op(kk * bg[:, None], DT, LOWP)), input_precision=PREC)
+    dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+    b_dk += dKb * bg[:, None]
+    t = tl.sum(kk * dKb, 1)
+    db += t * gam
+    dgc += t * bg
+    # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
+    dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
+                 input_precision=PREC)
+    strict = rows[:, None] > rows[None, :]
+    dAG = tl.where(strict, dA * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    kk_d = _op(kk, DT, LOWP)
+    RA = dAG * tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
+    db += tl.sum(RA, 1)
+    RA = RA * bb[:, None]
+    dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
+    dKK_d = _op(dAG * bb[:, None], DT, LOWP)
+    if UT_DOTS:
+        b_dk += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
+    else:
+        tl.store(dKKbuf + p_TT, dKK_d.to(dKKbuf.dtype.element_ty))
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    tl.store(dkp + krow, b_dk, mask=rmask[:, None])
+    tl.store(dg + r64 * HV + ihv, dgc, mask=rmask)
+    tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
+
+
+@triton.jit
+def _chunk_bwd_out(
+    q, k, g, beta, hbuf, vnbuf, do, dq, dk, dkp, dg, dKKbuf,
+    cu, chunk_seq, chunk_start, scale,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    UT_DOTS: tl.constexpr = True,
+):
+    """Second launch of the state-first chunk backward: the output's paths O = diag(scale gamma) Q S + P Vn,
+    P = scale (Q K^T) e^{b_i - b_j} (j <= i), then it finishes what `_chunk_bwd_state` left: dk = its part (dkp)
+    + this one (+ dKK K + dKK^T K from dKKbuf unless UT_DOTS), the reverse cumsum of dg, the l2norm backward.
+    q and k are read after the V loop."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    offs_k = tl.arange(0, K)
+    hb = (ic * HV + ihv).to(tl.int64) * K * V
+    dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
+    gc, _gL, _bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)  # (beta is not needed here: its load is dropped)
+    qq, rq = _load_unit_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
+    kk, rk = _load_unit_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
+    qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
+    # through the chunk-initial state, then the intra-chunk attention
+    dqn = dQS * (scale * tl.exp(gc))[:, None]
+    dgc = tl.sum(qq * dqn, 1)
+    incl = rows[:, None] >= rows[None, :]
+    dPg = tl.where(incl, dP * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * scale, 0.0)
+    R = dPg * tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
+    dgc += tl.sum(R, 1) - tl.sum(R, 0)
+    dPg_d = _op(dPg, DT, LOWP)
+    dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
+    if L2:
+        dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
+    krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
+    tl.store(dq + krow, dqn.to(dq.dtype.element_ty), mask=rmask[:, None])
+    # dk: this launch's part + the state launch's
+    b_dk = tl.dot(tl.trans(dPg_d), qq_d, input_precision=PREC) + tl.load(dkp + krow, mask=rmask[:, None], other=0.0)
+    if not UT_DOTS:
+        p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
+        dKK_d = _op(tl.load(dKKbuf + p_TT), DT, LOWP)
+        b_dk += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
+    if L2:
+        b_dk = (b_dk - kk * tl.sum(kk * b_dk, 1)[:, None]) * rk[:, None]
+    tl.store(dk + krow, b_dk.to(dk.dtype.element_ty), mask=rmask[:, None])
+    dgc += tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)
+    dgc = tl.where(rmask, dgc, 0.0)
+    tl.store(dg + r64 * HV + ihv, tl.cumsum(dgc, 0, reverse=True), mask=rmask)
+
+
+@triton.jit
 def _decode_step(
     q, k, v, g, beta, pool, idx, o, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, CHANNEL: tl.constexpr = False,
