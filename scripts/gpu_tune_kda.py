@@ -1,0 +1,140 @@
+"""Launch-plan sweep of the Triton KDA kernels on one CUDA device (one shape, bf16), with fla's chunk_kda timed
+in the same run when it is installed.
+
+    python scripts/gpu_tune_kda.py [--shape 4,4096,16,128] [--json tune_kda.json] [--max-seconds 240]
+
+Each setting of `hybridlm.ops.triton.kda.TUNE` (variant: K-blocked or whole-K kernels; bk: key-channel block;
+split_o: the output kernel of its own; warps) is timed forward and forward+backward, and its error is measured
+against our own fp32 run (fp32 intermediates, IEEE dots) on the same bf16-rounded inputs. The best setting is the
+fastest forward+backward whose errors stay within 0.8x of the GPU check's bf16 bars (o 5e-3, gradients 1e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from hybridlm.ops.triton import chunk_kda, gdn, kda
+
+BAR_O, BAR_G = 0.8 * 5e-3, 0.8 * 1e-2
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(B, T, H, D, seed=0):
+    """The inputs of `hybridlm bench kernels`' KDA row, bf16-representable (g stays fp32)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
+    g = F.logsigmoid(r(B, T, H, D) + 3.0)
+    beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
+    return q, k, v, g, beta
+
+
+def run(xs, dtype, grad, do=None):
+    q, k, v, g, beta = xs
+    leaf = [x.detach().to(dtype).requires_grad_(grad) for x in (q, k, v)] + [
+        g.detach().clone().requires_grad_(grad), beta.detach().to(dtype).requires_grad_(grad)]
+    o, _ = chunk_kda(*leaf[:3], g=leaf[3], beta=leaf[4], use_qk_l2norm=True)
+    if not grad:
+        return o, []
+    return o, list(torch.autograd.grad(o, leaf, do.to(o.dtype)))
+
+
+def fla_times(xs, do, rep):
+    """fla's chunk_kda forward and forward+backward (ms), or None when fla is not installed."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_kda
+    except ImportError:
+        return None
+    q, k, v, g, beta = xs
+    leaf = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)] + [
+        g.detach().clone().requires_grad_(), beta.detach().bfloat16().requires_grad_()]
+    dob = do.bfloat16()
+
+    def fb():
+        o = fla_kda(*leaf[:3], leaf[3], leaf[4], use_qk_l2norm_in_kernel=True)[0]
+        return torch.autograd.grad(o, leaf, dob)
+
+    with torch.no_grad():
+        f = triton.testing.do_bench(lambda: fla_kda(*leaf[:3], leaf[3], leaf[4], use_qk_l2norm_in_kernel=True),
+                                    warmup=10, rep=rep, return_mode="median")
+    return {"fwd": float(f), "fwdbwd": float(triton.testing.do_bench(fb, warmup=10, rep=rep, return_mode="median"))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="4,4096,16,128", help="B,T,H,D")
+    ap.add_argument("--json", default=None, help="write the rows, fla's times and the best setting here")
+    ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
+    ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
+    ap.add_argument("--no-fla", action="store_true", help="do not time fla's chunk_kda")
+    args = ap.parse_args(argv)
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    t_start = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    xs = make(B, T, H, D)
+    do = torch.randn(B, T, H, D, device="cuda").bfloat16().float()
+    base, gbase = dict(kda.TUNE), dict(gdn.TUNE)
+    gdn.TUNE.update(store_fp32=True, fwd_lowp=False, bwd_lowp=False)
+    o_ref, g_ref = run(xs, torch.float32, True, do)
+    gdn.TUNE.clear()
+    gdn.TUNE.update(gbase)
+    fla = None if args.no_fla else fla_times(xs, do, args.rep)
+    if fla:
+        print(f"fla chunk_kda: fwd {fla['fwd']:.3f} ms, fwd+bwd {fla['fwdbwd']:.3f} ms", flush=True)
+
+    def measure(setting):
+        kda.TUNE.clear()
+        kda.TUNE.update(base, **setting)
+        try:
+            o, gr = run(xs, torch.bfloat16, True, do)
+            err = {"o": rel(o, o_ref)}
+            err.update({n: rel(a, b) for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], gr, g_ref)})
+            with torch.no_grad():
+                fwd = float(triton.testing.do_bench(lambda: run(xs, torch.bfloat16, False), warmup=10, rep=args.rep,
+                                                    return_mode="median"))
+            fb = float(triton.testing.do_bench(lambda: run(xs, torch.bfloat16, True, do), warmup=10, rep=args.rep,
+                                               return_mode="median"))
+        except Exception as e:  # an illegal setting on this device: report it and go on
+            return {"setting": setting, "fwd_ms": float("inf"), "fwdbwd_ms": float("inf"), "error": repr(e)[:200]}
+        ok = err["o"] <= BAR_O and all(v <= BAR_G for n, v in err.items() if n != "o")
+        worst = max(err.items(), key=lambda kv: kv[1])
+        ratio = f" fla/ours fwd {fla['fwd'] / fwd:.2f} fwd+bwd {fla['fwdbwd'] / fb:.2f}" if fla else ""
+        print(f"{setting} fwd {fwd:.3f} ms fwd+bwd {fb:.3f} ms{ratio} worst {worst[0]} {worst[1]:.2e} "
+              f"{'ok' if ok else 'INEXACT'}", flush=True)
+        return {"setting": setting, "fwd_ms": fwd, "fwdbwd_ms": fb, "errors": err, "ok": ok}
+
+    kb = dict(variant="kblock", bk=32, split_o=True, prep_warps=8, bwd_warps=8)
+    grid = [kb, dict(kb, bk=64), dict(kb, bk=16), dict(kb, prep_warps=4, bwd_warps=4), dict(kb, split_o=False),
+            dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True)]
+    rows, best = [], None
+    for s in grid:
+        if time.time() - t_start > args.max_seconds:
+            break
+        row = measure(s)
+        rows.append(row)
+        if row.get("ok") and (best is None or row["fwdbwd_ms"] < best["fwdbwd_ms"]):
+            best = row
+    print("best:", json.dumps(best and best["setting"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": [B, T, H, D], "device": torch.cuda.get_device_name(), "fla": fla,
+                       "best": best and dict(base, **best["setting"]), "rows": rows}, f, indent=1, default=str)
+    kda.TUNE.clear()
+    kda.TUNE.update(base)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
