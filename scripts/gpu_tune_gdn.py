@@ -1,6 +1,6 @@
 """Launch-setting sweep of the Triton gated delta rule on one CUDA device (one shape, bf16).
 
-    python scripts/gpu_tune_gdn.py [--shape 4,4096,16,128] [--json tune.json] [--max-seconds 240]
+    python scripts/gpu_tune_gdn.py [--shape 4,4096,16,128] [--json tune.json] [--max-seconds 240] [--bwd-only]
 
 For each forward setting (V block: None = the built-in choice, or 64; warps; 16-bit or fp32 dot operands) it
 times the forward, then for the backward settings (V block, warps, operands) forward+backward with the best
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows and the best setting here")
     ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
+    ap.add_argument("--bwd-only", action="store_true", help="time only the built-in forward, then every backward plan")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                 dict(default, fwd_split_o=False), dict(default, fwd_bv=64), dict(default, solve_warps=8)]
     t_fwd = time.time()  # the reference run above compiled the fp32 kernels: the sweep's own budget starts now
     best_f = None
-    for s in fwd_grid:
+    for s in [{}] if args.bwd_only else fwd_grid:  # {}: the built-in forward settings
         if time.time() - t_fwd > 0.7 * (args.max_seconds - (t_fwd - t_start)):
             break
         row = measure(s, False)
@@ -109,8 +110,14 @@ def main(argv=None) -> int:
         if row.get("ok") and (best_f is None or row["ms"] < best_f["ms"]):
             best_f = row
     fset = best_f["setting"] if best_f else {}
-    bwd_grid = [dict(fset, bwd_bv=bv, bwd_warps=8, bwd_lowp=True, bwd_variant="twophase", bwd_split=True)
-                for bv in (64, 32)]
+    # chunk-backward plans, the old default and the new first (a time cut still leaves the A/B): twophase (two
+    # phases, two launches), statefirst (state launch then output launch) with the UT dots in the state launch
+    # (bwd_bv None: 32) or parked for the output launch (bwd_ut_dots False), warps of the output launch
+    two = dict(fset, bwd_warps=8, bwd_lowp=True, bwd_variant="twophase", bwd_split=True)
+    sf = dict(fset, bwd_warps=8, bwd_lowp=True, bwd_variant="statefirst", bwd_ut_dots=True, bwd_bv=None,
+              bwd_out_warps=None)
+    bwd_grid = [dict(two, bwd_bv=64), sf, dict(sf, bwd_ut_dots=False), dict(sf, bwd_ut_dots=False, bwd_bv=32),
+                dict(sf, bwd_bv=64), dict(sf, bwd_out_warps=16), dict(two, bwd_bv=32)]
     best_b = None
     for s in bwd_grid:
         if time.time() - t_start > args.max_seconds:

@@ -7,6 +7,8 @@ the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=Tr
 the custom ops' fake kernels trace, the real kernels run), and the decode step on a state pool with indices.
 Tolerance (relative RMS vs float64): 1e-5 for o and final state, 3e-5 for every gradient (measured ~1e-6 typical,
 1.2e-5 worst seen for dg at beta up to 2; PyTorch's fp32 chunk path gave 2.3e-6 on that input).
+Every chunk-backward launch plan (state-first with the UT dots in either launch, the two-phase plan) runs at 4 chunks
+with GVA and at varlen, with the other plans' kernels blocked so a silent fallback fails.
 Fake kernels: the custom ops trace under FakeTensorMode without running a kernel.
 GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scripts/gpu_check_gdn.py.
 """
@@ -53,6 +55,23 @@ def test_chunk_kernels_match_float64(interp_results, case):
     assert len(grads) >= 5
     for name in grads:
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+
+
+# the chunk-backward launch plans (gdn.TUNE bwd_variant / bwd_ut_dots), each with the other plans' kernels blocked:
+# 4 chunks with GVA 2 and l2norm, and varlen (1, 15, 64, 70, 130 tokens: 7 chunks, partial ones, no GVA)
+PLANS = ["statefirst", "statefirst_parked", "twophase"]
+PLAN_SHAPES = ["gva2_T200", "varlen_1_15_64_70_130"]
+# relative RMS error vs float64 allowed per tensor (the same bars as every other case; measured 0.4e-6 to 5e-6)
+PLAN_TOL = {"o": TOL_OUT, "final_state": TOL_OUT, "dq": TOL_GRAD, "dk": TOL_GRAD, "dv": TOL_GRAD, "dg": TOL_GRAD,
+            "dbeta": TOL_GRAD, "dh0": TOL_GRAD}
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+@pytest.mark.parametrize("plan", PLANS)
+def test_backward_launch_plans_match_float64(interp_results, plan, shape):
+    res = interp_results[f"plan_{plan}_{shape}"]
+    for name, tol in PLAN_TOL.items():
+        assert res[name] <= tol, f"{plan} {shape} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
 @pytest.mark.parametrize("case", ["no_grad_prefill", "inline_output_no_grad"])

@@ -35,7 +35,8 @@ BT_CHOICES = (64, 32, 16)
 #   the finish), k/q read after the V loops (sm_90 compile, K=V=128 bf16, 8 warps, with the launcher's alignment
 #   hints: 255 regs / 0 B and 225 / 0 B of stack at BV 32, where twophase phase 2 spills 400 B at BV 64);
 #   bwd_ut_dots (statefirst): the UT transform's two dKK dots into dk in the state launch, else dKK [BT, BT] is
-#   parked in scratch (+16 KB per chunk and head at bf16) and they run in the output launch (BV 64 then)
+#   parked in scratch (+16 KB per chunk and head at bf16) and they run in the output launch (BV 64 then);
+#   bwd_out_warps: warps of the output launch (None: bwd_warps; sm_90 compile at 16: 128 regs, no spills)
 # bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
@@ -43,9 +44,9 @@ BT_CHOICES = (64, 32, 16)
 # fwd_split_o: the sequential kernel carries only the state (two dots per chunk) and `_out_fwd` computes the
 #   output of every chunk in parallel from the stored chunk states (inference then stores them too)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
-        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "twophase", "bwd_split": True,
+        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "statefirst", "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
-        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True}
+        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -346,12 +347,15 @@ def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dk
     ut = TUNE["bwd_ut_dots"]
     dkk = dhb if ut else torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or _state_first_bv(K, ut), V), L2=l2,
-                  PREC=prec, LOWP=lowp, UT_DOTS=ut, num_warps=TUNE["bwd_warps"] or 8, num_stages=1)
+                  PREC=prec, LOWP=lowp, UT_DOTS=ut, num_stages=1)
+    warps = TUNE["bwd_warps"] or 8
     kern._chunk_bwd_state[(lay.nc, HV)](
-        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, **common,
+        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+        num_warps=warps, **common,
     )
     kern._chunk_bwd_out[(lay.nc, HV)](
-        q, k, g, beta, hb, vn, do, dq, dk, dkp, dg, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale, **common,
+        q, k, g, beta, hb, vn, do, dq, dk, dkp, dg, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+        num_warps=TUNE["bwd_out_warps"] or warps, **common,
     )
 
 

@@ -73,6 +73,34 @@ def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, pu
     return out
 
 
+class _Blocked:
+    """Stands in for a kernel that the launch plan under test must not use: launching it fails the case."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.name} launched, but the plan under test does not use it")
+
+
+def plan_case(gen, tune: dict, blocked: tuple[str, ...], **kw):
+    """run_case under the backward launch plan `tune`, with the kernels of the other plans blocked (so the case
+    fails if the settings silently fall back to another plan); restores TUNE and the kernels afterwards."""
+    from hybridlm.ops.triton import gdn_kernels as kern
+
+    saved_tune, saved_kern = dict(_gdn.TUNE), {n: getattr(kern, n) for n in blocked}
+    _gdn.TUNE.update(tune)
+    for n in blocked:
+        setattr(kern, n, _Blocked(n))
+    try:
+        return run_case(gen, **kw)
+    finally:
+        _gdn.TUNE.clear()
+        _gdn.TUNE.update(saved_tune)
+        for n, fn in saved_kern.items():
+            setattr(kern, n, fn)
+
+
 def no_grad_case(gen, *, B, T, H, HV, K, V):
     """Inference (no autograd: the kernels keep no intermediates), with an initial and a final state."""
     xs = inputs(gen, B, T, H, HV, K, V, B, True, torch.float32)
@@ -135,6 +163,18 @@ def main() -> int:
     res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
     _gdn.TUNE.update(prep_split=True, solve_interleave=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    # the chunk-backward launch plans, each at several chunks (GVA 2, l2norm, V 128) and varlen (no GVA: dk's fp32
+    # partial sum then waits in its own scratch buffer, not in dk)
+    old = ("_chunk_bwd", "_chunk_bwd_onephase")
+    new = ("_chunk_bwd_state", "_chunk_bwd_out")
+    plans = {"statefirst": (dict(bwd_variant="statefirst", bwd_ut_dots=True), old),
+             "statefirst_parked": (dict(bwd_variant="statefirst", bwd_ut_dots=False), old),
+             "twophase": (dict(bwd_variant="twophase", bwd_split=True), new + ("_chunk_bwd_onephase",))}
+    for plan, (tune, blocked) in plans.items():
+        res[f"plan_{plan}_gva2_T200"] = plan_case(gen, tune, blocked, B=1, T=200, H=1, HV=2, K=64, V=128, l2=True,
+                                                  h0=True)
+        res[f"plan_{plan}_varlen_1_15_64_70_130"] = plan_case(gen, tune, blocked, B=1, T=280, H=2, HV=2, K=64, V=64,
+                                                              l2=False, h0=True, cu=[0, 1, 16, 80, 150, 280])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
     return 0
