@@ -5,6 +5,7 @@
 #   bash scripts/gpu_call.sh STEP[:SECONDS] ...      (results under $OUT/STEP/, logs in $OUT/STEP.log)
 #
 # Steps: info, profile (bench kernels, first shape, per-kernel CUDA times), tune (launch sweep -> tune.json),
+# tunebwd (the GDN chunk-backward plans only, old default first, built-in forward -> tune_bwd.json),
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), check (GDN/KDA vs float64, pass/fail),
@@ -32,6 +33,7 @@ for spec in "$@"; do
     info) cmd=(bash -c "nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; python3 -m pip show fla-core 2>/dev/null | head -2") ;;
     profile) cmd=(python3 -m hybridlm.bench.kernels --quick --profile --rep 50 --no-sdpa --out "$OUT/profile" "${TUNE_ARG[@]}") ;;
     tune) cmd=(python3 scripts/gpu_tune_gdn.py --json "$OUT/tune.json" --max-seconds $((secs - 40))) ;;
+    tunebwd) cmd=(python3 scripts/gpu_tune_gdn.py --bwd-only --json "$OUT/tune_bwd.json" --max-seconds $((secs - 40))) ;;
     tunekda) cmd=(python3 scripts/gpu_tune_kda.py --json "$OUT/tune_kda.json" --max-seconds $((secs - 40))) ;;
     kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --profile --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
     kernelsq) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --profile --out "$OUT/kernelsq" "${TUNE_ARG[@]}") ;;
