@@ -30,7 +30,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def chunk_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, decay=1.5, public=False):
+def chunk_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, decay=1.5, public=False, dtype=torch.float32):
     r = lambda *s: torch.randn(*s, generator=gen)
     q, k = r(B, T, H, K), r(B, T, H, K)
     if not l2:
@@ -40,12 +40,14 @@ def chunk_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, decay=1.5, public=Fal
     beta = 2.0 * torch.rand(B, T, HV, generator=gen)
     N = B if cu is None else len(cu) - 1
     xs = [q, k, v, g, beta, r(N, HV, K, V)]
+    # 16-bit runs: q, k, v, beta in `dtype` (g and the state stay fp32); the reference gets the same rounded values
+    xs = [x.to(dtype).float() if i in (0, 1, 2, 4) else x for i, x in enumerate(xs)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    leaf = [x.clone().requires_grad_() for x in xs]
+    leaf = [(x.to(dtype) if i in (0, 1, 2, 4) else x.clone()).requires_grad_() for i, x in enumerate(xs)]
     kw = dict(g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
               cu_seqlens=cu_t, use_qk_l2norm=l2)
     o, ht = (kda(*leaf[:3], impl="triton", **kw) if public else chunk_kda(*leaf[:3], **kw))
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    do, dht = torch.randn(o.shape, generator=gen).to(dtype), torch.randn(ht.shape, generator=gen)
     wrt = leaf if h0 else leaf[:5]
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
     ref = [x.detach().to(F64).requires_grad_() for x in xs]
@@ -112,6 +114,10 @@ def main() -> int:
     with launch_plan(bk=16):
         res["bk16_varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                    cu=[0, 1, 16, 80, 150], decay=30.0)
+    # fp16 inputs: the 16-bit paths (W, U, states, Vn, Qg, Kd, P stored in fp16; 16-bit dot operands in the
+    # recurrences and the backward). The interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not.
+    res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                              cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
     print("RESULT " + json.dumps(res))
     return 0
