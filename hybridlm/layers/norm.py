@@ -5,6 +5,10 @@ Non-standard here: `kind` picks the exact rounding of each released model (check
 - "llama": w * x_hat.to(dtype) (Kimi Linear; weight initialised at 1).
 - "fp32_weight": (w * x_hat) in float32, cast once (OLMo-Hybrid; weight initialised at 1).
 `GatedRMSNorm` normalises per head over the last dim and multiplies by act(gate); the weight is plain w.
+Under autocast (on x's device) `RMSNorm` returns autocast's dtype, as a torch op under autocast would: computed in
+float32 as without autocast and rounded once at the end (for float32 x: the value each following Linear would
+have made of a float32 output, without every Linear casting the same activation again); the gradient of x comes
+back in x's dtype. Nothing changes without autocast, and the residual stream (the norm's input) stays float32.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ from .conv import use_fused_glue
 NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a torch op under autocast casts x to (autocast on for x's device, x floating and not float64,
+    which autocast leaves alone), else None."""
+    dev = x.device.type
+    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
 class RMSNorm(nn.Module):
-    """x: [..., D] -> [..., D] (same dtype). impl "triton" (or "auto" on CUDA, see `use_fused_glue`) runs the fused
-    Triton norm (one pass forward, one backward; saves only x and the weight) with the same rounding points."""
+    """x: [..., D] -> [..., D] (x's dtype; autocast's dtype under autocast, see the module docstring). impl "triton"
+    (or "auto" on CUDA, see `use_fused_glue`) runs the fused Triton norm (one pass forward, one backward; saves only
+    x and the weight) with the same rounding points and the same output dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6, kind: str = "llama", impl: str = "auto"):
         super().__init__()
@@ -33,9 +47,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fn = glue.tnorm.rms_norm if use_fused_glue(self.impl, x, "RMSNorm") else rms_norm
+        out = autocast_dtype(x)
         if self.kind == "zero_centered":
-            return fn(x, self.weight, self.eps, zero_centered=True)
-        return fn(x, self.weight, self.eps, cast_before_weight=self.kind == "llama")
+            return fn(x, self.weight, self.eps, zero_centered=True, out_dtype=out)
+        return fn(x, self.weight, self.eps, cast_before_weight=self.kind == "llama", out_dtype=out)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, kind={self.kind}"

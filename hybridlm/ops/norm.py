@@ -7,6 +7,9 @@ a class per model:
 - `cast_before_weight=True` rounds the normalised x to the input dtype before the weight multiply (Llama-style,
   `w * x_hat.to(dtype)`); False multiplies in float32 and rounds once at the end (Qwen3-Next's zero-centred norm).
 - `gated_rms_norm` gates with SiLU (Qwen, OLMo) or sigmoid (Kimi) and can keep everything in float32 (Kimi).
+- `rms_norm(..., out_dtype=)`: the result computed as above in x's dtype, then cast to out_dtype (the RMSNorm module
+  passes autocast's dtype, so that the Linears after it do not each cast a float32 copy; for float32 x that is
+  one rounding of the float32 result, the value those Linears would have used).
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ def rms_norm(
     *,
     zero_centered: bool = False,
     cast_before_weight: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x: [..., D]; weight: [D] or None. Normalised in float32 (float64 for float64 x); output in x's dtype."""
+    """x: [..., D]; weight: [D] or None. Normalised in float32 (float64 for float64 x); output in x's dtype, then
+    cast to out_dtype if given (its gradient comes back in x's dtype)."""
+    y = _rms_norm(x, weight, eps, zero_centered, cast_before_weight)
+    return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+
+
+def _rms_norm(x, weight, eps, zero_centered, cast_before_weight):
     dtype = x.dtype
     cd = torch.float64 if dtype == torch.float64 else torch.float32
     xf = x.to(cd)

@@ -8,6 +8,9 @@ a few ulps in bf16, not just to bf16 tolerance:
   kind always, the SiLU-gated norm when the weight has x's dtype (a module cast to bf16), as PyTorch promotes.
 - ZC: zero-centred weight, x_hat * (1 + w) in fp32 (Qwen3-Next).
 - ACT: 0 none, 1 SiLU, 2 sigmoid gate, applied in fp32; the result is cast to x's dtype once.
+- out_dtype (`rms_norm`; the module passes autocast's dtype): float32 x is computed as above (in fp32) and cast
+  once to out_dtype when it is stored, the value a following autocast Linear would have made of the fp32 output,
+  without the fp32 copy; the backward takes dy in out_dtype and returns dx in x's dtype.
 The backward uses the reference's rounded intermediates where its autograd does (the casts themselves pass the
 gradient unchanged); dweight is reduced through per-program fp32 partials summed on the host (deterministic).
 Rows: x [..., D] is flattened to [M, D]; the rstd of each row is saved (fp32 [M]).
@@ -133,11 +136,13 @@ def _blocks_bwd(D: int) -> tuple[int, int, int]:
 
 @torch.library.custom_op("hybridlm::norm_fwd", mutates_args=())
 def norm_fwd(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float, zc: bool,
-             cast_y: bool, w_lowp: bool, act: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, gate: [M, D]; weight: [D]. Returns (y [M, D] in x's dtype, rstd [M] fp32)."""
+             cast_y: bool, w_lowp: bool, act: int, out_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, gate: [M, D]; weight: [D]. Returns (y [M, D] in out_dtype (default x's dtype), rstd [M] fp32); the
+    rounding points of x's dtype come first, the cast to out_dtype last."""
     M, D = x.shape
     BD, BM, nw = _blocks(D)
-    y = _out((M, D), x, x.dtype)
+    y = _out((M, D), x, out_dtype or x.dtype)
     rstd = _out((M,), x, torch.float32)
     if M > 0:
         _norm_fwd[(triton.cdiv(M, BM),)](
@@ -147,15 +152,16 @@ def norm_fwd(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | 
 
 
 @norm_fwd.register_fake
-def _(x, gate, weight, eps, zc, cast_y, w_lowp, act):
-    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
+    return torch.empty_like(x, dtype=out_dtype or x.dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("hybridlm::norm_bwd", mutates_args=())
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
              zc: bool, cast_y: bool, w_lowp: bool, act: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx [M, D], dgate [M, D] or empty, dweight [D] or empty), each in its input's dtype."""
+    """Returns (dx [M, D], dgate [M, D] or empty, dweight [D] or empty), each in its input's dtype (dy may have
+    another dtype: the forward's out_dtype)."""
     M, D = x.shape
     BD, BM, nw = _blocks_bwd(D)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
@@ -181,8 +187,8 @@ def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act):
 
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act):
-        y, _ = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act)
+    def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype):
+        y, _ = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
         ctx.save_for_backward(x, gate, weight)
         ctx.args = (eps, zc, cast_y, w_lowp, act)
         return y
@@ -191,10 +197,12 @@ class _Norm(torch.autograd.Function):
     def backward(ctx, dy):
         x, gate, weight = ctx.saved_tensors
         dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args)
-        return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 5)
+        return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 6)
 
 
-def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act):
+def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
+    if out_dtype is not None and (not out_dtype.is_floating_point or out_dtype == torch.float64):
+        raise ValueError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
     _check_tensor("x", x)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
@@ -214,19 +222,24 @@ def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act):
     x2 = x.reshape(-1, D).contiguous()
     g2 = gate.reshape(-1, D).contiguous() if gate is not None else None
     w = weight.contiguous() if weight is not None else None
-    y = _Norm.apply(x2, g2, w, float(eps), zc, cast_y, w_lowp, act)
+    out = None if out_dtype == x.dtype else out_dtype
+    if out is not None and x.dtype != torch.float32:
+        # x already low precision: its own rounding points, then the cast (one more pass, a rare mix)
+        return _Norm.apply(x2, g2, w, float(eps), zc, cast_y, w_lowp, act, None).view(shape).to(out)
+    y = _Norm.apply(x2, g2, w, float(eps), zc, cast_y, w_lowp, act, out)
     return y.view(shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *, zero_centered: bool = False,
-             cast_before_weight: bool = True) -> torch.Tensor:
+             cast_before_weight: bool = True, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """As `hybridlm.ops.rms_norm`. x: [..., D] (float16/bfloat16/float32, D <= MAX_D); weight: [D] or None.
-    Returns [..., D] in x's dtype; differentiable in x and weight."""
+    Returns [..., D] in out_dtype (default x's dtype; float32 x is rounded to it once, in the store);
+    differentiable in x and weight, the gradients in their own dtypes."""
     if weight is None:
-        return _run(x, None, None, eps, False, False, False, 0)
+        return _run(x, None, None, eps, False, False, False, 0, out_dtype)
     if zero_centered:
-        return _run(x, None, weight, eps, True, False, False, 0)
-    return _run(x, None, weight, eps, False, cast_before_weight, cast_before_weight, 0)
+        return _run(x, None, weight, eps, True, False, False, 0, out_dtype)
+    return _run(x, None, weight, eps, False, cast_before_weight, cast_before_weight, 0, out_dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
