@@ -1,4 +1,5 @@
-"""GPU acceptance of the training job (skipped without CUDA): the gpu-30m default run, and FSDP2 on two GPUs."""
+"""GPU acceptance of the training job (skipped without CUDA): the gpu-30m default run, FSDP2 on two GPUs, and no
+host synchronisation in a training step."""
 
 from __future__ import annotations
 
@@ -56,3 +57,53 @@ def test_fsdp2_two_gpus_matches_one(tmp_path):
                        env)
     assert abs(two["final_train_loss"] - one32["final_train_loss"]) <= 1e-2, (two, one32)
     assert two["tokens_per_s"] >= 1.8 * one16["tokens_per_s"], (two["tokens_per_s"], one16["tokens_per_s"])
+
+
+STEP_CODE = ("one_step", "_forward_calls", "_to_device", "_loss_sum", "_clip_grad_norm")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_training_step_does_not_wait_for_the_gpu(tmp_path, small_corpus, micro_args):
+    """Under CUDA's sync debug mode every host wait (a copy to the host, .item(), a blocking copy from the host, a
+    stream synchronize) warns. Each warning is attributed to the innermost frame of the hybridlm package on its
+    stack: none may be the training step's own code (main.one_step and the helpers it calls; syncs replayed at its
+    `.backward()` line come from the model's backward graph and are counted with the model's), and the flushes make
+    exactly one each (6 steps, --log-every 3: two)."""
+    import traceback
+    import warnings
+
+    from hybridlm.train.main import train
+
+    hits: list[list[traceback.FrameSummary]] = []
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" in str(message):
+            hits.append(traceback.extract_stack())
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = showwarning
+            train(micro_args(small_corpus, str(tmp_path), "--device", "cuda", "--max-steps", "6", "--log-every", "3",
+                             "--eval-every", "0", "--save-every", "0"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def owner(stack):
+        ours = [f for f in stack if f"{os.sep}hybridlm{os.sep}" in f.filename]
+        return ours[-1] if ours else None
+
+    step, flushes, other = [], [], []
+    for stack in hits:
+        f = owner(stack)
+        if f is not None and f.filename.endswith(os.path.join("train", "main.py")) and f.name in STEP_CODE \
+                and ".backward()" not in (f.line or ""):
+            step.append("".join(traceback.format_list(stack[-8:])))
+        elif f is not None and f.name == "flush":
+            flushes.append(f)
+        else:
+            other.append(f"{f.filename}:{f.lineno} {f.name}" if f is not None else "(no hybridlm frame)")
+    assert not step, "host syncs in the training step:\n" + "\n---\n".join(step)
+    assert len(flushes) == 2, ([f"{f.lineno}: {f.line}" for f in flushes], sorted(set(other)))
