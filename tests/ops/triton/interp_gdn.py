@@ -175,6 +175,10 @@ def main() -> int:
                                                   h0=True)
         res[f"plan_{plan}_varlen_1_15_64_70_130"] = plan_case(gen, tune, blocked, B=1, T=280, H=2, HV=2, K=64, V=64,
                                                               l2=False, h0=True, cu=[0, 1, 16, 80, 150, 280])
+        # fp16 inputs: the GPU's 16-bit path (intermediates stored in fp16, 16-bit dot operands, dKK parked in
+        # fp16); the interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not
+        res[f"plan_{plan}_fp16_varlen_gva2_T150"] = plan_case(gen, tune, blocked, B=1, T=150, H=1, HV=2, K=64, V=64,
+                                                              l2=True, h0=True, cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
     return 0
