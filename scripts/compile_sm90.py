@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-bv", type=int, default=64, help="V block of the chunk backward")
     ap.add_argument("--sf-bv", default="32,64", help="V blocks of the state-first chunk backward to compile")
     ap.add_argument("--warps", default="4,8", help="num_warps values to try")
+    ap.add_argument("--gdn-bk", default="32,64", help="key-channel blocks of the K-blocked GDN prep to try")
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
     ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
@@ -83,6 +84,15 @@ def main(argv=None) -> int:
         for st, il, lp in ((0, False, False), (1, False, False), (1, False, True), (2, False, False),
                            (2, True, False), (3, False, False), (3, False, True))
     }
+    # the K-blocked prep (gdn.TUNE prep_variant "kblock"): stages 1 and 3 at each key-channel block, stage 0 (all
+    # in one launch) and the solve (stage 2, interleaved) once
+    for bk in (int(x) for x in args.gdn_bk.split(",")):
+        for st, lp in ((1, False), (3, False), (3, True), (0, False)):
+            jobs[f"_prep_fwd_blk(stage {st}, bk {bk}{' lowp' if lp else ''})"] = (
+                kern._prep_fwd_blk, prep_ptrs, prep_ints,
+                dict(common, BK=bk, BV=min(64, args.v), STAGE=st, INTERLEAVE=True, LOWP=lp and lowp), 1)
+    jobs["_prep_fwd_blk(stage 2 il)"] = (kern._prep_fwd_blk, prep_ptrs, prep_ints,
+                                         dict(common, BK=64, BV=min(64, args.v), STAGE=2, INTERLEAVE=True), 1)
     jobs.update({
         "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
@@ -137,18 +147,18 @@ def main(argv=None) -> int:
         chunk_ptrs = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
         jobs[f"_kda_prep_ap(bk {bk})"] = (
             kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
-                                  Bc="fp32", BL="fp32"), prep_ints, kc, 1)
+                                  BL="fp32"), prep_ints, kc, 1)
         jobs[f"_kda_prep_wu(bk {bk})"] = (
-            kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, beta=dt, Tbuf="fp32", Bc="fp32", Wbuf=sd, Ubuf=sd),
+            kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd),
             prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1)
         jobs[f"_kda_bwd_out_blk(bk {bk})"] = (
-            kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", Bc="fp32", hbuf=sd, vnbuf=sd, do=dt,
+            kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
                                       dq="fp32", dk="fp32", dg="fp32"),
             dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
         jobs[f"_kda_bwd_state_blk(bk {bk})"] = (
-            kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Bc="fp32",
-                                        BL="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32",
-                                        dg="fp32", dbeta="fp32"),
+            kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32", hbuf=sd,
+                                        dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
+                                        dbeta="fp32"),
             dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
     jobs["_kda_solve"] = (kk._kda_solve, dict(Tbuf="fp32"), dict(HV=i32), dict(BT=args.bt, INTERLEAVE=True), 1)
     heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))

@@ -48,7 +48,9 @@ def kda_chunk_fwd(
     NCb = gdn._max_chunks(Ttot, N, BT) if save else max(nc, 1)
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     Tb, Pb, BLb = e(NCb, HV, BT, BT, dt=f32), e(NCb, HV, BT, BT), e(NCb, HV, K, dt=f32)
-    Wb, Ub, Qg, Kd, Bc = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K), e(Ttot, HV, K, dt=f32)
+    Wb, Ub, Qg, Kd = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K)
+    # b per token: only the whole-K kernels keep it (the K-blocked ones recompute it from g)
+    Bc = e(*_bc_shape(Ttot, HV, K), dt=f32)
     split = TUNE["split_o"]
     keep = save or split  # the chunk states and Vn go to memory
     hb = e(NCb, HV, K, V) if keep else q.new_empty(0, dtype=sd)
@@ -74,6 +76,10 @@ def kda_chunk_fwd(
     return [o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb]
 
 
+def _bc_shape(Ttot: int, HV: int, K: int) -> tuple[int, ...]:
+    return (Ttot, HV, K) if TUNE["variant"] == "whole" else (0,)
+
+
 def _bk(K: int) -> int:
     bk = min(TUNE["bk"], K)
     if bk not in (16, 32, 64, 128, 256) or K % bk:
@@ -95,11 +101,11 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         )
         return
     BK = _bk(K)
-    kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, Bc, BLb, *chunks, scale, H=H, HV=HV, K=K, BT=BT, BK=BK,
+    kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, *chunks, scale, H=H, HV=HV, K=K, BT=BT, BK=BK,
                           L2=l2, PREC=prec, num_warps=TUNE["prep_warps"], num_stages=1)
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
-    kk._kda_prep_wu[grid](k, v, beta, Tb, Bc, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
+    kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
                           L2=l2, PREC=prec, LOWP=TUNE["prep_lowp"] and sd != torch.float32,
                           num_warps=TUNE["prep_warps"], num_stages=1)
 
@@ -118,7 +124,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
         out += [q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(Tt, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(Tt, HV, V, dtype=sd),
                 q.new_empty(Tt, HV, K, dtype=sd), q.new_empty(Tt, HV, K, dtype=sd),
-                q.new_empty(NC, HV, BT, BT, dtype=sd), q.new_empty(Tt, HV, K, dtype=f32),
+                q.new_empty(NC, HV, BT, BT, dtype=sd), q.new_empty(*_bc_shape(Tt, HV, K), dtype=f32),
                 q.new_empty(NC, HV, K, dtype=f32)]
     return out
 
@@ -166,11 +172,11 @@ def kda_chunk_bwd(
     elif nc > 0:
         BK, bw = _bk(K), TUNE["bwd_warps"]
         kk._kda_bwd_out_blk[(nc, HV)](
-            q, k, g, Bc, hb, vn, do, dq, dk, dg, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            q, k, g, hb, vn, do, dq, dk, dg, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
             BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
         )
         kk._kda_bwd_state_blk[(nc, HV)](
-            k, v, g, beta, Tb, Bc, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, *chunks, H=H, HV=HV, K=K, V=V, BT=BT,
+            k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, *chunks, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)

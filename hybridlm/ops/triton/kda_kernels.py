@@ -308,6 +308,8 @@ def _kda_chunk_bwd(
 #   own norm;
 # - the diagonal 16x16 blocks of a [BT, BT] matrix M are read as a [BT, 16] band (band[i, j] = M[i, 16 (i // 16)
 #   + j]) built once, not once per K block.
+# The cumulative log-decay b is recomputed from g wherever it is needed (a cumsum of a tile that is loaded anyway)
+# instead of being stored: 4 bytes per token, head and channel less to write, keep for the backward and read.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -430,10 +432,10 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 
 @triton.jit
 def _kda_prep_ap(
-    q, k, g, beta, Tbuf, Qg, Kd, Pb, Bc, BL, cu, chunk_seq, chunk_start, scale,
+    q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, b (Bc) and bL (BL), and
+    """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised."""
     ic = tl.program_id(0)
@@ -456,7 +458,6 @@ def _kda_prep_ap(
         krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
         b = tl.cumsum(gg, 0)  # rows past the end add 0, so the last row is bL
-        tl.store(Bc + krow, b, mask=rmask[:, None])
         tl.store(BL + (ic * HV + ihv).to(tl.int64) * K + offs, tl.sum(tl.where(rows[:, None] == BT - 1, b, 0.0), 0))
         kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
         qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
@@ -497,7 +498,7 @@ def _kda_solve(Tbuf, HV, BT: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 @triton.jit
 def _kda_prep_wu(
-    k, v, beta, Tbuf, Bc, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
+    k, v, g, beta, Tbuf, Wbuf, Ubuf, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
@@ -517,8 +518,8 @@ def _kda_prep_wu(
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        b = tl.load(Bc + krow, mask=rmask[:, None], other=0.0)
-        kb = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * (bb * rk)[:, None] * tl.exp(b)
+        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+        kb = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * (bb * rk)[:, None] * tl.exp(tl.cumsum(gg, 0))
         W = tl.dot(Tm, _op(kb, DT, LOWP), input_precision=PREC)
         tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
     for v0 in range(0, V, BV):
@@ -542,7 +543,7 @@ def _l2_bwd_blk(dx, x, r64, rmask, ihv, rx, s, HV, stride, col0, K: tl.constexpr
 
 @triton.jit
 def _kda_bwd_out_blk(
-    q, k, g, Bc, hbuf, vnbuf, do, dq, dk, dg, cu, chunk_seq, chunk_start, scale,
+    q, k, g, hbuf, vnbuf, do, dq, dk, dg, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
@@ -583,7 +584,7 @@ def _kda_bwd_out_blk(
                        DT, LOWP)
             dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        eb = tl.exp(tl.load(Bc + krow, mask=rmask[:, None], other=0.0))
+        eb = tl.exp(tl.cumsum(gg, 0))
         qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
         kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
         qq = qr * rq[:, None]
@@ -603,7 +604,7 @@ def _kda_bwd_out_blk(
 
 @triton.jit
 def _kda_bwd_state_blk(
-    k, v, g, beta, Tbuf, Bc, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, cu, chunk_seq, chunk_start,
+    k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
@@ -657,7 +658,7 @@ def _kda_bwd_state_blk(
             dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * rk[:, None]
-        eb = tl.exp(tl.load(Bc + krow, mask=rmask[:, None], other=0.0))
+        eb = tl.exp(tl.cumsum(gg, 0))
         ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
         bL = tl.load(BL + (ic * HV + ihv).to(tl.int64) * K + offs)
         # Kd = K^ e^{bL - b}; S decays by e^{bL}
