@@ -26,11 +26,11 @@ NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype a torch op under autocast casts x to (autocast on for x's device, x floating and not float64,
-    which autocast leaves alone), else None."""
+    which autocast leaves alone), else None. Devices without autocast (meta) get None."""
     dev = x.device.type
-    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return None
+    if not x.is_floating_point() or x.dtype == torch.float64 or not torch.amp.is_autocast_available(dev):
+        return None
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 class RMSNorm(nn.Module):
