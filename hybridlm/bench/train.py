@@ -256,6 +256,13 @@ class _LogCollector(logging.Handler):
 
 @contextlib.contextmanager
 def _collect_logs(name: str = "hybridlm"):
+    """The `hybridlm` log records while the block runs. The impl="auto" choices are logged once per process; they are
+    forgotten first, so this run logs its own even after other models ran in the process (pytest, say)."""
+    from hybridlm.layers import conv as _glue
+    from hybridlm.ops import recurrence as _rec
+
+    _glue._GLUE_LOGGED.clear()
+    _rec._LOGGED.clear()
     logger, handler = logging.getLogger(name), _LogCollector()
     old = logger.level
     logger.setLevel(logging.INFO)
