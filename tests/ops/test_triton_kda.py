@@ -65,8 +65,9 @@ def test_kda_forward_and_gradients_match_float64(interp_results, case):
 
 def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results):
     """The 16-bit storage and dot-operand paths (the GPU default for bf16/fp16 inputs), in fp16: the interpreter
-    runs fp16 dots correctly (not bf16 ones). fp16's unit roundoff is 4.9e-4; measured ~4e-4 relative RMS for
-    every tensor, so 1e-3 (outputs) and 2e-3 (gradients) fail any wrong operand or missing rounding step."""
+    runs fp16 dots correctly, not bf16 ones (it multiplies bf16 bit patterns: triton-lang/triton#11584). fp16's
+    unit roundoff is 4.9e-4; measured ~4e-4 relative RMS for every tensor, so 1e-3 (outputs) and 2e-3
+    (gradients) fail any wrong operand or missing rounding step."""
     case = "fp16_varlen_gva2_T150"
     res, seed = interp_results[case], interp_results["seed"]
     for name in ("o", "final_state", "o_vs_naive", "state_vs_naive"):
