@@ -237,6 +237,130 @@ def _prep_fwd(
                      mask=rmask[:, None])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# K-blocked forward prep (gdn.TUNE["prep_variant"] = "kblock"). `_prep_fwd` holds whole [BT, K] fp32 tiles of q and
+# k at once (sm_90, K=V=128 bf16, 8 warps, the launcher's alignment hints: stage 1 143 registers and 96 KB of
+# shared memory, one program per multiprocessor). Everything per key channel (Qg, Kd, W) is local to a block of BK
+# channels and everything that mixes channels is a [BT, BT] sum over them (Q K^T, K K^T), so the kernels below walk
+# K in blocks of BK columns and accumulate the sums. q and k enter those dots raw (16-bit inputs: exact products,
+# 16-bit tensor-core operands); the l2 norm enters as row/column scales 1/||x_i|| of the [BT, BT] sums, from a first
+# pass over K (`_row_inv_norms`; its rows are read again in the second pass, from cache, not HBM).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_inv_norms(x, r64, rmask, stride, col0, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                   L2: tl.constexpr):
+    """1 / ||x_i|| of the chunk's rows ([BT] fp32, as `_load_rows` normalises), by K blocks (unrolled: the loads
+    of every block can be in flight at once); ones without L2."""
+    if L2:
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for kb in tl.static_range(K // BK):
+            b_x = _load_raw(x, r64, rmask, stride, col0 + kb * BK, tl.arange(0, BK)).to(tl.float32)
+            ss += tl.sum(b_x * b_x, 1)
+        r = tl.rsqrt(ss + 1e-6)
+    else:
+        r = tl.full([BT], 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _load_raw(ptr, r64, rmask, stride, col0, offs):
+    """Rows r64 at columns col0 + offs, in the input dtype (0 past the chunk's end)."""
+    return tl.load(ptr + r64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0)
+
+
+@triton.jit
+def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+    """Stage 1 of one chunk: Qg = scale Q^ e^b and Kd = K^ e^{bL - b} (^: l2-normalised) block by block, and the
+    raw sums over K blocks Q K^T and K K^T (input-dtype operands), scaled once at the end:
+    P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} (j <= i, to Pb), A = beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}
+    (j < i, staged in Tbuf for the solve); rq, rk = 1 / row norms."""
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    s_q = rq * scale * tl.exp(gc)  # row scales of Qg and Kd
+    s_k = rk * tl.exp(gL - gc)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        b_q = _load_raw(q, r64, rmask, H * K, ih * K, offs)
+        b_k = _load_raw(k, r64, rmask, H * K, ih * K, offs)
+        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+        tl.store(Qg + krow, (b_q.to(tl.float32) * s_q[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(Kd + krow, (b_k.to(tl.float32) * s_k[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
+        b_P += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # decays e^{b_i - b_j} on and below the diagonal (the exponent is masked above it, where it could overflow)
+    incl = rows[:, None] >= rows[None, :]
+    D = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+    b_P = tl.where(incl, b_P * D * (rq * scale)[:, None] * rk[None, :], 0.0)
+    b_A = tl.where(rows[:, None] > rows[None, :], b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
+    p_TT = blk * BT * BT + rows[:, None] * BT + rows[None, :]
+    tl.store(Pb + p_TT, b_P.to(Pb.dtype.element_ty))
+    tl.store(Tbuf + p_TT, b_A)
+
+
+@triton.jit
+def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K: tl.constexpr,
+                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
+                 PREC: tl.constexpr, LOWP: tl.constexpr):
+    """Stage 3 of one chunk: W = T diag(beta rk gamma) K by K blocks, U = T diag(beta) V by V blocks (T from
+    Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands)."""
+    DT: tl.constexpr = Wbuf.dtype.element_ty
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    s_w = bb * rk * tl.exp(gc)
+    Tm_d = _op(tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        b_kb = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * s_w[:, None]
+        b_W = tl.dot(Tm_d, _op(b_kb, DT, LOWP), input_precision=PREC)
+        tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs[None, :], b_W.to(DT), mask=rmask[:, None])
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        b_vb = _load_raw(v, r64, rmask, HV * V, ihv * V, offs_v).to(tl.float32) * bb[:, None]
+        b_U = tl.dot(Tm_d, _op(b_vb, DT, LOWP), input_precision=PREC)
+        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], b_U.to(Ubuf.dtype.element_ty),
+                 mask=rmask[:, None])
+
+
+@triton.jit
+def _prep_fwd_blk(
+    q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
+):
+    """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
+    (`_prep_ap_blk`), 2 the solve T = (I + A)^{-1} in place (`_solve_ut`), 3 W, U (`_prep_wu_blk`); 0 all three
+    in one launch. LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    blk = (ic * HV + ihv).to(tl.int64)  # this chunk and head's [BT, BT] slot in Tbuf and Pb
+    if STAGE == 0 or STAGE == 1:
+        _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K, BT, BK, L2, PREC)
+    if STAGE == 0:
+        tl.debug_barrier()
+    if STAGE == 0 or STAGE == 2:
+        _solve_ut(Tbuf + blk * BT * BT, BT, INTERLEAVE)
+    if STAGE == 0:
+        tl.debug_barrier()
+    if STAGE == 0 or STAGE == 3:
+        _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2, PREC,
+                     LOWP)
+
+
 @triton.jit
 def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
     """Block pointer to the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in a
