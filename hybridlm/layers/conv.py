@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridlm.ops import causal_conv1d, causal_conv1d_update
+from hybridlm.ops.offsets import host_offsets
 
 try:  # the fused glue kernels (registers their custom ops); imported here so forward() holds no import
     from hybridlm.ops.triton import conv as tconv
@@ -83,7 +84,7 @@ class ShortConv(nn.Module):
             return y
         if cu_seqlens is None:
             return causal_conv1d(x, w, activation=self.activation)[0]
-        bounds = cu_seqlens.tolist()
+        bounds = host_offsets(cu_seqlens)
         parts = [causal_conv1d(x[:, s:e], w, activation=self.activation)[0] for s, e in zip(bounds, bounds[1:])]
         return torch.cat(parts, dim=1)
 

@@ -20,6 +20,7 @@ import torch
 from .chunk import recurrence_chunk
 from .naive import recurrence_naive
 from .norm import l2norm
+from .offsets import host_offsets
 from .validate import Dims, check_recurrence_inputs
 
 log = logging.getLogger("hybridlm.ops")
@@ -107,7 +108,7 @@ def _run(
     if cu_seqlens is None:
         o, final = core(q, k, v, g=g, beta=beta, delta=delta, state_BHKV=state, **kwargs)
     else:  # varlen: each packed sequence starts from its own state
-        bounds = cu_seqlens.tolist()
+        bounds = host_offsets(cu_seqlens)
         outs, finals = [], []
         for n in range(N):
             s, e = bounds[n], bounds[n + 1]

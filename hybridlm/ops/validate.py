@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .offsets import host_offsets
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_SIZES = (16, 32, 64, 128)
 IMPLS = ("auto", "naive", "chunk", "triton")
@@ -136,7 +138,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, B: int, T: int) -> int:
         raise ValueError(f"cu_seqlens: varlen inputs are packed into one row, expected batch B=1, got B={B}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
-    c = cu_seqlens.tolist()
+    c = host_offsets(cu_seqlens)
     if c[0] != 0:
         raise ValueError(f"cu_seqlens: expected to start at 0, got {c[0]}")
     if any(b < a for a, b in zip(c[:-1], c[1:])):

@@ -32,6 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..ops.offsets import remember_offsets
 from . import checkpoint as ckpt
 from .data import IGNORE, RowLayout, RowSampler, load_corpus, make_batch, unigram_nats
 from .errors import TrainError
@@ -220,6 +221,14 @@ def _to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | N
     return t.to(device, non_blocking=True)
 
 
+def _offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """cu_seqlens onto `device`, with its host values recorded (hybridlm.ops.offsets), so that the varlen ops of
+    every layer read them from the host copy instead of waiting for the device."""
+    if cu is None:
+        return None
+    return remember_offsets(_to_device(cu, device), cu)
+
+
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
     with _autocast(device, bf16):
         logits = model(ids, cu_seqlens=cu).logits
@@ -244,7 +253,7 @@ def evaluate(model, stream, args, dist: Dist, device, bf16, layout: RowLayout | 
         b = make_batch(stream, per_rank[dist.rank][i : i + eb], T)
         n_calls = max(layout.n_calls(rows[i : i + eb], args.packing) for rows in per_rank)
         for ids, tg, cu in _forward_calls(b, args.packing, n_calls):
-            ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _to_device(cu, device)
+            ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _offsets_to_device(cu, device)
             tot[0] += _loss_sum(model, ids, tg, cu, device, bf16).double()
             tot[1] += (tg != IGNORE).sum()
     all_reduce_sum(tot, dist)
@@ -531,7 +540,7 @@ def train(args) -> dict:
         try:
             for b, nc in zip(batches, n_calls):
                 for ids, tg, cu in _forward_calls(b, args.packing, nc):
-                    ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _to_device(cu, device)
+                    ids, tg, cu = _to_device(ids, device), _to_device(tg, device), _offsets_to_device(cu, device)
                     loss = _loss_sum(fwd_model, ids, tg, cu, device, bf16)
                     # FSDP averages gradients over ranks: scale by the world size so that the gradient is the
                     # global token mean, as on one process (the same norm, so the same clipping)

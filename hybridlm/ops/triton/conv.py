@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..offsets import host_offsets
 from .gdn_kernels import _patch_interpreter_index
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -259,8 +260,8 @@ def _layout(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Ten
     B, T, _ = x.shape
     if cu_seqlens is None:
         return torch.arange(0, (B + 1) * T, max(T, 1), device=x.device, dtype=torch.int32)[: B + 1], B, T
+    bounds = host_offsets(cu_seqlens)  # one host sync per offsets tensor (hybridlm.ops.offsets), none if registered
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-    bounds = cu.tolist()  # one host sync, as the reference's per-document loop
     if bounds[0] != 0 or bounds[-1] != T or any(e < s for s, e in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {bounds}")
     return cu, len(bounds) - 1, max(e - s for s, e in zip(bounds, bounds[1:]))

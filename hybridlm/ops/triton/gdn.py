@@ -21,6 +21,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..offsets import host_offsets
 from . import gdn_kernels as kern
 
 SUPPORTED_DIMS = (64, 128, 256)
@@ -46,11 +47,18 @@ BT_CHOICES = (64, 32, 16)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "statefirst", "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
-        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None}
+        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
+        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
 #   prep_lowp: 16-bit operands for the prep's dots (Q K^T, K K^T, T K, T V; T is still solved in fp32)
+# prep_variant: "kblock" (`_prep_fwd_blk`: K walked in blocks of prep_bk columns, Q K^T and K K^T on the raw
+#   inputs with the l2 norm as row/column scales; prep_lowp then applies to T K and T V only) or "whole"
+#   (`_prep_fwd`: whole [BT, K] fp32 tiles). sm_90 compile, K=V=128 bf16, 8 warps, launcher's alignment hints:
+#   stage 1 143 -> 101 registers (85 at bk 32) and 96 -> 16 KB of shared memory, stage 3 76 -> 62, the one-launch
+#   prep 255 regs + 112 B of stack -> 170 regs, no stack; no spills anywhere. prep_stages: num_stages of the prep's
+#   launches (2 lets Triton pipeline the K-block loads; sm_90: stage 1 96 regs, stage 3 64, no spills)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -149,7 +157,7 @@ def layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev) -> Lay
 def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
-    return [int(x) for x in cu_seqlens.tolist()]
+    return host_offsets(cu_seqlens)
 
 
 def _recur_bv(K: int, V: int, programs: int, dev) -> int:
@@ -201,12 +209,13 @@ def _fwd_impl(
     if nc > 0:
         stages = ((1, TUNE["prep_warps"] or 8), (2, TUNE["solve_warps"]), (3, TUNE["prep_warps"] or 8)) \
             if TUNE["prep_split"] else ((0, TUNE["prep_warps"] or 8),)
+        fn, extra = _prep_kernel(K)
         for stage, warps in stages:
-            kern._prep_fwd[(nc, HV)](
+            fn[(nc, HV)](
                 q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
-                num_stages=1,
+                num_stages=TUNE["prep_stages"], **extra,
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
@@ -224,6 +233,19 @@ def _fwd_impl(
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
         Qg, Kd, Pb = (q.new_empty(0, dtype=sd) for _ in range(3))  # distinct: custom-op outputs may not alias
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
+
+
+def _prep_kernel(K: int):
+    """The prep kernel of TUNE["prep_variant"] and its extra launch arguments (the K-blocked one's key-channel
+    block: TUNE["prep_bk"], at most K)."""
+    if TUNE["prep_variant"] == "whole":
+        return kern._prep_fwd, {}
+    if TUNE["prep_variant"] != "kblock":
+        raise ValueError(f"TUNE['prep_variant']: expected 'kblock' or 'whole', got {TUNE['prep_variant']!r}")
+    bk = min(TUNE["prep_bk"], K)
+    if bk not in (16, 32, 64, 128, 256) or K % bk:
+        raise ValueError(f"TUNE['prep_bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['prep_bk']}")
+    return kern._prep_fwd_blk, dict(BK=bk)
 
 
 def _output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
