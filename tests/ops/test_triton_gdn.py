@@ -9,7 +9,8 @@ Tolerance (relative RMS vs float64): 1e-5 for o and final state, 3e-5 for every 
 1.2e-5 worst seen for dg at beta up to 2; PyTorch's fp32 chunk path gave 2.3e-6 on that input).
 Every chunk-backward launch plan (state-first with the UT dots in either launch, the two-phase plan) runs at 4 chunks
 with GVA, at varlen, and with fp16 inputs (the 16-bit path; 1e-3 for o/state, 2e-3 for gradients), with the other
-plans' kernels blocked so a silent fallback fails.
+plans' kernels blocked so a silent fallback fails. So does each forward prep plan (K-blocked: GVA at 4 chunks,
+varlen without l2norm, fp16, one launch at four key blocks; the whole-K kernel at 4 chunks).
 Fake kernels: the custom ops trace under FakeTensorMode without running a kernel.
 GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scripts/gpu_check_gdn.py.
 """
@@ -77,6 +78,19 @@ def test_backward_launch_plans_match_float64(interp_results, plan, shape):
     res = interp_results[f"plan_{plan}_{shape}"]
     for name, tol in (PLAN_TOL_FP16 if shape.startswith("fp16") else PLAN_TOL).items():
         assert res[name] <= tol, f"{plan} {shape} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
+
+
+# the forward prep plans (gdn.TUNE prep_variant), the other plan's kernel blocked: K-blocked (default) at several
+# chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once
+PREP_CASES = ["prep_kblock_bk32_gva2_T200", "prep_kblock_bk32_varlen_nol2", "prep_kblock_bk32_fp16_varlen_gva2_T150",
+              "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200"]
+
+
+@pytest.mark.parametrize("case", PREP_CASES)
+def test_prep_plans_match_float64(interp_results, case):
+    res = interp_results[case]
+    for name, tol in (PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL).items():
+        assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
 @pytest.mark.parametrize("case", ["no_grad_prefill", "inline_output_no_grad"])

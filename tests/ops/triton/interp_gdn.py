@@ -84,7 +84,7 @@ class _Blocked:
 
 
 def plan_case(gen, tune: dict, blocked: tuple[str, ...], **kw):
-    """run_case under the backward launch plan `tune`, with the kernels of the other plans blocked (so the case
+    """run_case under the launch plan `tune`, with the kernels of the other plans blocked (so the case
     fails if the settings silently fall back to another plan); restores TUNE and the kernels afterwards."""
     from hybridlm.ops.triton import gdn_kernels as kern
 
@@ -179,6 +179,23 @@ def main() -> int:
         # fp16); the interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not
         res[f"plan_{plan}_fp16_varlen_gva2_T150"] = plan_case(gen, tune, blocked, B=1, T=150, H=1, HV=2, K=64, V=64,
                                                               l2=True, h0=True, cu=[0, 15, 150], dtype=torch.float16)
+    # the forward prep plans (gdn.TUNE prep_variant), each with the other plan's kernel blocked: K-blocked (the
+    # default) at 4 chunks with GVA 2 (two key blocks of 32), at varlen without the l2norm, with fp16 inputs (the
+    # 16-bit dot operands of the raw q, k), in one launch at four key blocks of 16; the whole-K kernel at 4 chunks
+    kb, whole = ("_prep_fwd",), ("_prep_fwd_blk",)
+    res["prep_kblock_bk32_gva2_T200"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1, T=200,
+                                                  H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["prep_kblock_bk32_varlen_nol2"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1, T=280,
+                                                    H=2, HV=2, K=64, V=64, l2=False, h0=True,
+                                                    cu=[0, 1, 16, 80, 150, 280])
+    res["prep_kblock_bk32_fp16_varlen_gva2_T150"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1,
+                                                              T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                              cu=[0, 15, 150], dtype=torch.float16)
+    res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=16,
+                                                                  prep_split=False), kb, B=1, T=130, H=1, HV=2,
+                                                        K=64, V=64, l2=True, h0=True)
+    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole"), whole, B=1, T=200, H=1, HV=2, K=64,
+                                            V=128, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     print("RESULT " + json.dumps(res))
     return 0
