@@ -95,11 +95,15 @@ def main(argv=None) -> int:
         return row
 
     # fwd_split_o: the output in its own parallel kernel; prep_split: the prep as three launches; solve_interleave:
-    # the four diagonal inversions in one loop; prep_lowp: 16-bit operands for the prep's dots
-    default = dict(fwd_split_o=True, prep_split=True, solve_interleave=False, prep_lowp=False, fwd_bv=None)
-    fwd_grid = [default, dict(default, solve_interleave=True), dict(default, prep_split=False),
-                dict(default, prep_lowp=True), dict(default, solve_interleave=True, prep_lowp=True),
-                dict(default, fwd_split_o=False), dict(default, fwd_bv=64), dict(default, solve_warps=8)]
+    # the four diagonal inversions in one loop; prep_lowp: 16-bit operands for the prep's dots; prep_variant: the
+    # whole-K prep (the default measured on 2026-11-23, first) or the K-blocked one (prep_bk key channels a block)
+    default = dict(fwd_split_o=True, prep_split=True, solve_interleave=True, prep_lowp=False, fwd_bv=None,
+                   prep_variant="whole")
+    kb = dict(default, prep_variant="kblock", prep_bk=64)
+    fwd_grid = [default, kb, dict(kb, prep_bk=32), dict(kb, prep_split=False), dict(kb, prep_lowp=True),
+                dict(kb, prep_stages=2), dict(kb, prep_warps=4), dict(default, solve_interleave=False),
+                dict(default, prep_split=False), dict(default, prep_lowp=True), dict(kb, fwd_split_o=False),
+                dict(kb, fwd_bv=64), dict(kb, solve_warps=8)]
     t_fwd = time.time()  # the reference run above compiled the fp32 kernels: the sweep's own budget starts now
     best_f = None
     for s in [{}] if args.bwd_only else fwd_grid:  # {}: the built-in forward settings
