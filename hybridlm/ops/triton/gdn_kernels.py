@@ -7,7 +7,7 @@ index of sequence n's first chunk. Value head hv reads key head hv // G (GVA).
 
 Per chunk (b = cumsum of g inside the chunk, gamma = e^b, bL = b at the chunk's last token):
     A = strict_lower(diag(beta) K K^T * e^{b_i - b_j}),   T = (I + A)^{-1}     (forward substitution)
-    W = T diag(beta gamma) K,   U = T diag(beta) V                               (kernel `_prep_fwd`)
+    W = T diag(beta gamma) K,   U = T diag(beta) V              (kernels `_prep_fwd`, K-blocked `_prep_fwd_blk`)
     Vn = U - W S,   O = diag(gamma) Q S + (Q K^T * e^{b_i - b_j}, j <= i) Vn     (kernel `_recur_fwd`)
     S' = e^{bL} S + (K * e^{bL - b})^T Vn
 Backward: `_recur_bwd` runs the state-gradient recurrence in reverse (dVn, dS per chunk), `_chunk_bwd` turns
