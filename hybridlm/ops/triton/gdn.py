@@ -209,7 +209,7 @@ def _fwd_impl(
     if nc > 0:
         stages = ((1, TUNE["prep_warps"] or 8), (2, TUNE["solve_warps"]), (3, TUNE["prep_warps"] or 8)) \
             if TUNE["prep_split"] else ((0, TUNE["prep_warps"] or 8),)
-        fn, extra = _prep_kernel(K)
+        fn, extra = _prep_kernel(K, q.dtype)
         for stage, warps in stages:
             fn[(nc, HV)](
                 q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
@@ -235,9 +235,10 @@ def _fwd_impl(
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
 
 
-def _prep_kernel(K: int):
+def _prep_kernel(K: int, dtype: torch.dtype):
     """The prep kernel of TUNE["prep_variant"] and its extra launch arguments (the K-blocked one's key-channel
-    block: TUNE["prep_bk"], at most K)."""
+    block: TUNE["prep_bk"], at most K, and at most 32 for fp32 inputs: their IEEE fp32 dots spill at 64, sm_90
+    K=V=128 8 warps: 40 and 168 B of stack in stages 1 and 3, none at 32)."""
     if TUNE["prep_variant"] == "whole":
         return kern._prep_fwd, {}
     if TUNE["prep_variant"] != "kblock":
@@ -245,7 +246,7 @@ def _prep_kernel(K: int):
     bk = min(TUNE["prep_bk"], K)
     if bk not in (16, 32, 64, 128, 256) or K % bk:
         raise ValueError(f"TUNE['prep_bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['prep_bk']}")
-    return kern._prep_fwd_blk, dict(BK=bk)
+    return kern._prep_fwd_blk, dict(BK=min(bk, 32) if dtype == torch.float32 else bk)
 
 
 def _output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
