@@ -4,9 +4,11 @@ CPU (CI): GatedDeltaNet (layouts split / fused / olmo with beta_scale 2 and a pa
 KimiDeltaAttention (W = 4, and W = 3 varlen) with impl="triton" run the fused glue under TRITON_INTERPRET=1 in a
 child process (tests/ops/triton/interp_glue.py layers); the recurrence is forced to the PyTorch "chunk" path in
 both runs so that only the glue differs. float32, tolerance 1e-5 relative L2 on the output, dx and every
-parameter gradient (measured ~3e-7), 5e-5 on dA_log / ddt_bias (a few numbers, each a sum over every token and
-channel with cancellation: 6e-6 seen); prefill + decode steps through a LinearState: outputs 1e-5, conv state
-exact, recurrent state 1e-5; the glue calls of the GDN layer under torch.compile(fullgraph=True, aot_eager).
+parameter gradient (measured ~3e-7); dA_log / ddt_bias (a few numbers, each a sum over every token and channel
+that can cancel to 1e-4 of its terms) within 1e-5 of ||G|| * ||dg/dtheta|| instead of their own norm (G = dL/dg:
+the most that a G within 1e-5 can move them; interp_glue._gate_scales); prefill + decode steps through a
+LinearState: outputs 1e-5, conv state exact, recurrent state 1e-5; the glue calls of the GDN layer under
+torch.compile(fullgraph=True, aot_eager).
 In-process: impl "auto" on CPU, "naive" and "chunk" keep the reference glue (the default CPU path is unchanged).
 CUDA: the same comparison in bfloat16 (skipped without CUDA).
 """
@@ -26,18 +28,26 @@ import torch
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-TOL, TOL_SUM = 1e-5, 5e-5
-SUMS = ("dA_log", "ddt_bias")
+TOL = 1e-5
+
+
+def _interp(which: str) -> dict:
+    """Run interp_glue.py `which` on a fresh seed, drawn here so that every failure names it (rerun with
+    `python tests/ops/triton/interp_glue.py WHICH SEED`)."""
+    seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "ops" / "triton" / "interp_glue.py"), which, str(seed)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, f"interp_glue.py {which} {seed}: exit {r.returncode}\n{r.stderr[-4000:]}"
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT "):])
+    assert res["seed"] == seed
+    return res
 
 
 @pytest.fixture(scope="module")
 def interp_layers():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "ops" / "triton" / "interp_glue.py"), "layers"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return _interp("layers")
 
 
 @pytest.mark.parametrize("case", ["gdn_split_B2_T20", "gdn_fused_varlen", "gdn_olmo_beta2_mask", "kda_B2_T17",
@@ -45,9 +55,8 @@ def interp_layers():
 def test_fused_glue_equals_reference_glue(interp_layers, case):
     res, seed = interp_layers[case], interp_layers["seed"]
     assert "y" in res and "dx" in res and "dconv1d.weight" in res and "dA_log" in res and len(res) >= 9
-    for name, err in res.items():
-        tol = TOL_SUM if name in SUMS else TOL
-        assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
+    for name, err in res.items():  # dA_log / ddt_bias: relative to ||G|| * ||dg/dtheta||, see the module doc
+        assert err <= TOL, f"{case} {name}: rel {err:.3g} > {TOL} (seed {seed})"
 
 
 @pytest.mark.parametrize("kind", ["zero_centered", "llama", "fp32_weight"])
@@ -62,8 +71,8 @@ def test_rmsnorm_module_fused_equals_reference(interp_layers, kind):
 @pytest.mark.parametrize("case", ["gdn_decode", "kda_decode"])
 def test_fused_glue_decode_equals_reference(interp_layers, case):
     res = interp_layers[case]
-    assert res["conv_state"] == 0.0, res
-    assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, res
+    assert res["conv_state"] == 0.0, (res, interp_layers["seed"])
+    assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, (res, interp_layers["seed"])
 
 
 def test_fused_glue_traces_fullgraph(interp_layers):
@@ -71,7 +80,7 @@ def test_fused_glue_traces_fullgraph(interp_layers):
     res = interp_layers["gdn_glue_compiled"]
     assert {"conv", "g", "beta", "norm", "dqkv", "dA_log", "dconv1d.weight", "dnorm.weight"} <= set(res)
     for name, err in res.items():
-        assert err <= TOL, f"compiled {name}: rel {err:.3g}"
+        assert err <= TOL, f"compiled {name}: rel {err:.3g} (seed {interp_layers['seed']})"
 
 
 def test_reference_glue_unless_triton_resolves():
@@ -126,26 +135,24 @@ def test_gpu_bf16_fused_glue_equals_reference(kind, monkeypatch):
 
 @pytest.fixture(scope="module")
 def interp_full():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "ops" / "triton" / "interp_glue.py"), "full"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return _interp("full")
 
 
 @pytest.mark.parametrize("case", ["full_gdn_split_B2_T70", "full_gdn_olmo_varlen", "full_kda_B2_T66"])
 def test_whole_layer_on_triton_equals_float64_reference_layer(interp_full, case):
     """GatedDeltaNet (split; olmo with beta up to 2 and varlen) and KimiDeltaAttention entirely on the Triton
     kernels (glue and recurrence, float32, head dim 64, T across a chunk edge) vs the same layer on the PyTorch
-    reference path in float64: output, dx and every parameter gradient within 1e-5 relative (measured <= 2.3e-6);
-    dA_log / ddt_bias, a few numbers each summed over every token and channel with cancellation, within 1e-4
-    (measured <= 2.5e-5)."""
+    reference path in float64: output, dx and every parameter gradient within 1e-5 relative (gdn_olmo over 400
+    seeds <= 3.2e-6, except da_proj.weight, which carries G = dL/dg: p99 4.3e-6, and 1.2e-5 at seed 294, over the
+    bar, where a float32 PyTorch layer is at 6.1e-6; G is a cancelling sum too).
+    dA_log / ddt_bias, a few numbers each summed over every token and channel, within 1e-5 of ||G|| * ||dg/dtheta||
+    (G = dL/dg; interp_glue._gate_scales), not of their own norm: the sums can cancel (|sum| down to 7e-5 of
+    sum |terms|), and relative to itself the old 1e-4 bar failed 13 of 400 gdn_olmo seeds on the kernels and 15 on
+    a float32 PyTorch layer (worst 1.6e-2 / 1.7e-3, seed 112); against ||G|| * ||dg/dtheta|| both <= 8e-6."""
     res, seed = interp_full[case], interp_full["seed"]
     assert "y" in res and "dx" in res and "dA_log" in res and len(res) >= 9
     for name, err in res.items():
-        tol = 1e-4 if name in SUMS else TOL
-        assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
+        assert err <= TOL, f"{case} {name}: rel {err:.3g} > {TOL} (seed {seed})"
 
 
 @pytest.mark.parametrize("case", ["full_gdn_decode", "full_kda_decode"])
@@ -153,5 +160,5 @@ def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
     """Prefill on the chunk kernels, then single-token steps on the fused decode kernels (the cache's state
     updated in place) vs the reference layer (float32): outputs and states within 1e-5, conv state exact."""
     res = interp_full[case]
-    assert res["conv_state"] == 0.0, res
-    assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, res
+    assert res["conv_state"] == 0.0, (res, interp_full["seed"])
+    assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, (res, interp_full["seed"])
