@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-bv", type=int, default=64, help="V block of the chunk backward")
     ap.add_argument("--sf-bv", default="32,64", help="V blocks of the state-first chunk backward to compile")
     ap.add_argument("--warps", default="4,8", help="num_warps values to try")
-    ap.add_argument("--gdn-bk", default="32,64", help="key-channel blocks of the K-blocked GDN prep to try")
+    ap.add_argument("--gdn-bk", default="32,64", help="key-channel blocks of the K-blocked GDN prep and chunk "
+                    "backward to try")
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
     ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
@@ -131,6 +132,18 @@ def main(argv=None) -> int:
             kern._chunk_bwd_out, dict(q=dt, k=dt, g="fp32", beta=dt, hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt,
                                       dkp="fp32", dg="fp32", dKKbuf=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=bv, LOWP=lowp, UT_DOTS=ut), 1)
+    # the K-blocked state-first plan (TUNE bwd_variant "kblock"): both launches at each key-channel block and V block
+    for bk, bv in ((int(bk), int(bv)) for bk in args.gdn_bk.split(",") for bv in args.sf_bv.split(",")):
+        tag = f"bk {bk}, BV {bv}"
+        jobs[f"_chunk_bwd_state_blk({tag})"] = (
+            kern._chunk_bwd_state_blk, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
+                                            dvnbuf=sd, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", dKKbuf=sd,
+                                            dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
+            dict(H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1)
+        jobs[f"_chunk_bwd_out_blk({tag})"] = (
+            kern._chunk_bwd_out_blk, dict(q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32",
+                                          dg="fp32", dKKbuf=sd, dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1)
     from hybridlm.ops.triton import kda_kernels as kk
 
     jobs["_kda_prep_fwd"] = (kk._kda_prep_fwd, dict(prep_ptrs, Bc="fp32", BL="fp32"), prep_ints,

@@ -48,7 +48,7 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "statefirst", "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
-        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1}
+        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_bk": 64}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -340,7 +340,14 @@ def _bwd_impl(
     dv = _out((B, T, HV, V), q, v.dtype)
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
-    if nc > 0 and TUNE["bwd_variant"] == "statefirst":
+    variant = TUNE["bwd_variant"]
+    if variant not in ("kblock", "statefirst", "twophase", "onephase"):
+        raise ValueError(f"TUNE['bwd_variant']: expected 'kblock', 'statefirst', 'twophase' or 'onephase', "
+                         f"got {variant!r}")
+    if nc > 0 and variant == "kblock":
+        _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale,
+                          H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
+    elif nc > 0 and variant == "statefirst":
         _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale,
                               H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
     elif nc > 0:
@@ -380,6 +387,33 @@ def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dk
         q, k, g, beta, hb, vn, do, dq, dk, dkp, dg, dkk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
         num_warps=TUNE["bwd_out_warps"] or warps, **common,
     )
+
+
+def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,
+                      scale: float, H: int, HV: int, K: int, V: int, BT: int, l2: bool, prec: str,
+                      lowp: bool) -> None:
+    """The state-first chunk backward walking K in blocks of `_bwd_bk` channels: `_chunk_bwd_state_blk` (dv,
+    dbeta final; dk's part in dkp, dg's per-row part in dg, dKK + dKK^T parked [BT, BT], with l2norm the l2
+    backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg)."""
+    dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
+    dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K, q.dtype), BV=min(TUNE["bwd_bv"] or 64, V), L2=l2,
+                  PREC=prec, LOWP=lowp, num_stages=1)
+    warps = TUNE["bwd_warps"] or 8
+    chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
+    kern._chunk_bwd_state_blk[(lay.nc, HV)](
+        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, num_warps=warps, **common)
+    kern._chunk_bwd_out_blk[(lay.nc, HV)](
+        q, k, g, hb, vn, do, dq, dk, dkp, dg, dkk, dsk, *chunks, scale, num_warps=TUNE["bwd_out_warps"] or warps,
+        **common)
+
+
+def _bwd_bk(K: int, dtype: torch.dtype) -> int:
+    """Key-channel block of the K-blocked chunk backward: TUNE["bwd_bk"], at most K."""
+    bk = min(TUNE["bwd_bk"], K)
+    if bk not in (16, 32, 64, 128, 256) or K % bk:
+        raise ValueError(f"TUNE['bwd_bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['bwd_bk']}")
+    return bk
 
 
 def _state_first_bv(K: int, ut_dots: bool) -> int:
