@@ -1,6 +1,8 @@
 """Triton kernels of Kimi Delta Attention (the gated delta rule with one log-decay per key channel): the
-chunk-local forward work. The sequential state sweep and the decode step are the GDN kernels with CHANNEL=True
-(`gdn_kernels._recur_fwd`, `gdn_kernels._decode_step`).
+chunk-local work of the forward and the backward, in two plans (`kda.TUNE["variant"]`): the whole-K kernels
+(`_kda_prep_fwd`, `_kda_chunk_bwd`: [BT, K] tiles) and, below them, the K-blocked ones (the default). The
+sequential state sweeps, the output kernel and the decode step are the GDN kernels with CHANNEL=True
+(`gdn_kernels._recur_fwd`, `_recur_bwd`, `_out_fwd`, `_decode_step`).
 
 Non-standard here: with per-channel decay, A_ij = beta_i sum_d k_id k_jd e^{b_id - b_jd} is not a matmul
 times a [BT, BT] decay matrix. As in the PyTorch reference (ops/chunk.py `_masked_products`) the chunk is cut
