@@ -29,13 +29,17 @@ TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 
 
-def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=()):
+def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=None):
     """div16: argument names the launcher would specialise as multiples of 16 (pointers from torch allocations,
     ints like H = 16): without that hint the loads and stores are not vectorised (one 64-bit address per element,
-    so far more registers than a real launch uses)."""
+    so far more registers than a real launch uses). maxnreg: the launch option of that name (ptxas' register cap
+    per thread; None: ptxas takes up to 255 at 8 warps, whatever the occupancy)."""
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(src, target=TARGET, options=opts)
     res = {"shared": k.metadata.shared}
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.cubin")
@@ -63,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gdn-bk", default="32,64", help="key-channel blocks of the K-blocked GDN prep and chunk "
                     "backward to try")
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
+    ap.add_argument("--maxnreg", type=int, default=128, help="register cap of the capped K-blocked chunk-backward "
+                    "jobs (gdn.TUNE bwd_maxnreg)")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
     ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
                     "16: divisibility hint, as Triton's launcher specialises ints)")
@@ -132,18 +138,20 @@ def main(argv=None) -> int:
             kern._chunk_bwd_out, dict(q=dt, k=dt, g="fp32", beta=dt, hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt,
                                       dkp="fp32", dg="fp32", dKKbuf=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=bv, LOWP=lowp, UT_DOTS=ut), 1)
-    # the K-blocked state-first plan (TUNE bwd_variant "kblock"): both launches at each key-channel block and V block
-    for bk, bv in ((int(bk), int(bv)) for bk in args.gdn_bk.split(",") for bv in args.sf_bv.split(",")):
-        tag = f"bk {bk}, BV {bv}"
+    # the K-blocked state-first plan (TUNE bwd_variant "kblock"): both launches at each key-channel block and V block,
+    # with ptxas free (up to 255 registers at 8 warps) and capped as the host launches them (TUNE bwd_maxnreg)
+    for bk, bv, cap in ((int(bk), int(bv), cap) for bk in args.gdn_bk.split(",") for bv in args.sf_bv.split(",")
+                        for cap in (None, args.maxnreg)):
+        tag = f"bk {bk}, BV {bv}{f', maxnreg {cap}' if cap else ''}"
         jobs[f"_chunk_bwd_state_blk({tag})"] = (
             kern._chunk_bwd_state_blk, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
                                             dvnbuf=sd, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", dKKbuf=sd,
                                             dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
-            dict(H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1)
+            dict(H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1, cap)
         jobs[f"_chunk_bwd_out_blk({tag})"] = (
             kern._chunk_bwd_out_blk, dict(q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32",
                                           dg="fp32", dKKbuf=sd, dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
-            dict(scale="fp32", H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1)
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1, cap)
     from hybridlm.ops.triton import kda_kernels as kk
 
     jobs["_kda_prep_fwd"] = (kk._kda_prep_fwd, dict(prep_ptrs, Bc="fp32", BL="fp32"), prep_ints,
@@ -177,7 +185,7 @@ def main(argv=None) -> int:
     heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}, "
           f"H,HV={args.heads}, {'no ' if args.no_align else ''}pointer alignment hint")
-    for name, (fn, ptrs, ints, cx, stages) in jobs.items():
+    for name, (fn, ptrs, ints, cx, stages, *cap) in jobs.items():
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
             continue
         for w in (int(x) for x in args.warps.split(",")):
@@ -198,7 +206,7 @@ def main(argv=None) -> int:
                 else:
                     sig[n] = "constexpr"
             try:
-                r = compile_one(fn, sig, consts, w, stages, div16)
+                r = compile_one(fn, sig, consts, w, stages, div16, *cap)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
                 print(f"{name:42} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")

@@ -965,10 +965,10 @@ def _chunk_bwd_out(
 
 
 @triton.jit
-def _bwd_u_blk(v, dvnbuf, dv, Tm_d, bb, r64, rmask, ihv, HV, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+def _bwd_u_blk(v, dvnbuf, dv, Tt_d, bb, r64, rmask, ihv, HV, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                PREC: tl.constexpr, LOWP: tl.constexpr):
-    """The paths through U = T diag(beta) V, over V blocks: stores dv = diag(beta) T^T dVn; returns
-    dT = dVn (diag(beta) V)^T and beta's gradient through U."""
+    """The paths through U = T diag(beta) V, over V blocks (Tt_d: T^T as a dot operand): stores
+    dv = diag(beta) T^T dVn; returns dT = dVn (diag(beta) V)^T and beta's gradient through U."""
     DT: tl.constexpr = dvnbuf.dtype.element_ty
     dT = tl.zeros([BT, BT], dtype=tl.float32)
     db = tl.zeros([BT], dtype=tl.float32)
@@ -977,33 +977,45 @@ def _bwd_u_blk(v, dvnbuf, dv, Tm_d, bb, r64, rmask, ihv, HV, V: tl.constexpr, BT
         dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
         vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
         dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
-        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
+        dVb = tl.dot(Tt_d, dvn_d, input_precision=PREC)
         tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
         db += tl.sum(vv * dVb, 1)
     return dT, db
 
 
 @triton.jit
-def _bwd_kd_w_blk(hbuf, dhbuf, vnbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
-    """For the key channels offs, over V blocks: dKd = Vn dS'^T and dW = -dVn S^T [BT, BK], and the channels'
-    sum of S * dS' [BK] (the state's decay)."""
+def _bwd_kd_blk(hbuf, dhbuf, vnbuf, hb, r64, rmask, ihv, HV, offs, V: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """For the key channels offs, over V blocks: dKd = Vn dS'^T [BT, BK] (the state write's read of Kd) and the
+    channels' sum of S * dS' [BK] (the state's decay)."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     dKd = tl.zeros([BT, BK], dtype=tl.float32)
-    dW = tl.zeros([BT, BK], dtype=tl.float32)
     dss = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         s_off = hb + offs[:, None] * V + offs_v[None, :]
-        vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
         S = tl.load(hbuf + s_off)
         dSn = tl.load(dhbuf + s_off)
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
+        vn_d = _op(tl.load(vnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None], other=0.0),
+                   DT, LOWP)
         dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
-        dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
         dss += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
-    return dKd, dW, dss
+    return dKd, dss
+
+
+@triton.jit
+def _bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """dW = -dVn S^T [BT, BK] for the key channels offs (Vn = U - W S), over V blocks."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    dW = tl.zeros([BT, BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        S_d = _op(tl.load(hbuf + hb + offs[:, None] * V + offs_v[None, :]), DT, LOWP)
+        dvn_d = _op(tl.load(dvnbuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None],
+                            other=0.0), DT, LOWP)
+        dW -= tl.dot(dvn_d, tl.trans(S_d), input_precision=PREC)
+    return dW
 
 
 @triton.jit
@@ -1056,49 +1068,57 @@ def _chunk_bwd_state_blk(
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
-    p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
-    hb = (ic * HV + ihv).to(tl.int64) * K * V
+    blk = (ic * HV + ihv).to(tl.int64)
+    hb = blk * K * V
     gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    Tm_d = _op(tl.load(Tbuf + p_TT), DT, LOWP)
+    # T enters every dot transposed: loaded as T^T (a plain operand, no transposed copy held through the loops)
+    Tt_d = _op(tl.load(Tbuf + blk * BT * BT + rows[None, :] * BT + rows[:, None]), DT, LOWP)
     # 1. U = T diag(beta) V
-    dT, db = _bwd_u_blk(v, dvnbuf, dv, Tm_d, bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
-    # 2. per K block: Kd = K^ e^{bL - b} (S decays by e^{bL}) and W = T Kb, Kb = diag(beta gamma) K^
+    dT, db = _bwd_u_blk(v, dvnbuf, dv, Tt_d, bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
+    # 2a. per K block, Kd = K^ e^{bL - b} and S's decay e^{bL}: dk's part to dkp
     ed = tl.exp(gL - gc)
-    gam = tl.exp(gc)
-    bg = bb * gam
-    KK = tl.zeros([BT, BT], dtype=tl.float32)
     r = tl.zeros([BT], dtype=tl.float32)
-    t = tl.zeros([BT], dtype=tl.float32)
     dss = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
-        dKd, dW, dss_b = _bwd_kd_w_blk(hbuf, dhbuf, vnbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV,
-                                       PREC, LOWP)
+        dKd, dss_b = _bwd_kd_blk(hbuf, dhbuf, vnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
         dss += dss_b
-        b_k = _load_raw(k, r64, rmask, H * K, ih * K, offs)
-        KK += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-        kk = b_k.to(tl.float32) * rk[:, None]
+        kk = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * rk[:, None]
         r += tl.sum(kk * dKd, 1)
-        dW_d = _op(dW, DT, LOWP)
+        tl.store(dkp + (r64[:, None] * HV + ihv) * K + offs[None, :], dKd * ed[:, None], mask=rmask[:, None])
+    # 2b. per K block, W = T Kb with Kb = diag(beta gamma) K^: dT += dW Kb^T, dk's part added to dkp (its own
+    # block of 2a, back from cache). Two K walks instead of one: each holds one [BT, BK] accumulator
+    gam = tl.exp(gc)
+    bg = bb * gam
+    t = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        dW_d = _op(_bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP), DT, LOWP)
+        kk = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * rk[:, None]
         dT += tl.dot(dW_d, tl.trans(_op(kk * bg[:, None], DT, LOWP)), input_precision=PREC)
-        dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+        dKb = tl.dot(Tt_d, dW_d, input_precision=PREC)
         t += tl.sum(kk * dKb, 1)
-        tl.store(dkp + (r64[:, None] * HV + ihv) * K + offs[None, :], dKd * ed[:, None] + dKb * bg[:, None],
-                 mask=rmask[:, None])
+        p_dk = dkp + (r64[:, None] * HV + ihv) * K + offs[None, :]
+        tl.store(p_dk, tl.load(p_dk, mask=rmask[:, None], other=0.0) + dKb * bg[:, None], mask=rmask[:, None])
     r = r * ed
     dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dss, 0)
     db += t * gam
     dgc = tl.where(rows == nval - 1, dgL, 0.0) - r + t * bg
-    # 3. T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K^ K^^T e^{b_i - b_j})
-    dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
-                 input_precision=PREC)
+    # 3. T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K^ K^^T e^{b_i - b_j}),
+    # K K^T summed over K blocks on the raw rows (after the loops, which then hold no [BT, BT] sum of their own)
+    dA = -tl.dot(_op(tl.dot(Tt_d, _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), Tt_d, input_precision=PREC)
     strict = rows[:, None] > rows[None, :]
     dAG = tl.where(strict, dA * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        b_k = _load_raw(k, r64, rmask, H * K, ih * K, k0 + tl.arange(0, BK))
+        KK += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     RA = dAG * KK * rk[:, None] * rk[None, :]
     db += tl.sum(RA, 1)
-    RA = RA * bb[:, None]  # = dKK * K^K^^T, dKK = dAG diag(beta) (A's gradient in K^ K^^T)
+    RA = RA * bb[:, None]  # = dKK * K^K^^T, dKK = diag(beta) dAG (A's gradient in K^ K^^T)
     dKK = dAG * bb[:, None]
+    p_TT = blk * BT * BT + rows[:, None] * BT + rows[None, :]
     tl.store(dKKbuf + p_TT, (dKK + tl.trans(dKK)).to(dKKbuf.dtype.element_ty))
     dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
     if L2:  # sum_d k^_id dk^_id of this launch's parts (Kd, W, A), for the l2 norm's backward in the output launch
@@ -1116,9 +1136,9 @@ def _chunk_bwd_out_blk(
 ):
     """The K-blocked `_chunk_bwd_out`: the output's paths O = diag(scale gamma) Q^ S + P Vn,
     P = scale (Q^ K^^T) e^{b_i - b_j} (j <= i), and the finish of `_chunk_bwd_state_blk`'s dk (dkp, dKK + dKK^T,
-    the l2 norm's backward) and dg (reverse cumsum). dP = dO Vn^T once; then K twice: pass 1 sums Q K^T (raw) and
-    q . dQS per row (dQS = dO S^T per K block), which give R = dPg * Q^K^^T and the l2 norms' row sums; pass 2
-    computes dQS again and writes dq and dk per K block."""
+    the l2 norm's backward) and dg (reverse cumsum). Pass 1 over K blocks sums Q K^T (raw) and q . dQS per row
+    (dQS = dO S^T per K block); with dP = dO Vn^T (over V blocks) they give R = dPg * Q^K^^T and the l2 norms' row
+    sums; pass 2 computes dQS again and writes dq and dk per K block."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
@@ -1133,8 +1153,6 @@ def _chunk_bwd_out_blk(
     rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     incl = rows[:, None] >= rows[None, :]
-    dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
-    dPg = tl.where(incl, dP * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * scale, 0.0)
     # pass 1: Q K^T and q . dQS, summed over K blocks on the raw rows
     QK = tl.zeros([BT, BT], dtype=tl.float32)
     a = tl.zeros([BT], dtype=tl.float32)
@@ -1146,6 +1164,9 @@ def _chunk_bwd_out_blk(
         QK += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         a += tl.sum(b_q.to(tl.float32) * dQS, 1)
     a = a * rq * s_q  # sum_d q^_id dq^_id through the state read
+    # dP = dO Vn^T, after pass 1 (which then holds one [BT, BT] sum, not two)
+    dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
+    dPg = tl.where(incl, dP * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * scale, 0.0)
     R = dPg * QK * rq[:, None] * rk[None, :]
     sq = a + tl.sum(R, 1)  # sum_d q^_id dq^_id
     dgc = sq - tl.sum(R, 0)
