@@ -7,9 +7,10 @@ the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=Tr
 the custom ops' fake kernels trace, the real kernels run), and the decode step on a state pool with indices.
 Tolerance (relative RMS vs float64): 1e-5 for o and final state, 3e-5 for every gradient (measured ~1e-6 typical,
 1.2e-5 worst seen for dg at beta up to 2; PyTorch's fp32 chunk path gave 2.3e-6 on that input).
-Every chunk-backward launch plan (state-first with the UT dots in either launch, the two-phase plan) runs at 4 chunks
-with GVA, at varlen, and with fp16 inputs (the 16-bit path; 1e-3 for o/state, 2e-3 for gradients), with the other
-plans' kernels blocked so a silent fallback fails. So does each forward prep plan (K-blocked: GVA at 4 chunks,
+Every chunk-backward launch plan (K-blocked state-first, the default; state-first with the UT dots in either
+launch; the two-phase plan) runs at 4 chunks with GVA, at varlen without l2norm, and with fp16 inputs (the 16-bit
+path; 1e-3 for o/state, 2e-3 for gradients), with the other plans' kernels blocked so a silent fallback fails; the
+K-blocked one also at four key blocks of 16. So does each forward prep plan (K-blocked: GVA at 4 chunks,
 varlen without l2norm, fp16, one launch at four key blocks; the whole-K kernel at 4 chunks).
 Fake kernels: the custom ops trace under FakeTensorMode without running a kernel.
 GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scripts/gpu_check_gdn.py.
@@ -61,7 +62,7 @@ def test_chunk_kernels_match_float64(interp_results, case):
 
 # the chunk-backward launch plans (gdn.TUNE bwd_variant / bwd_ut_dots), each with the other plans' kernels blocked:
 # 4 chunks with GVA 2 and l2norm, and varlen (1, 15, 64, 70, 130 tokens: 7 chunks, partial ones, no GVA)
-PLANS = ["statefirst", "statefirst_parked", "twophase"]
+PLANS = ["kblock", "statefirst", "statefirst_parked", "twophase"]
 PLAN_SHAPES = ["gva2_T200", "varlen_1_15_64_70_130", "fp16_varlen_gva2_T150"]
 # relative RMS error vs float64 allowed per tensor. fp32: the same bars as every other case (measured 0.1e-6 to
 # 5e-6). fp16 inputs (16-bit intermediates and dot operands, the GPU path; reference on the same rounded inputs):
@@ -78,6 +79,15 @@ def test_backward_launch_plans_match_float64(interp_results, plan, shape):
     res = interp_results[f"plan_{plan}_{shape}"]
     for name, tol in (PLAN_TOL_FP16 if shape.startswith("fp16") else PLAN_TOL).items():
         assert res[name] <= tol, f"{plan} {shape} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
+
+
+# the K-blocked chunk backward (the default) at four key blocks of 16 with GVA, no initial state; other plans blocked
+def test_kblock_backward_four_key_blocks_match_float64(interp_results):
+    res = interp_results["plan_kblock_bk16_gva2_T130"]
+    assert {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"} == set(res) - {"o_dtype_ok"}
+    for name, tol in PLAN_TOL.items():
+        if name in res:
+            assert res[name] <= tol, f"bk16 {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
 # the forward prep plans (gdn.TUNE prep_variant), the other plan's kernel blocked: K-blocked (default) at several

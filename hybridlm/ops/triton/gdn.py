@@ -38,6 +38,12 @@ BT_CHOICES = (64, 32, 16)
 #   bwd_ut_dots (statefirst): the UT transform's two dKK dots into dk in the state launch, else dKK [BT, BT] is
 #   parked in scratch (+16 KB per chunk and head at bf16) and they run in the output launch (BV 64 then);
 #   bwd_out_warps: warps of the output launch (None: bwd_warps; sm_90 compile at 16: 128 regs, no spills)
+#   or "kblock" (default): the state-first plan walking K in blocks of bwd_bk channels (`_chunk_bwd_state_blk`,
+#   `_chunk_bwd_out_blk`, V block bwd_bv or 64), launched with ptxas' register cap bwd_maxnreg (16-bit inputs):
+#   sm_90 compile, K=V=128 bf16, 8 warps, bk 32, BV 64: 128 regs / 0 B of stack in both launches under the cap
+#   (two programs per multiprocessor; uncapped ptxas takes 154 and 176), where statefirst takes 255 and 225
+#   (one); at bk 64 the cap spills (128 / 48 B). HBM: +16.5 KB per chunk and head (dKK + dKK^T parked, 2 x 8 KB,
+#   and a [BT] row sum), +4.7% of the plan's 354 KB
 # bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
@@ -45,10 +51,11 @@ BT_CHOICES = (64, 32, 16)
 # fwd_split_o: the sequential kernel carries only the state (two dots per chunk) and `_out_fwd` computes the
 #   output of every chunk in parallel from the stored chunk states (inference then stores them too)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
-        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_variant": "statefirst", "bwd_split": True,
+        "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
-        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_bk": 64}
+        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 32,
+        "bwd_maxnreg": 128}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -397,8 +404,10 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, d
     backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg)."""
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K, q.dtype), BV=min(TUNE["bwd_bv"] or 64, V), L2=l2,
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K), BV=min(TUNE["bwd_bv"] or 64, V), L2=l2,
                   PREC=prec, LOWP=lowp, num_stages=1)
+    if q.dtype != torch.float32 and TUNE["bwd_maxnreg"]:  # fp32's IEEE dots spill with or without the cap
+        common["maxnreg"] = TUNE["bwd_maxnreg"]
     warps = TUNE["bwd_warps"] or 8
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
     kern._chunk_bwd_state_blk[(lay.nc, HV)](
@@ -408,7 +417,7 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, d
         **common)
 
 
-def _bwd_bk(K: int, dtype: torch.dtype) -> int:
+def _bwd_bk(K: int) -> int:
     """Key-channel block of the K-blocked chunk backward: TUNE["bwd_bk"], at most K."""
     bk = min(TUNE["bwd_bk"], K)
     if bk not in (16, 32, 64, 128, 256) or K % bk:
