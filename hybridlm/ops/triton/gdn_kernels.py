@@ -10,8 +10,9 @@ Per chunk (b = cumsum of g inside the chunk, gamma = e^b, bL = b at the chunk's 
     W = T diag(beta gamma) K,   U = T diag(beta) V              (kernels `_prep_fwd`, K-blocked `_prep_fwd_blk`)
     Vn = U - W S,   O = diag(gamma) Q S + (Q K^T * e^{b_i - b_j}, j <= i) Vn     (kernel `_recur_fwd`)
     S' = e^{bL} S + (K * e^{bL - b})^T Vn
-Backward: `_recur_bwd` runs the state-gradient recurrence in reverse (dVn, dS per chunk), `_chunk_bwd` turns
-them into dq, dk, dv, dg, dbeta chunk by chunk (all chunks in parallel).
+Backward: `_recur_bwd` runs the state-gradient recurrence in reverse (dVn, dS per chunk), then the chunk backward
+turns them into dq, dk, dv, dg, dbeta chunk by chunk (all chunks in parallel): by default `_chunk_bwd_state_blk`
+and `_chunk_bwd_out_blk` (K-blocked), or the whole-K plans `_chunk_bwd_state` / `_chunk_bwd_out`, `_chunk_bwd`.
 """
 
 from __future__ import annotations
