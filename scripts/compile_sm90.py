@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4,8", help="num_warps values to try")
     ap.add_argument("--gdn-bk", default="32,64", help="key-channel blocks of the K-blocked GDN prep and chunk "
                     "backward to try")
+    ap.add_argument("--kda-maxnreg", default="", help="comma-separated register caps to also compile the K-blocked "
+                    "KDA kernels with (kda.TUNE maxnreg)")
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--maxnreg", type=int, default=128, help="register cap of the capped K-blocked chunk-backward "
                     "jobs (gdn.TUNE bwd_maxnreg)")
@@ -163,24 +165,26 @@ def main(argv=None) -> int:
                                     dg="fp32", dbeta="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
             dict(scale="fp32", H=i32, HV=i32), dict(common, BV=min(64, args.v), LOWP=lowp, PHASE=ph), 1)
     # the K-blocked KDA kernels (kda.TUNE variant "kblock"), at each key-channel block
-    for bk in (int(x) for x in args.kda_bk.split(",")):
+    kda_caps = [None] + [int(x) for x in args.kda_maxnreg.split(",") if x]
+    for bk, cap in ((int(x), c) for x in args.kda_bk.split(",") for c in kda_caps):
         kc = dict(common, BK=bk)
+        tag = f"bk {bk}{f', maxnreg {cap}' if cap else ''}"
         chunk_ptrs = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
-        jobs[f"_kda_prep_ap(bk {bk})"] = (
+        jobs[f"_kda_prep_ap({tag})"] = (
             kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
-                                  BL="fp32"), prep_ints, kc, 1)
-        jobs[f"_kda_prep_wu(bk {bk})"] = (
+                                  BL="fp32"), prep_ints, kc, 1, cap)
+        jobs[f"_kda_prep_wu({tag})"] = (
             kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd),
-            prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1)
-        jobs[f"_kda_bwd_out_blk(bk {bk})"] = (
+            prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1, cap)
+        jobs[f"_kda_bwd_out_blk({tag})"] = (
             kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
                                       dq="fp32", dk="fp32", dg="fp32"),
-            dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
-        jobs[f"_kda_bwd_state_blk(bk {bk})"] = (
+            dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1, cap)
+        jobs[f"_kda_bwd_state_blk({tag})"] = (
             kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32", hbuf=sd,
                                         dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
                                         dbeta="fp32"),
-            dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1)
+            dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1, cap)
     jobs["_kda_solve"] = (kk._kda_solve, dict(Tbuf="fp32"), dict(HV=i32), dict(BT=args.bt, INTERLEAVE=True), 1)
     heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}, "

@@ -4,9 +4,10 @@ in the same run when it is installed.
     python scripts/gpu_tune_kda.py [--shape 4,4096,16,128] [--json tune_kda.json] [--max-seconds 240]
 
 Each setting of `hybridlm.ops.triton.kda.TUNE` (variant: K-blocked or whole-K kernels; bk: key-channel block;
-split_o: the output kernel of its own; warps) is timed forward and forward+backward, and its error is measured
-against our own fp32 run (fp32 intermediates, IEEE dots) on the same bf16-rounded inputs. The best setting is the
-fastest forward+backward whose errors stay within 0.8x of the GPU check's bf16 bars (o 5e-3, gradients 1e-2).
+split_o: the output kernel of its own; warps; maxnreg: register cap) is timed forward and forward+backward, and its
+error is measured against our own fp32 run (fp32 intermediates, IEEE dots) on the same bf16-rounded inputs. The
+best setting is the fastest forward+backward whose errors stay within 0.8x of the GPU check's bf16 bars (o 5e-3,
+gradients 1e-2).
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def main(argv=None) -> int:
         return {"setting": setting, "fwd_ms": fwd, "fwdbwd_ms": fb, "errors": err, "ok": ok}
 
     kb = dict(variant="kblock", bk=32, split_o=True, prep_warps=8, bwd_warps=8)
-    grid = [kb, dict(kb, bk=64), dict(kb, bk=16), dict(kb, prep_warps=4, bwd_warps=4), dict(kb, split_o=False),
-            dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True)]
+    grid = [kb, dict(kb, maxnreg=128), dict(kb, bk=16, maxnreg=128), dict(kb, bk=64), dict(kb, bk=16),
+            dict(kb, prep_warps=4, bwd_warps=4), dict(kb, split_o=False), dict(kb, prep_lowp=True),
+            dict(variant="whole", split_o=False), dict(variant="whole", split_o=True)]
     rows, best = [], None
     for s in grid:
         if time.time() - t_start > args.max_seconds:

@@ -24,8 +24,11 @@ from . import kda_kernels as kk
 # split_o: the sequential kernel carries only the state and `_out_fwd` writes the output of every chunk at once
 #   (Qg and P already carry the per-channel decay, so GDN's output kernel serves KDA unchanged)
 # prep_warps / solve_warps / bwd_warps: num_warps of those launches; prep_lowp: 16-bit operands for T K and T V
+# maxnreg: ptxas' register cap for the K-blocked A/P prep and both backward launches (None: free). Free, they take
+#   244-255 registers at 8 warps (one program per SM, no spills); capped at 128, two programs share an SM at the
+#   price of spills (sm_90, K=V=128 bf16: 280 / 536 / 584 B of stack at bk 32, 120 / 160 / 392 B at bk 16)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False}
+        "prep_lowp": False, "maxnreg": None}
 
 
 @torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
@@ -76,6 +79,11 @@ def kda_chunk_fwd(
     return [o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb]
 
 
+def _cap() -> dict:
+    """The register-cap launch option (TUNE["maxnreg"]), when one is set."""
+    return {"maxnreg": TUNE["maxnreg"]} if TUNE["maxnreg"] else {}
+
+
 def _bc_shape(Ttot: int, HV: int, K: int) -> tuple[int, ...]:
     return (Ttot, HV, K) if TUNE["variant"] == "whole" else (0,)
 
@@ -102,7 +110,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         return
     BK = _bk(K)
     kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, *chunks, scale, H=H, HV=HV, K=K, BT=BT, BK=BK,
-                          L2=l2, PREC=prec, num_warps=TUNE["prep_warps"], num_stages=1)
+                          L2=l2, PREC=prec, num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
     kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
@@ -173,11 +181,11 @@ def kda_chunk_bwd(
         BK, bw = _bk(K), TUNE["bwd_warps"]
         kk._kda_bwd_out_blk[(nc, HV)](
             q, k, g, hb, vn, do, dq, dk, dg, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
+            BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1, **_cap(),
         )
         kk._kda_bwd_state_blk[(nc, HV)](
             k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, *chunks, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1,
+            BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=bw, num_stages=1, **_cap(),
         )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
