@@ -39,11 +39,11 @@ BT_CHOICES = (64, 32, 16)
 #   parked in scratch (+16 KB per chunk and head at bf16) and they run in the output launch (BV 64 then);
 #   bwd_out_warps: warps of the output launch (None: bwd_warps; sm_90 compile at 16: 128 regs, no spills)
 #   or "kblock" (default): the state-first plan walking K in blocks of bwd_bk channels (`_chunk_bwd_state_blk`,
-#   `_chunk_bwd_out_blk`, V block bwd_bv or 64), launched with ptxas' register cap bwd_maxnreg (16-bit inputs):
-#   sm_90 compile, K=V=128 bf16, 8 warps, bk 32, BV 64: 128 regs / 0 B of stack in both launches under the cap
-#   (two programs per multiprocessor; uncapped ptxas takes 154 and 176), where statefirst takes 255 and 225
-#   (one); at bk 64 the cap spills (128 / 48 B). HBM: +16.5 KB per chunk and head (dKK + dKK^T parked, 2 x 8 KB,
-#   and a [BT] row sum), +4.7% of the plan's 354 KB
+#   `_chunk_bwd_out_blk`, V block bwd_bv or 64 (32 at V 64)), launched with ptxas' register cap bwd_maxnreg
+#   (16-bit inputs): sm_90 compile, K=V=128 bf16, 8 warps, bk 32, BV 64: 128 regs / 0 B of stack in both launches
+#   under the cap (two programs per multiprocessor; uncapped ptxas takes 154 and 176), where statefirst takes 255
+#   and 225 (one); at bk 64 the cap spills (128 / 48 B). HBM: +16.5 KB per chunk and head (dKK + dKK^T parked,
+#   2 x 8 KB, and a [BT] row sum), +4.7% of the plan's 354 KB
 # bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
@@ -404,7 +404,8 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, d
     backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg)."""
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K), BV=min(TUNE["bwd_bv"] or 64, V), L2=l2,
+    # V block: 64, or 32 at V = 64 (sm_90 compile: one V block unrolls the loops and spills under the cap, 352 B)
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K), BV=min(TUNE["bwd_bv"] or min(64, V // 2), V), L2=l2,
                   PREC=prec, LOWP=lowp, num_stages=1)
     if q.dtype != torch.float32 and TUNE["bwd_maxnreg"]:  # fp32's IEEE dots spill with or without the cap
         common["maxnreg"] = TUNE["bwd_maxnreg"]
