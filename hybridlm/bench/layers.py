@@ -5,7 +5,7 @@
 Rows, all bf16 parameters and activations on one CUDA device, in training mode:
 - `gdn`: our `GatedDeltaNet` (split layout, impl="auto", i.e. the Triton kernels where they apply) against
   `fla.layers.GatedDeltaNet` (mode "chunk", short conv, output gate);
-- `kda`: our `KimiDeltaAttention` (impl="auto": the PyTorch chunk path until KDA kernels exist) against
+- `kda`: our `KimiDeltaAttention` (impl="auto": the Triton KDA kernels where they apply) against
   `fla.layers.KimiDeltaAttention`;
 - `hybrid3:1`: one 3:1 hybrid stack of ours (3 GDN blocks + 1 gated-attention block, each with a SwiGLU MLP,
   pre-norm, a 256-token vocabulary so embedding and head cost next to nothing); fla has no such block, so this
