@@ -172,6 +172,19 @@ def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
 
 
 @triton.jit
+def _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+            LOWP: tl.constexpr):
+    """U = T diag(beta) V of one chunk, stored by V blocks (Tm: T as a dot operand; LOWP: diag(beta) V rounded to
+    the storage dtype of Ubuf as the other operand)."""
+    DT: tl.constexpr = Ubuf.dtype.element_ty
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        vb = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False) * bb[:, None]
+        U = tl.dot(Tm, _op(vb, DT, LOWP), input_precision=PREC)
+        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(DT), mask=rmask[:, None])
+
+
+@triton.jit
 def _prep_fwd(
     q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
@@ -230,12 +243,7 @@ def _prep_fwd(
         kb = kk * (bb * tl.exp(gc))[:, None]
         W = tl.dot(Tm, _op(kb, DT, LOWP), input_precision=PREC)
         tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
-        for v0 in range(0, V, BV):
-            offs_v = v0 + tl.arange(0, BV)
-            vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
-            U = tl.dot(Tm, _op(vv * bb[:, None], DT, LOWP), input_precision=PREC)
-            tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
-                     mask=rmask[:, None])
+        _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V, BV, PREC, LOWP)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,12 +334,7 @@ def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV
         b_kb = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * s_w[:, None]
         b_W = tl.dot(Tm_d, _op(b_kb, DT, LOWP), input_precision=PREC)
         tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs[None, :], b_W.to(DT), mask=rmask[:, None])
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        b_vb = _load_raw(v, r64, rmask, HV * V, ihv * V, offs_v).to(tl.float32) * bb[:, None]
-        b_U = tl.dot(Tm_d, _op(b_vb, DT, LOWP), input_precision=PREC)
-        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], b_U.to(Ubuf.dtype.element_ty),
-                 mask=rmask[:, None])
+    _tu_blk(Tm_d, v, bb, Ubuf, r64, rmask, ihv, HV, V, BV, PREC, LOWP)
 
 
 @triton.jit

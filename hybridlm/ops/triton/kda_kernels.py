@@ -23,16 +23,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gdn_kernels import _bwd_out_loop, _bwd_state_loop, _chunk_coords, _load_rows, _op, _solve_ut
+from .gdn_kernels import (
+    _bwd_dp,
+    _bwd_dqs_blk,
+    _bwd_kd_blk,
+    _bwd_out_loop,
+    _bwd_state_loop,
+    _bwd_u_blk,
+    _bwd_w_blk,
+    _chunk_coords,
+    _load_rows,
+    _op,
+    _row_inv_norms,
+    _solve_ut,
+    _tu_blk,
+)
 
 
 @triton.jit
 def _g_tiles(g, r64, nval, ihv, HV, K: tl.constexpr, BT: tl.constexpr):
-    """g of the chunk's rows and g of the row after each ([BT, K] fp32, 0 past the chunk's end)."""
+    """`_g_blk` over every key channel: [BT, K]."""
+    return _g_blk(g, r64, nval, ihv, HV, K, 0, K, BT)
+
+
+@triton.jit
+def _g_blk(g, r64, nval, ihv, HV, K: tl.constexpr, k0, BK: tl.constexpr, BT: tl.constexpr):
+    """g of the chunk's rows and g of the row after each, for key channels k0..k0+BK ([BT, BK] fp32, 0 past the
+    chunk's end)."""
     rows = tl.arange(0, BT)
-    offs_k = tl.arange(0, K)
-    gg = tl.load(g + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=(rows < nval)[:, None], other=0.0)
-    gn = tl.load(g + ((r64 + 1)[:, None] * HV + ihv) * K + offs_k[None, :], mask=(rows + 1 < nval)[:, None],
+    offs = k0 + tl.arange(0, BK)
+    gg = tl.load(g + (r64[:, None] * HV + ihv) * K + offs[None, :], mask=(rows < nval)[:, None], other=0.0)
+    gn = tl.load(g + ((r64 + 1)[:, None] * HV + ihv) * K + offs[None, :], mask=(rows + 1 < nval)[:, None],
                  other=0.0)
     return gg.to(tl.float32), gn.to(tl.float32)
 
@@ -117,12 +138,7 @@ def _kda_prep_fwd(
     Tm = tl.load(Tbuf + p_TT)
     W = tl.dot(Tm, kk * tl.exp(b) * bb[:, None], input_precision=PREC)
     tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
-        U = tl.dot(Tm, vv * bb[:, None], input_precision=PREC)
-        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
-                 mask=rmask[:, None])
+    _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V, BV, PREC, False)
 
 
 
@@ -316,33 +332,6 @@ def _kda_chunk_bwd(
 
 
 @triton.jit
-def _inv_norms(x, r64, rmask, stride, col0, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, L2: tl.constexpr):
-    """1 / ||x_i|| of the chunk's rows ([BT] fp32, as `_load_rows` normalises); ones without L2."""
-    if L2:
-        ss = tl.zeros([BT], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            offs = k0 + tl.arange(0, BK)
-            xb = tl.load(x + r64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0)
-            xb = xb.to(tl.float32)
-            ss += tl.sum(xb * xb, 1)
-        r = tl.rsqrt(ss + 1e-6)
-    else:
-        r = tl.full([BT], 1.0, tl.float32)
-    return r
-
-
-@triton.jit
-def _g_blk(g, r64, nval, ihv, HV, K: tl.constexpr, k0, BK: tl.constexpr, BT: tl.constexpr):
-    """`_g_tiles` for key channels k0..k0+BK: g of the chunk's rows and of the row after each, [BT, BK] fp32."""
-    rows = tl.arange(0, BT)
-    offs = k0 + tl.arange(0, BK)
-    gg = tl.load(g + (r64[:, None] * HV + ihv) * K + offs[None, :], mask=(rows < nval)[:, None], other=0.0)
-    gn = tl.load(g + ((r64 + 1)[:, None] * HV + ihv) * K + offs[None, :], mask=(rows + 1 < nval)[:, None],
-                 other=0.0)
-    return gg.to(tl.float32), gn.to(tl.float32)
-
-
-@triton.jit
 def _band(M, BT: tl.constexpr):
     """The diagonal 16x16 blocks of M [BT, BT] as a [BT, 16] band: band[i, j] = M[i, 16 (i // 16) + j]."""
     rows = tl.arange(0, BT)
@@ -449,8 +438,8 @@ def _kda_prep_ap(
     r64 = bos + rows
     pos = rows % 16
     c16 = tl.arange(0, 16)
-    rq = _inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    rk = _inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     A = tl.zeros([BT, BT], dtype=tl.float32)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     Da = tl.zeros([BT, 16], dtype=tl.float32)  # diagonal blocks of A and P, as bands
@@ -514,7 +503,7 @@ def _kda_prep_wu(
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
-    rk = _inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     Tm = _op(tl.load(Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
     for k0 in range(0, K, BK):
@@ -524,12 +513,7 @@ def _kda_prep_wu(
         kb = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * (bb * rk)[:, None] * tl.exp(tl.cumsum(gg, 0))
         W = tl.dot(Tm, _op(kb, DT, LOWP), input_precision=PREC)
         tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        vv = _load_rows(v, r64, rmask, HV * V, ihv * V, offs_v, False)
-        U = tl.dot(Tm, _op(vv * bb[:, None], DT, LOWP), input_precision=PREC)
-        tl.store(Ubuf + (r64[:, None] * HV + ihv) * V + offs_v[None, :], U.to(Ubuf.dtype.element_ty),
-                 mask=rmask[:, None])
+    _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V, BV, PREC, LOWP)
 
 
 @triton.jit
@@ -561,14 +545,9 @@ def _kda_bwd_out_blk(
     rmask = rows < nval
     r64 = bos + rows
     hb = (ic * HV + ihv).to(tl.int64) * K * V
-    rq = _inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    rk = _inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    dP = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        vrow = (r64[:, None] * HV + ihv) * V + v0 + tl.arange(0, BV)[None, :]
-        vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dO_d = _op(tl.load(do + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        dP += tl.dot(dO_d, tl.trans(vn_d), input_precision=PREC)
+    rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
     N = tl.where(rows[:, None] >= rows[None, :], dP * scale, 0.0)
     Nr = N * rk[None, :]  # Y1_i = sum_j N_ij k^_j e^.. on raw rows of k
     Nc = N * rq[:, None]  # Y2_j = sum_i N_ij q^_i e^.. on raw rows of q
@@ -578,13 +557,7 @@ def _kda_bwd_out_blk(
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        dQS = tl.zeros([BT, BK], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            offs_v = v0 + tl.arange(0, BV)
-            S_d = _op(tl.load(hbuf + hb + offs[:, None] * V + offs_v[None, :]), DT, LOWP)
-            dO_d = _op(tl.load(do + (r64[:, None] * HV + ihv) * V + offs_v[None, :], mask=rmask[:, None], other=0.0),
-                       DT, LOWP)
-            dQS += tl.dot(dO_d, tl.trans(S_d), input_precision=PREC)
+        dQS = _bwd_dqs_blk(hbuf, do, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
         eb = tl.exp(tl.cumsum(gg, 0))
         qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
@@ -626,38 +599,17 @@ def _kda_bwd_state_blk(
     rmask = rows < nval
     r64 = bos + rows
     hb = (ic * HV + ihv).to(tl.int64) * K * V
-    rk = _inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     Tm_d = _op(tl.load(Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
     # 1. through U
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
-    dbeta_ = tl.zeros([BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        vrow = (r64[:, None] * HV + ihv) * V + v0 + tl.arange(0, BV)[None, :]
-        dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-        vv = tl.load(v + vrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dT += tl.dot(dvn_d, tl.trans(_op(vv * bb[:, None], DT, LOWP)), input_precision=PREC)
-        dVb = tl.dot(tl.trans(Tm_d), dvn_d, input_precision=PREC)
-        tl.store(dv + vrow, (dVb * bb[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
-        dbeta_ += tl.sum(vv * dVb, 1)
+    dT, dbeta_ = _bwd_u_blk(v, dvnbuf, dv, tl.trans(Tm_d), bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
     # 2. through Kd, the state's decay and W, per K block
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        dKd = tl.zeros([BT, BK], dtype=tl.float32)
-        dW = tl.zeros([BT, BK], dtype=tl.float32)
-        dSS = tl.zeros([BK], dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            offs_v = v0 + tl.arange(0, BV)
-            s_off = offs[:, None] * V + offs_v[None, :]
-            vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-            S = tl.load(hbuf + hb + s_off)
-            dSn = tl.load(dhbuf + hb + s_off)
-            vn_d = _op(tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-            dvn_d = _op(tl.load(dvnbuf + vrow, mask=rmask[:, None], other=0.0), DT, LOWP)
-            dKd += tl.dot(vn_d, tl.trans(_op(dSn, DT, LOWP)), input_precision=PREC)
-            dW -= tl.dot(dvn_d, tl.trans(_op(S, DT, LOWP)), input_precision=PREC)
-            dSS += tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1)
+        dKd, dSS = _bwd_kd_blk(hbuf, dhbuf, vnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
+        dW = _bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * rk[:, None]
         eb = tl.exp(tl.cumsum(gg, 0))
