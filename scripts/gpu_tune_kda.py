@@ -19,17 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 import triton.testing
+from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error measure (same folder)
 
 from hybridlm.ops.triton import chunk_kda, gdn, kda
-
-BAR_O, BAR_G = 0.8 * 5e-3, 0.8 * 1e-2
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm()).item()
 
 
 def make(B, T, H, D, seed=0):
