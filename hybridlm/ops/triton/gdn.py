@@ -250,9 +250,7 @@ def _prep_kernel(K: int, dtype: torch.dtype):
         return kern._prep_fwd, {}
     if TUNE["prep_variant"] != "kblock":
         raise ValueError(f"TUNE['prep_variant']: expected 'kblock' or 'whole', got {TUNE['prep_variant']!r}")
-    bk = min(TUNE["prep_bk"], K)
-    if bk not in (16, 32, 64, 128, 256) or K % bk:
-        raise ValueError(f"TUNE['prep_bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['prep_bk']}")
+    bk = key_block(TUNE, "prep_bk", K)
     return kern._prep_fwd_blk, dict(BK=min(bk, 32) if dtype == torch.float32 else bk)
 
 
@@ -418,12 +416,17 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, d
         **common)
 
 
+def key_block(tune: dict, key: str, K: int) -> int:
+    """The key-channel block tune[key] of a K-blocked launch (GDN's and KDA's), at most K."""
+    bk = min(tune[key], K)
+    if bk not in (16, 32, 64, 128, 256) or K % bk:
+        raise ValueError(f"TUNE['{key}']: expected a power of two >= 16 dividing K={K}, got {tune[key]}")
+    return bk
+
+
 def _bwd_bk(K: int) -> int:
     """Key-channel block of the K-blocked chunk backward: TUNE["bwd_bk"], at most K."""
-    bk = min(TUNE["bwd_bk"], K)
-    if bk not in (16, 32, 64, 128, 256) or K % bk:
-        raise ValueError(f"TUNE['bwd_bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['bwd_bk']}")
-    return bk
+    return key_block(TUNE, "bwd_bk", K)
 
 
 def _state_first_bv(K: int, ut_dots: bool) -> int:

@@ -89,10 +89,7 @@ def _bc_shape(Ttot: int, HV: int, K: int) -> tuple[int, ...]:
 
 
 def _bk(K: int) -> int:
-    bk = min(TUNE["bk"], K)
-    if bk not in (16, 32, 64, 128, 256) or K % bk:
-        raise ValueError(f"TUNE['bk']: expected a power of two >= 16 dividing K={K}, got {TUNE['bk']}")
-    return bk
+    return gdn.key_block(TUNE, "bk", K)
 
 
 def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, l2: bool, prec: str,
