@@ -166,3 +166,19 @@ def test_gpu_small_fp32():
     o2, ht2 = gated_delta_rule(*d[:3], **kw(d, "chunk"))
     assert ((o.double() - o2).norm() / o2.norm()).item() <= 1e-5
     assert ((ht.double() - ht2).norm() / ht2.norm()).item() <= 1e-5
+
+
+def test_kblock_backward_refuses_key_blocks_below_the_v_block(monkeypatch):
+    """Key blocks 32 with V blocks 64 gave a wrong dk on an H100 (BENCHMARKS.md, 2026-11-23): refused, by name."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "bwd_bk", 32)
+    monkeypatch.setitem(gdn.TUNE, "bwd_bv", None)
+    with pytest.raises(ValueError, match=r"TUNE\['bwd_bk'\]=32 with V block 64"):
+        gdn.kblock_bwd_blocks(128, 128)
+    assert gdn.kblock_bwd_blocks(128, 64) == (32, 32)  # V 64 takes V blocks of 32
+    monkeypatch.setitem(gdn.TUNE, "bwd_bv", 32)
+    assert gdn.kblock_bwd_blocks(128, 128) == (32, 32)
+    monkeypatch.setitem(gdn.TUNE, "bwd_bk", 64)
+    monkeypatch.setitem(gdn.TUNE, "bwd_bv", None)
+    assert gdn.kblock_bwd_blocks(128, 256) == (64, 64)

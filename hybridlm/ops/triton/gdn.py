@@ -43,7 +43,9 @@ BT_CHOICES = (64, 32, 16)
 #   (16-bit inputs): sm_90 compile, K=V=128 bf16, 8 warps, bk 32, BV 64: 128 regs / 0 B of stack in both launches
 #   under the cap (two programs per multiprocessor; uncapped ptxas takes 154 and 176), where statefirst takes 255
 #   and 225 (one); at bk 64 the cap spills (128 / 48 B). HBM: +16.5 KB per chunk and head (dKK + dKK^T parked,
-#   2 x 8 KB, and a [BT] row sum), +4.7% of the plan's 354 KB
+#   2 x 8 KB, and a [BT] row sum), +4.7% of the plan's 354 KB. Measured (H100, B4 T4096 H16, fwd+bwd, 2026-11-23):
+#   statefirst 2.838 ms, kblock bk 64 capped 2.803 (default), uncapped 2.962, bk 32 BV 32 3.279, bk 32 BV 64 2.853
+#   (dk wrong on the GPU: refused, see kblock_bwd_blocks): the spills were not what cost the time
 # bwd_split: run the two phases as two launches (sm_90 compile: spills 2.4 KB -> 0.2 / 2.1 KB per thread)
 # bwd_lowp: the same for the backward's per-V-block dots
 # fwd_lowp: round the forward recurrence's dot operands to the 16-bit input dtype (else fp32/tf32 operands)
@@ -54,7 +56,7 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
-        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 32,
+        "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": 128}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
@@ -397,14 +399,13 @@ def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dk
 def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,
                       scale: float, H: int, HV: int, K: int, V: int, BT: int, l2: bool, prec: str,
                       lowp: bool) -> None:
-    """The state-first chunk backward walking K in blocks of `_bwd_bk` channels: `_chunk_bwd_state_blk` (dv,
+    """The state-first chunk backward walking K in blocks of TUNE["bwd_bk"] channels: `_chunk_bwd_state_blk` (dv,
     dbeta final; dk's part in dkp, dg's per-row part in dg, dKK + dKK^T parked [BT, BT], with l2norm the l2
     backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg)."""
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
-    # V block: 64, or 32 at V = 64 (sm_90 compile: one V block unrolls the loops and spills under the cap, 352 B)
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=_bwd_bk(K), BV=min(TUNE["bwd_bv"] or min(64, V // 2), V), L2=l2,
-                  PREC=prec, LOWP=lowp, num_stages=1)
+    BK, BV = kblock_bwd_blocks(K, V)
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=1)
     if q.dtype != torch.float32 and TUNE["bwd_maxnreg"]:  # fp32's IEEE dots spill with or without the cap
         common["maxnreg"] = TUNE["bwd_maxnreg"]
     warps = TUNE["bwd_warps"] or 8
@@ -424,9 +425,20 @@ def key_block(tune: dict, key: str, K: int) -> int:
     return bk
 
 
-def _bwd_bk(K: int) -> int:
-    """Key-channel block of the K-blocked chunk backward: TUNE["bwd_bk"], at most K."""
-    return key_block(TUNE, "bwd_bk", K)
+def kblock_bwd_blocks(K: int, V: int) -> tuple[int, int]:
+    """(key block, V block) of the K-blocked chunk backward: TUNE["bwd_bk"] (at most K) and TUNE["bwd_bv"] or 64
+    (32 at V = 64: sm_90 compile, one V block unrolls the loops and spills under the register cap, 352 B).
+    Key blocks smaller than the V block are refused: on an H100 (Triton 3.6) key blocks of 32 with V blocks of 64
+    gave a wrong dk (rel RMS 0.04 to inf) at B4 T4096 H16, B8 T2048 H32, B1 T32768 H32 and T200 K=V=256, with a
+    barrier between the two K walks or not, while 32/32 and 64/64 were exact; the CPU interpreter gets every
+    combination right, so the cause is not known."""
+    bk = key_block(TUNE, "bwd_bk", K)
+    bv = min(TUNE["bwd_bv"] or min(64, V // 2), V)
+    if bk < bv:
+        raise ValueError(f"TUNE['bwd_bk']={bk} with V block {bv} (TUNE['bwd_bv']={TUNE['bwd_bv']}, V={V}): the "
+                         f"K-blocked backward needs a key block >= the V block (smaller ones gave a wrong dk on an "
+                         f"H100); set TUNE['bwd_bv'] <= {bk} or TUNE['bwd_bk'] >= {bv}")
+    return bk, bv
 
 
 def _state_first_bv(K: int, ut_dots: bool) -> int:

@@ -1096,6 +1096,9 @@ def _chunk_bwd_state_blk(
     gam = tl.exp(gc)
     bg = bb * gam
     t = tl.zeros([BT], dtype=tl.float32)
+    # 2b reads back what 2a stored, in the layout of another dot: other threads' global stores, which the CUDA
+    # memory model makes visible to the CTA only after a barrier
+    tl.debug_barrier()
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         dW_d = _op(_bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP), DT, LOWP)
