@@ -3,10 +3,11 @@
     python -m hybridlm.bench.layers [--out DIR] [--seq-lens 2048,8192] [--tokens 16384]   (or: hybridlm bench layers)
 
 Rows, all bf16 parameters and activations on one CUDA device, in training mode:
-- `gdn`: our `GatedDeltaNet` (split layout, impl="auto", i.e. the Triton kernels where they apply) against
-  `fla.layers.GatedDeltaNet` (mode "chunk", short conv, output gate);
-- `kda`: our `KimiDeltaAttention` (impl="auto": the Triton KDA kernels where they apply) against
-  `fla.layers.KimiDeltaAttention`;
+- `gdn`: our `GatedDeltaNet` (split layout, impl="auto", i.e. the Triton kernels where they apply), also with
+  recompute=True (the recurrence keeps only its inputs for the backward), against `fla.layers.GatedDeltaNet`
+  (mode "chunk", short conv, output gate);
+- `kda`: our `KimiDeltaAttention` (impl="auto": the Triton KDA kernels where they apply), also with recompute=True,
+  against `fla.layers.KimiDeltaAttention`;
 - `hybrid3:1`: one 3:1 hybrid stack of ours (3 GDN blocks + 1 gated-attention block, each with a SwiGLU MLP,
   pre-norm, a 256-token vocabulary so embedding and head cost next to nothing); fla has no such block, so this
   row has no ratio.
@@ -60,16 +61,16 @@ def _time_fwd_bwd(fn, x, rep):
     return ms, peak
 
 
-def _ours_gdn(w):
+def _ours_gdn(w, recompute=False):
     from hybridlm.layers.gdn import GatedDeltaNet
 
-    return GatedDeltaNet(w["D"], w["H"], w["HV"], w["d"], w["d"], layout="split", impl="auto")
+    return GatedDeltaNet(w["D"], w["H"], w["HV"], w["d"], w["d"], layout="split", impl="auto", recompute=recompute)
 
 
-def _ours_kda(w):
+def _ours_kda(w, recompute=False):
     from hybridlm.layers.kda import KimiDeltaAttention
 
-    return KimiDeltaAttention(w["D"], w["HV"], w["d"], impl="auto")
+    return KimiDeltaAttention(w["D"], w["HV"], w["d"], impl="auto", recompute=recompute)
 
 
 def _ours_hybrid(w):
@@ -105,7 +106,10 @@ def _run_row(kind, wname, T, args, have_fla):
     row = {"layer": kind, "width": wname, "T": T, "B": B}
     makers = {"gdn": (_ours_gdn, _fla_gdn), "kda": (_ours_kda, _fla_kda), "hybrid3:1": (_ours_hybrid, None)}
     ours, theirs = makers[kind]
-    variants = [("ours", ours)] + ([("fla", theirs)] if (theirs is not None and have_fla) else [])
+    variants = [("ours", ours)]
+    if kind != "hybrid3:1":  # the same layer with recompute=True: its recurrence keeps only its inputs
+        variants.append(("ours_rc", lambda w, ours=ours: ours(w, recompute=True)))
+    variants += [("fla", theirs)] if (theirs is not None and have_fla) else []
     for name, make in variants:
         try:
             torch.manual_seed(0)
@@ -134,22 +138,27 @@ def _run_row(kind, wname, T, args, have_fla):
             torch.cuda.empty_cache()
     if "ours_ms" in row and "fla_ms" in row:
         row["speedup_vs_fla"] = row["fla_ms"] / row["ours_ms"]
+    if "ours_rc_ms" in row and "fla_ms" in row:
+        row["rc_speedup_vs_fla"] = row["fla_ms"] / row["ours_rc_ms"]
     return row
 
 
 def _table(info, rows):
     lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, fla {info['fla']}, "
              f"{info['date_utc']} UTC; bf16, forward+backward, {info['tokens']} tokens per step",
-             "", "| layer | width | T x B | ours tok/s | fla tok/s | ours/fla | ours peak GiB | fla peak GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| layer | width | T x B | ours tok/s | fla tok/s | ours/fla | ours peak GiB | fla peak GiB "
+             "| recompute: tok/s | ours/fla | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, k, s: "-" if k not in r else format(r[k], s)  # noqa: E731
     for r in rows:
         lines.append(f"| {r['layer']} | {r['width']} | {r['T']} x {r['B']} | {f(r, 'ours_tok_s', ',.0f')} | "
                      f"{f(r, 'fla_tok_s', ',.0f')} | {f(r, 'speedup_vs_fla', '.2f')} | "
-                     f"{f(r, 'ours_peak_GiB', '.2f')} | {f(r, 'fla_peak_GiB', '.2f')} |")
-        for k in ("ours_error", "fla_error"):
+                     f"{f(r, 'ours_peak_GiB', '.2f')} | {f(r, 'fla_peak_GiB', '.2f')} | "
+                     f"{f(r, 'ours_rc_tok_s', ',.0f')} | {f(r, 'rc_speedup_vs_fla', '.2f')} | "
+                     f"{f(r, 'ours_rc_peak_GiB', '.2f')} |")
+        for k in ("ours_error", "ours_rc_error", "fla_error"):
             if k in r:
-                lines.append(f"|   {k}: {r[k][:150]} |||||||")
+                lines.append(f"|   {k}: {r[k][:150]} ||||||||||")
     return "\n".join(lines)
 
 

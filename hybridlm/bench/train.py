@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-ckpt", action="store_true",
                         help="activation checkpointing in both models (each block recomputed in the backward)")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--recompute-linear", action="store_true",
+                        help="our model's linear recurrences keep only their inputs for the backward "
+                        "(HybridConfig.linear_recompute)")
     parser.add_argument("--no-fla", action="store_true", help="only our model, even if fla is installed")
     parser.add_argument("--tiny", action="store_true",
                         help="hidden 64, 4 blocks, vocab 256 and the --tiny defaults above: a smoke run that works "
@@ -199,10 +203,11 @@ def patch_fla() -> list[str]:
     return notes
 
 
-def build_ours(shape: Shape, seq_len: int, device: torch.device):
+def build_ours(shape: Shape, seq_len: int, device: torch.device, recompute_linear: bool = False):
     from hybridlm.model.hybrid import HybridLM
 
     cfg = ours_config(shape, seq_len)
+    cfg.linear_recompute = recompute_linear
     with torch.device(device):
         model = HybridLM(cfg, impl="auto")
     return model, cfg.to_dict(), lambda m, ids: m(ids).logits
@@ -241,6 +246,7 @@ class RunSpec:
     compile: bool
     device: torch.device
     bf16: bool
+    recompute_linear: bool = False  # our model's linear recurrences keep only their inputs (linear_recompute)
 
 
 class _LogCollector(logging.Handler):
@@ -424,7 +430,7 @@ def _spec(args: argparse.Namespace) -> tuple[Shape, RunSpec]:
         raise ValueError(f"--lr: must be > 0, got {args.lr}")
     seq_len, batch, steps, warmup = vals
     return shape, RunSpec(seq_len, batch, steps, warmup, args.lr, args.seed, args.grad_ckpt, args.compile, dev,
-                          bf16=dev.type == "cuda")
+                          bf16=dev.type == "cuda", recompute_linear=args.recompute_linear)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,13 +446,15 @@ def run(args: argparse.Namespace) -> int:
             "command": getattr(args, "command", None) or shlex.join(sys.argv),
             "precision": "bf16 autocast" if spec.bf16 else "fp32", "seq_len": spec.seq_len,
             "batch_size": spec.batch_size, "steps": spec.steps, "warmup": spec.warmup, "grad_ckpt": spec.grad_ckpt,
+            "recompute_linear": spec.recompute_linear,
             "compile": spec.compile, "shape": asdict(shape),
             "notes": _shape_notes(shape) + fla_notes}
     print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
           f"{spec.warmup} + {spec.steps} steps", flush=True)
     with _collect_logs() as impl_log:
-        ours, ours_cfg = measure("ours", build_ours, shape, spec)
-    ours["label"] = "ours (hybridlm, impl=auto)"
+        ours, ours_cfg = measure("ours", functools.partial(build_ours, recompute_linear=spec.recompute_linear),
+                                 shape, spec)
+    ours["label"] = "ours (hybridlm, impl=auto" + (", linear_recompute)" if spec.recompute_linear else ")")
     rows, configs = [ours], {"ours": ours_cfg, "fla": None}
     print(json.dumps({k: v for k, v in ours.items() if k != "step_ms_all"}), flush=True)
     if fla_skip is None:

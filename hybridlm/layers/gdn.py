@@ -30,7 +30,7 @@ LAYOUTS = ("fused", "split", "olmo")
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, *, conv_kernel: int = 4, layout: str = "split", beta_scale: float = 1.0,
-                 norm_eps: float = 1e-6, impl: str = "auto"):
+                 norm_eps: float = 1e-6, impl: str = "auto", recompute: bool = False):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -38,6 +38,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"num_value_heads ({num_value_heads}) must be a multiple of num_key_heads "
                              f"({num_key_heads})")
         self.layout, self.beta_scale, self.impl = layout, beta_scale, impl
+        self.recompute = recompute  # the recurrence keeps only its inputs for the backward (hybridlm.ops)
         self.H, self.HV, self.dk, self.dv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
         self.key_dim, self.value_dim = key_dim, value_dim
@@ -113,7 +114,8 @@ class GatedDeltaNet(nn.Module):
         if o is None:
             o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
                                         initial_state=None if cache is None else cache.recurrent,
-                                        output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
+                                        output_final_state=cache is not None, impl=step_impl(self.impl, cache, T),
+                                        recompute=self.recompute)
             if cache is not None:
                 cache.recurrent = state
         norm, out = (self.o_norm, self.o_proj) if self.layout == "olmo" else (self.norm, self.out_proj)

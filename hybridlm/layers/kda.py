@@ -23,9 +23,10 @@ from .norm import GatedRMSNorm
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel: int = 4,
-                 norm_eps: float = 1e-5, impl: str = "auto"):
+                 norm_eps: float = 1e-5, impl: str = "auto", recompute: bool = False):
         super().__init__()
         self.H, self.dk, self.impl = num_heads, head_dim, impl
+        self.recompute = recompute  # the recurrence keeps only its inputs for the backward (hybridlm.ops)
         dim = num_heads * head_dim
         self.dim = dim
         D = hidden_size
@@ -68,7 +69,8 @@ class KimiDeltaAttention(nn.Module):
         if o is None:
             o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
                            initial_state=None if cache is None else cache.recurrent,
-                           output_final_state=cache is not None, impl=step_impl(self.impl, cache, T))
+                           output_final_state=cache is not None, impl=step_impl(self.impl, cache, T),
+                           recompute=self.recompute)
             if cache is not None:
                 cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)

@@ -47,10 +47,12 @@ def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Modu
     if c.layer_types[layer] == "linear_attention":
         if c.linear_kind == "kda":
             return KimiDeltaAttention(c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim,
-                                      conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl)
+                                      conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl,
+                                      recompute=c.linear_recompute)
         return GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, layout=c.gdn_layout,
-                             beta_scale=c.linear_beta_scale, norm_eps=c.linear_norm_eps, impl=impl)
+                             beta_scale=c.linear_beta_scale, norm_eps=c.linear_norm_eps, impl=impl,
+                             recompute=c.linear_recompute)
     if c.attention_kind == "mla":
         return MLA(c.hidden_size, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank,
                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from .chunk import recurrence_chunk
 from .naive import recurrence_naive
@@ -129,7 +130,7 @@ def _run(
 
 
 def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
-              cu_seqlens, use_qk_l2norm, chunk_size, impl):
+              cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute=False):
     dims = check_recurrence_inputs(
         q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, impl=impl,
@@ -146,12 +147,19 @@ def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, ini
         return TRITON_KERNELS[op](
             q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+            recompute=recompute,
         )
-    return _run(
-        op, q, k, v, g=g, beta=beta, delta=delta, dims=dims, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size, impl=impl,
-    )
+
+    def run(q, k, v, g, beta, initial_state):
+        return _run(
+            op, q, k, v, g=g, beta=beta, delta=delta, dims=dims, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+            chunk_size=chunk_size, impl=impl,
+        )
+
+    if recompute and torch.is_grad_enabled():  # the PyTorch paths: the same contract through autograd's checkpoint
+        return torch.utils.checkpoint.checkpoint(run, q, k, v, g, beta, initial_state, use_reentrant=False)
+    return run(q, k, v, g, beta, initial_state)
 
 
 _COMMON_DOC = """
@@ -163,6 +171,9 @@ _COMMON_DOC = """
     use_qk_l2norm: normalise q and k over K as x * rsqrt(sum(x^2) + 1e-6) before the recurrence.
     chunk_size: 16, 32, 64 or 128, used by impl="chunk".
     impl: "auto" | "naive" | "chunk" | "triton".
+    recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
+    activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch
+    paths run under torch.utils.checkpoint). Outputs and gradients are the same.
     Returns (o [B, T, HV, V] in the input dtype, final_state or None).
 """
 
@@ -181,6 +192,7 @@ def gated_delta_rule(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     impl: str = "auto",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet: S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
 
@@ -188,7 +200,8 @@ def gated_delta_rule(
     (beta > 1 gives the transition negative eigenvalues, as OLMo-Hybrid allows)."""
     return _dispatch("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
+                     recompute=recompute)
 
 
 def kda(
@@ -205,6 +218,7 @@ def kda(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     impl: str = "auto",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention: the gated delta rule with one log-decay per key channel,
     S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t (v_t - (diag(e^{g_t}) S_{t-1})^T k_t)^T.
@@ -212,7 +226,8 @@ def kda(
     g: [B, T, HV, K] log-decay (<= 0); beta: [B, T, HV]."""
     return _dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
+                     recompute=recompute)
 
 
 def delta_rule(
@@ -228,11 +243,13 @@ def delta_rule(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     impl: str = "auto",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DeltaNet (no decay): S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T. beta: [B, T, HV]."""
     return _dispatch("delta_rule", "none", True, q, k, v, g=None, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
+                     recompute=recompute)
 
 
 def gated_linear_attention(
@@ -249,6 +266,7 @@ def gated_linear_attention(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     impl: str = "auto",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention (Hebbian write, no delta): S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t v_t^T.
 
@@ -256,7 +274,8 @@ def gated_linear_attention(
     Mamba2-like) or [B, T, HV, K] (per channel, GLA); beta: optional [B, T, HV] write gate (1 when None)."""
     return _dispatch("gated_linear_attention", "scalar_or_channel", False, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
+                     recompute=recompute)
 
 
 def linear_attention(
@@ -271,11 +290,13 @@ def linear_attention(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     impl: str = "auto",
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain (unnormalised) linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T q_t."""
     return _dispatch("linear_attention", "none", False, q, k, v, g=None, beta=None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl)
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
+                     recompute=recompute)
 
 
 for _f in (gated_delta_rule, kda, delta_rule, gated_linear_attention, linear_attention):

@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in the backward (less memory, ~30%% more compute)")
+    g.add_argument("--recompute-linear", action="store_true",
+                   help="the linear layers' recurrences keep only their inputs and rerun their forward in the "
+                   "backward (less memory than the default, far less extra compute than --activation-checkpointing)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the cores not already busy, by the 1-minute load average)")
 
@@ -369,6 +372,8 @@ def train(args) -> dict:
     # --- model ---
     from hybridlm.model.hybrid import HybridLM
 
+    if args.recompute_linear:
+        cfg.linear_recompute = True
     _seed_all(args.seed)
     model = HybridLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())

@@ -3,6 +3,7 @@ fla's config arguments, the flash_attn stand-in is causal attention, and a faili
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -104,6 +105,13 @@ def test_grad_ckpt_runs_our_model(one_thread):
     row, config = bench.measure("ours", bench.build_ours, bench.SHAPE_TINY, _spec(grad_ckpt=True, steps=2))
     assert "error" not in row, row
     assert row["tokens_per_s"] > 0 and config["num_hidden_layers"] == 4
+
+
+def test_recompute_linear_reaches_our_model(one_thread):
+    build = functools.partial(bench.build_ours, recompute_linear=True)
+    row, config = bench.measure("ours", build, bench.SHAPE_TINY, _spec(steps=2))
+    assert "error" not in row, row
+    assert config["linear_recompute"] is True and row["tokens_per_s"] > 0
 
 
 @pytest.mark.parametrize("flags,name", [(["--batch-size", "0"], "--batch-size"), (["--seq-len", "1"], "--seq-len"),

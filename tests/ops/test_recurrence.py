@@ -224,3 +224,24 @@ def test_strong_decay_float32_stays_finite_and_exact(fn, channel):
               use_qk_l2norm=True, impl="chunk", chunk_size=128)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert rel(o.double(), o_ref) <= 1e-5 and rel(s.double(), s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunk"])
+@pytest.mark.parametrize("fn,channel", [(gated_delta_rule, False), (kda, True)])
+def test_recompute_keeps_nothing_and_changes_nothing(fn, channel, impl):
+    """recompute=True on the PyTorch paths (torch.utils.checkpoint): the same outputs and gradients bit for bit,
+    varlen included, and autograd keeps the inputs only (its saved-tensor hooks see q, k, v, g, beta, h0)."""
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    xs = make_inputs(1, 70, 2, 4, 16, 24, channel_g=channel, n_states=2)
+    runs = {}
+    for rc in (False, True):
+        leaf = [x.clone().requires_grad_() for x in xs]
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=kept: kept.append(t.numel()) or t, lambda t: t):
+            o, s = fn(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], output_final_state=True,
+                      cu_seqlens=cu, use_qk_l2norm=True, impl=impl, chunk_size=16, recompute=rc)
+        grads = torch.autograd.grad((o * xs[2][..., :1].sum()).sum() + (s * s).sum(), leaf)
+        runs[rc] = ([o, s, *grads], sum(kept))
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0]))
+    inputs = sum(x.numel() for x in xs)
+    assert runs[True][1] == inputs and runs[False][1] > 10 * inputs, (runs[True][1], runs[False][1], inputs)

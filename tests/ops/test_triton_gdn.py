@@ -182,3 +182,12 @@ def test_kblock_backward_refuses_key_blocks_below_the_v_block(monkeypatch):
     monkeypatch.setitem(gdn.TUNE, "bwd_bk", 64)
     monkeypatch.setitem(gdn.TUNE, "bwd_bv", None)
     assert gdn.kblock_bwd_blocks(128, 256) == (64, 64)
+
+
+def test_recompute_keeps_only_the_inputs_and_changes_nothing(interp_results):
+    """recompute=True: autograd keeps q, k, v, g, beta, h0 and cu_seqlens (12 bytes), nothing else; o, the final
+    state and every gradient are bitwise those of recompute=False."""
+    res = interp_results["recompute_varlen"]
+    assert res["bitwise_equal"] == 1.0, res
+    assert res["saved_bytes"] == res["input_bytes"] + 12, res
+    assert res["saved_bytes_without"] > 2 * res["input_bytes"], res

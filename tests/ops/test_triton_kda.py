@@ -119,3 +119,12 @@ def test_decode_step_bad_input_names_the_argument(op):
     for change, msg in cases:
         with pytest.raises(ValueError, match=msg):
             call(**change)
+
+
+def test_recompute_keeps_only_the_inputs_and_changes_nothing(interp_results):
+    """recompute=True: autograd keeps q, k, v, g, beta, h0 and cu_seqlens (12 bytes), nothing else; o, the final
+    state and every gradient are bitwise those of recompute=False."""
+    res = interp_results["recompute_varlen"]
+    assert res["bitwise_equal"] == 1.0, res
+    assert res["saved_bytes"] == res["input_bytes"] + 12, res
+    assert res["saved_bytes_without"] > 2 * res["input_bytes"], res

@@ -125,7 +125,8 @@ def test_resume_is_exact(tmp_path, small_corpus, micro_args):
 
 
 def test_grad_accum_and_options_match(tmp_path, small_corpus, micro_args):
-    """batch 8 == batch 4 x grad-accum 2; flat packing and activation checkpointing change no loss."""
+    """batch 8 == batch 4 x grad-accum 2; flat packing, activation checkpointing and --recompute-linear change no
+    loss."""
     common = ("--max-steps", "4", "--eval-every", "0", "--save-every", "0")
     base = train(micro_args(small_corpus, str(tmp_path / "a"), *common, "--batch-size", "8"))
     acc = train(micro_args(small_corpus, str(tmp_path / "b"), *common, "--batch-size", "4", "--grad-accum", "2"))
@@ -135,5 +136,7 @@ def test_grad_accum_and_options_match(tmp_path, small_corpus, micro_args):
     ac = train(micro_args(small_corpus, str(tmp_path / "d"), *common, "--batch-size", "8",
                           "--activation-checkpointing"))
     assert abs(base["final_train_loss"] - ac["final_train_loss"]) <= 1e-6
+    rl = train(micro_args(small_corpus, str(tmp_path / "r"), *common, "--batch-size", "8", "--recompute-linear"))
+    assert rl["final_train_loss"] == base["final_train_loss"]  # the same kernels rerun: bitwise
     tok = train(micro_args(small_corpus, str(tmp_path / "e"), "--max-tokens", "1000", "--eval-every", "0"))
     assert tok["final_step"] == 4  # ceil(1000 / (4 rows x 64 tokens))

@@ -41,7 +41,8 @@ def test_module_entry_point_help():
     assert r.returncode == 0
     for flag in ("--preset", "--config", "--data", "--tokenizer", "--seq-len", "--batch-size", "--grad-accum", "--lr",
                  "--warmup", "--max-steps", "--max-tokens", "--eval-every", "--save-every", "--out", "--resume",
-                 "--seed", "--precision", "--compile", "--activation-checkpointing", "--device"):
+                 "--seed", "--precision", "--compile", "--activation-checkpointing", "--recompute-linear",
+                 "--device"):
         assert flag in r.stdout, flag
 
 

@@ -485,13 +485,20 @@ def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Qg, Kd, Pb, cu_seqlens, scale, 
 
 
 class _ChunkGDN(torch.autograd.Function):
+    """recompute: keep only the inputs for the backward and run the forward kernels again there (its intermediates
+    T, W, the chunk states, Vn, Qg, Kd, P are ~1.9 KB per token and value head at K=V=128 16-bit; fla keeps ~0.13 KB
+    and recomputes the rest too). The rerun includes the output pass, whose result is dropped."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-        save = any(ctx.needs_input_grad[:6])
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
+                recompute):
+        grad = any(ctx.needs_input_grad[:6])
         o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(
-            q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save
+            q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
+            grad and not recompute,
         )
-        ctx.save_for_backward(q, k, v, g, beta, *saved, cu_seqlens, initial_state)
+        ctx.recompute = grad and recompute
+        ctx.save_for_backward(q, k, v, g, beta, *([] if ctx.recompute else saved), cu_seqlens, initial_state)
         ctx.scale, ctx.l2, ctx.has_h0 = scale, use_qk_l2norm, initial_state is not None
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
@@ -500,12 +507,14 @@ class _ChunkGDN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, *saved, cu, h0 = ctx.saved_tensors
+        if ctx.recompute:
+            _, _, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, h0, cu, ctx.scale, ctx.l2, False, True)
         if dht is not None and dht.numel() == 0:
             dht = None
         dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
             do, dht, q, k, v, g, beta, *saved, cu, ctx.scale, ctx.l2, ctx.has_h0, h0
         )
-        return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None
+        return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 
 def _check_device(x: torch.Tensor) -> None:
@@ -534,9 +543,10 @@ def _check_dims(K: int, V: int) -> None:
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
     scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked gated delta rule on the Triton kernels. Shapes as `hybridlm.ops.gated_delta_rule`."""
+    """Chunked gated delta rule on the Triton kernels. Shapes as `hybridlm.ops.gated_delta_rule`; recompute: keep
+    only the inputs for the backward and rerun the forward kernels there (less memory, one more forward)."""
     K, V = q.shape[-1], v.shape[-1]
     _check_dims(K, V)
     _check_device(q)
@@ -548,7 +558,7 @@ def chunk_gated_delta_rule(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
-                            bool(output_final_state))
+                            bool(output_final_state), bool(recompute))
     return o, (ht if output_final_state else None)
 
 

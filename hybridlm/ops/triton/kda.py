@@ -200,12 +200,17 @@ def _(do, dht, q, k, v, g, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0
 
 
 class _ChunkKDA(torch.autograd.Function):
+    """recompute: keep only the inputs (and the initial state) for the backward and rerun the forward kernels
+    there, as `gdn._ChunkGDN` does."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
-        save = any(ctx.needs_input_grad[:6])
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
+                recompute):
+        grad = any(ctx.needs_input_grad[:6])
         o, ht, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                                         use_qk_l2norm, output_final_state, save)
-        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, *saved)
+                                                         use_qk_l2norm, output_final_state, grad and not recompute)
+        ctx.recompute = grad and recompute
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, *([] if ctx.recompute else saved))
         ctx.scale, ctx.l2, ctx.has_h0, ctx.g_dtype = scale, use_qk_l2norm, initial_state is not None, g.dtype
         if not output_final_state:
             ctx.mark_non_differentiable(ht)
@@ -213,12 +218,14 @@ class _ChunkKDA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, cu, *saved = ctx.saved_tensors
+        q, k, v, g, beta, cu, h0, *saved = ctx.saved_tensors
+        if ctx.recompute:
+            _, _, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, h0, cu, ctx.scale, ctx.l2, False, True)
         if dht is not None and dht.numel() == 0:
             dht = None
         dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, g, beta, saved, cu, ctx.scale,
                                                                    ctx.l2, ctx.has_h0)
-        return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None
+        return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -229,9 +236,10 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 def chunk_kda(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
     scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA forward on the Triton kernels. Shapes as `hybridlm.ops.kda` (g: [B, T, HV, K])."""
+    """Chunked KDA forward on the Triton kernels. Shapes as `hybridlm.ops.kda` (g: [B, T, HV, K]); recompute: keep
+    only the inputs for the backward and rerun the forward kernels there."""
     K, V = q.shape[-1], v.shape[-1]
     gdn._check_dims(K, V)
     gdn._check_device(q)
@@ -245,7 +253,7 @@ def chunk_kda(
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
     o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
-                            bool(output_final_state))
+                            bool(output_final_state), bool(recompute))
     return o, (ht if output_final_state else None)
 
 

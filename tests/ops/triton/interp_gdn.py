@@ -20,6 +20,9 @@ from hybridlm.ops import gated_delta_rule  # noqa: E402
 from hybridlm.ops.triton import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recompute_check import recompute_case  # noqa: E402
+
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
 
 F64 = torch.float64
@@ -205,6 +208,11 @@ def main() -> int:
     res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole"), whole, B=1, T=200, H=1, HV=2, K=64,
                                             V=128, l2=True, h0=True)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
+    # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
+    res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
+                                                                            torch.float32), gen,
+                                             cu_seqlens=torch.tensor([0, 40, 150], dtype=torch.int32),
+                                             use_qk_l2norm=True)
     print("RESULT " + json.dumps(res))
     return 0
 

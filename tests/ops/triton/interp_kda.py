@@ -19,6 +19,9 @@ from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
 from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recompute_check import recompute_case  # noqa: E402
+
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
 F64 = torch.float64
 
@@ -119,6 +122,13 @@ def main() -> int:
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
+    # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    xs = [r(1, 150, 1, 64), r(1, 150, 1, 64), r(1, 150, 2, 64), -1.5 * torch.rand(1, 150, 2, 64, generator=gen),
+          2.0 * torch.rand(1, 150, 2, generator=gen), r(2, 2, 64, 64)]
+    res["recompute_varlen"] = recompute_case(chunk_kda, xs, gen, cu_seqlens=torch.tensor([0, 40, 150],
+                                                                                         dtype=torch.int32),
+                                             use_qk_l2norm=True)
     print("RESULT " + json.dumps(res))
     return 0
 

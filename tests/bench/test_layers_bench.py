@@ -1,0 +1,22 @@
+"""The layer benchmark's CPU-side pieces: the recompute variant and the table (the timing itself needs CUDA)."""
+
+from __future__ import annotations
+
+from hybridlm.bench import layers
+
+
+def test_recompute_variant_builds_a_recomputing_layer():
+    w = dict(D=64, H=2, HV=4, d=16)
+    assert layers._ours_gdn(w, recompute=True).recompute and not layers._ours_gdn(w).recompute
+    assert layers._ours_kda(dict(w, HV=2), recompute=True).recompute
+
+
+def test_table_has_the_recompute_columns():
+    info = dict(device="X", torch="t", triton="tr", fla="f", date_utc="d", tokens=16)
+    row = dict(layer="gdn", width="2048", T=8, B=2, ours_tok_s=1000.0, fla_tok_s=900.0, speedup_vs_fla=1.11,
+               ours_peak_GiB=3.0, fla_peak_GiB=2.5, ours_rc_tok_s=950.0, rc_speedup_vs_fla=1.06, ours_rc_peak_GiB=2.0,
+               fla_error="boom")
+    text = layers._table(info, [row])
+    line = [ln for ln in text.splitlines() if ln.startswith("| gdn")][0]
+    assert line.split("|")[9:12] == [" 950 ", " 1.06 ", " 2.00 "], line
+    assert "fla_error: boom" in text
