@@ -9,9 +9,9 @@
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), check (GDN/KDA vs float64, pass/fail),
-# glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells until the
-# step's limit, resuming from results/mqar-paper/results.json: copy the returned results.json there and commit it
-# to go on in a later call), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
+# glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
+# concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
+# results.json there and commit it to go on in a later call), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
 # (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash command.
 set -u
 OUT=${OUT:-out}
@@ -43,8 +43,12 @@ for spec in "$@"; do
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
-    mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results.json "$OUT/mqar/" 2>/dev/null
-          cmd=(python3 -m hybridlm bench mqar --preset paper --out "$OUT/mqar" --max-minutes $(((secs - 60) / 60))) ;;
+    mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results*.json "$OUT/mqar/" 2>/dev/null
+          # six shards share the GPU (each small model leaves it idle between launches), then one run merges them
+          cmd=(bash -c "for i in 0 1 2 3 4 5; do OMP_NUM_THREADS=2 python3 -m hybridlm bench mqar --preset paper \
+                 --out $OUT/mqar --shard \$i/6 --max-minutes $(((secs - 45) / 60)) > $OUT/mqar/shard\$i.log 2>&1 & done; \
+                 wait; tail -n 3 $OUT/mqar/shard?.log; python3 -m hybridlm bench mqar --preset paper --out $OUT/mqar \
+                 --max-cells 0") ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
     *) cmd=(bash -c "$step") ;;

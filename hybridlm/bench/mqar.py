@@ -60,28 +60,32 @@ def mqar_batch(
     a * x^(a-1) (a power law: most queries soon after the context, a long tail far away). Every other query-region
     position holds a random token of the whole vocabulary (Zoology's random_non_queries; token 0 when False), so a
     mixer that writes every token into a fixed-size state keeps writing noise after the context.
+    The tensors are made on the generator's device (a CUDA generator keeps the sampling off the host: on the CPU it
+    costs ~20 ms for 128 examples of 128 tokens, more than a GPU training step of a small model).
     """
+    dev = generator.device
     check_mqar_setting(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size)
     total = seq_len + 1
     half = vocab_size // 2
-    keys = torch.argsort(torch.rand(n, half - 1, generator=generator), dim=1)[:, :num_pairs] + 1
-    values = torch.argsort(torch.rand(n, vocab_size - half, generator=generator), dim=1)[:, :num_pairs] + half
+    keys = torch.argsort(torch.rand(n, half - 1, generator=generator, device=dev), dim=1)[:, :num_pairs] + 1
+    values = torch.argsort(torch.rand(n, vocab_size - half, generator=generator, device=dev), dim=1)[:, :num_pairs]
+    values = values + half
     context = torch.stack([keys, values], dim=2).reshape(n, 2 * num_pairs)
 
     space = (total - 2 * num_pairs) // 2  # query slots (pairs of positions)
-    x = torch.arange(1, space + 1, dtype=torch.float64)
+    x = torch.arange(1, space + 1, dtype=torch.float64, device=dev)
     p = power_a * x ** (power_a - 1)
     p = (p / p.sum()).expand(n, space)
     gaps = torch.multinomial(p, num_pairs, replacement=False, generator=generator)  # [n, P]
-    queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64)
+    queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64, device=dev)
     queries.scatter_(1, 2 * gaps, keys)
     if random_non_queries:
-        noise = torch.randint(0, vocab_size, queries.shape, generator=generator)
+        noise = torch.randint(0, vocab_size, queries.shape, generator=generator, device=dev)
         is_query = torch.zeros_like(queries, dtype=torch.bool).scatter_(1, 2 * gaps, True)
         queries = torch.where(is_query, queries, noise)
     seq = torch.cat([context, queries], dim=1)  # [n, total]
 
-    labels = torch.full((n, total), IGNORE, dtype=torch.int64)
+    labels = torch.full((n, total), IGNORE, dtype=torch.int64, device=dev)
     labels.scatter_(1, 2 * num_pairs + 2 * gaps + 1, values)  # the token after a query key is its value
     return seq[:, :-1].contiguous(), labels[:, 1:].contiguous()
 
@@ -236,10 +240,14 @@ class MQARModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(width))
         self.head = nn.Linear(width, vocab_size, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: [B, T] -> logits [B, T, vocab]; with scored (bool [B, T]) only the scored positions' logits
+        [n_scored, vocab]: MQAR scores one position in eight or fewer, and the vocabulary head is most of the step."""
         x = self.embed(ids)
         for blk in self.blocks:
             x = blk(x)
+        if scored is not None:
+            x = x[scored]
         return self.head(rms_norm(x, self.norm, 1e-6))
 
 
@@ -280,12 +288,16 @@ class TrainConfig:
     warmup: float = 0.1  # fraction of steps of linear warmup, then cosine decay to 0
     weight_decay: float = 0.1
     test_examples: int = 1000
+    # train each batch on P/4, P/2 and P pairs in equal parts (Zoology trains on several pair counts at once: the
+    # easy examples teach the lookup sooner); tested on P pairs only
+    mixed_pairs: bool = False
     impl: str = "auto"  # recurrence implementation (hybridlm.ops impl); not part of the cell key
     amp: bool = True  # bf16 autocast on CUDA; not part of the cell key
 
     def tag(self) -> str:
         return (f"h{self.num_heads}|dk{self.key_dim or '-'}|dv{self.value_dim or '-'}|mlp{int(self.mlp)}"
-                f"|s{self.steps}|b{self.batch_size}|wu{self.warmup:g}|wd{self.weight_decay:g}")
+                f"|s{self.steps}|b{self.batch_size}|wu{self.warmup:g}|wd{self.weight_decay:g}"
+                + ("|mix" if self.mixed_pairs else ""))
 
 
 @dataclass
@@ -306,9 +318,10 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     On CUDA the forward runs under bf16 autocast (the recurrences compute in float32 inside the ops)."""
     s = cell.setting
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # training data are sampled where the model runs
     data = dict(seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size)
     x_te, y_te = mqar_batch(cfg.test_examples, **data, generator=torch.Generator().manual_seed(seed + 1_000_003))
+    groups = train_groups(cfg.batch_size, s.num_pairs, cfg.mixed_pairs)
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
                       key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp, impl=cfg.impl).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -320,11 +333,12 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     t0 = time.perf_counter()
     losses = []
     for step in range(cfg.steps):
-        x, y = mqar_batch(cfg.batch_size, **data, generator=gen)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        parts = [mqar_batch(n, **{**data, "num_pairs": P}, generator=gen) for n, P in groups]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        scored = y != IGNORE
         with autocast:
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE)
+            logits = model(x, scored)  # [n_scored, vocab]: the same mean loss as over all positions with IGNORE
+        loss = F.cross_entropy(logits.float(), y[scored])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -339,6 +353,18 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
             "ms_per_step": round(1000 * train_s / cfg.steps, 2), "seconds": round(time.perf_counter() - t0, 2),
             "seed": seed, "device": device_name(device), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def train_groups(batch_size: int, num_pairs: int, mixed: bool) -> list[tuple[int, int]]:
+    """(examples, pairs) making up one training batch: all at num_pairs, or (mixed) split as evenly as possible over
+    num_pairs // 4, num_pairs // 2 and num_pairs (duplicates and zeros dropped)."""
+    if not mixed:
+        return [(batch_size, num_pairs)]
+    counts = sorted({max(1, num_pairs // 4), max(1, num_pairs // 2), num_pairs})
+    if batch_size < len(counts):
+        raise ValueError(f"batch_size: expected >= {len(counts)} with mixed pairs {counts}, got {batch_size}")
+    sizes = [batch_size // len(counts) + (i < batch_size % len(counts)) for i in range(len(counts))]
+    return list(zip(sizes, counts))
 
 
 def _autocast(device: torch.device, amp: bool):
@@ -383,12 +409,14 @@ PRESETS = {
     # (plain linear attention) fills up with noise; 8 pairs at width 64 (one 64 x 64 state per layer).
     "tiny": dict(mixers=list(MIXERS), widths=[64], seq_lens=[64], pairs=[8], vocab_size=512, lrs=[1e-2],
                  num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=600, batch_size=64, warmup=0.1,
-                 weight_decay=0.1, test_examples=500),
-    # one GPU, resumable: 32 pairs in 128 tokens (the context fills half the sequence), widths 64-256 (one head: a
-    # width x width state per layer), a two-point lr sweep; 42 cells of 1000 steps x 128 examples
-    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[128], pairs=[32], vocab_size=4096,
-                  lrs=[3e-3, 1e-2], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=1000,
-                  batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000),
+                 weight_decay=0.1, test_examples=500, mixed_pairs=False),
+    # one GPU, resumable: 64 pairs in 512 tokens (the hardest setting of Zoology's and DeltaNet's MQAR plots); one
+    # head, so a recurrent mixer's state is width x width and 64 pairs fill it at width 64; training mixes
+    # 16, 32 and 64 pairs (Zoology trains on several pair counts: at 1000 steps of 32 pairs alone no recurrent
+    # mixer left chance level, H100 run of 2026-11-23); 42 cells of 4000 steps x 128 examples
+    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[512], pairs=[64], vocab_size=4096,
+                  lrs=[3e-3, 1e-2], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=4000,
+                  batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000, mixed_pairs=True),
 }
 
 
@@ -486,6 +514,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " 0 means width / num_heads)")
     parser.add_argument("--mlp", action=argparse.BooleanOptionalAction, default=None,
                         help="a SwiGLU MLP after each mixer (default: the preset's; Zoology uses none)")
+    parser.add_argument("--mixed-pairs", action=argparse.BooleanOptionalAction, default=None,
+                        help="train on P/4, P/2 and P pairs in equal parts of each batch, test on P (default: the "
+                        "preset's; Zoology trains on several pair counts together)")
     parser.add_argument("--steps", type=int, help="optimizer steps per cell, each on a fresh batch")
     parser.add_argument("--batch-size", type=int, help="examples per step")
     parser.add_argument("--warmup", type=float, help="fraction of steps of linear warmup before the cosine decay")
@@ -498,6 +529,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop before a cell that would end past this many minutes (estimated from the cells "
                         "run so far); rerun the same command to resume")
+    parser.add_argument("--shard", default=None,
+                        help="I/N: run only the cells whose grid index is I modulo N, into results.shardIofN.json "
+                        "(N processes share one GPU; a plain run afterwards merges them and writes the table)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--impl", choices=("auto", "chunk", "naive", "triton"), default="auto",
                         help="recurrence implementation of hybridlm.ops (auto: Triton kernels on CUDA where they exist,"
@@ -507,7 +541,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _OVERRIDES = ("mixers", "widths", "seq_lens", "pairs", "vocab_size", "lrs", "num_heads", "key_dim", "value_dim",
-              "mlp", "steps",
+              "mlp", "mixed_pairs", "steps",
               "batch_size", "warmup", "weight_decay", "test_examples")
 
 
@@ -552,6 +586,35 @@ def load_results(path: str) -> dict:
     return data
 
 
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'I/N' -> (I, N): this process runs the cells whose index in the grid is I modulo N."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"shard: expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return i, n
+
+
+def merged_results(out: str) -> dict:
+    """results.json plus every shard file in out, one record per cell key (the first seen wins)."""
+    data = load_results(os.path.join(out, "results.json"))
+    seen = {r["key"] for r in data["cells"]}
+    names = sorted(f for f in os.listdir(out) if f.startswith("results.shard") and f.endswith(".json")) \
+        if os.path.isdir(out) else []
+    for name in names:
+        part = load_results(os.path.join(out, name))
+        data["runs"] += part["runs"]
+        for r in part["cells"]:
+            if r["key"] not in seen:
+                seen.add(r["key"])
+                data["cells"].append(r)
+    return data
+
+
 def estimate_seconds(cell: Cell, cfg: TrainConfig, done: list[dict], device: str) -> float | None:
     """Seconds a cell will take, from cells already run on this device with the same mixer, width, length, steps and
     batch (scaled by steps); None when nothing comparable ran yet."""
@@ -569,17 +632,22 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dev = device_name(device)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "results.json")
-    data = load_results(path)
+    shard = parse_shard(getattr(args, "shard", None))
+    path = os.path.join(args.out, "results.json" if shard is None else f"results.shard{shard[0]}of{shard[1]}.json")
+    # a shard writes only its own file (several run at once on one GPU); a plain run gathers every shard's cells
+    data = load_results(path) if shard is not None else merged_results(args.out)
     data["runs"].append({"command": shlex.join(["hybridlm", "bench", "mqar", *sys.argv[3:]])
                          if sys.argv[1:3] == ["bench", "mqar"] else shlex.join(sys.argv),
                          "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                          "config": cfg, "device": dev, "torch": torch.__version__,
                          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    done = {r["key"] for r in data["cells"]}
+    every = merged_results(args.out)["cells"] + data["cells"]
+    done = {r["key"] for r in every}
     cells = build_cells(cfg)
-    todo = [c for c in cells if c.key(tcfg) not in done]
-    print(f"MQAR preset={args.preset}: {len(cells) - len(todo)} of {len(cells)} cells done, {len(todo)} to run on "
+    mine = cells if shard is None else [c for i, c in enumerate(cells) if i % shard[1] == shard[0]]
+    todo = [c for c in mine if c.key(tcfg) not in done]
+    part = "" if shard is None else f" (shard {shard[0]}/{shard[1]} of a {len(cells)}-cell grid)"
+    print(f"MQAR preset={args.preset}{part}: {len(mine) - len(todo)} of {len(mine)} cells done, {len(todo)} to run on "
           f"{dev} ({tcfg.steps} steps x batch {tcfg.batch_size} each)", flush=True)
     t_start = time.perf_counter()
     ran = 0
@@ -608,6 +676,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r['seconds']:.0f}s ({r['ms_per_step']:.0f} ms/step); ~{remaining / 60:.1f} min left for "
               f"{len(left)} cells", flush=True)
     atomic_write_text(path, json.dumps(data, indent=1))
+    if shard is not None:  # the table and plot come from a plain run after every shard has ended
+        return 0
     mine = [r for r in data["cells"] if r["key"].endswith(tcfg.tag())]
     rows = best_per_cell(mine)
     if not rows:
