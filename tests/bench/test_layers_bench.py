@@ -20,3 +20,23 @@ def test_table_has_the_recompute_columns():
     line = [ln for ln in text.splitlines() if ln.startswith("| gdn")][0]
     assert line.split("|")[9:12] == [" 950 ", " 1.06 ", " 2.00 "], line
     assert "fla_error: boom" in text
+
+
+def test_layer_saved_bytes_script_counts_the_kernel_intermediates():
+    """scripts/layer_saved_bytes.py (meta device, no GPU): recompute=True removes exactly the GDN kernels'
+    intermediates, T fp32 [NC, HV, 64, 64], W/Vn/Qg/Kd [Ttot, HV, 128], chunk states [NC, HV, 128, 128] and P
+    [NC, HV, 64, 64] in bf16 (NC = Ttot / 64 + one per sequence)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "layer_saved_bytes.py"
+
+    def total(*extra):
+        out = subprocess.run([sys.executable, str(script), "--batch", "1", "--seq-len", "128", "--hidden", "256",
+                              *extra], capture_output=True, text=True, check=True).stdout
+        return float(out.strip().splitlines()[-1].split()[0])  # MiB, one decimal
+
+    HV, Ttot, NC = 32, 128, 128 // 64 + 1
+    expect = (NC * HV * 64 * 64 * 4 + 4 * Ttot * HV * 128 * 2 + NC * HV * 128 * 128 * 2 + NC * HV * 64 * 64 * 2)
+    assert abs((total() - total("--recompute")) - expect / 2**20) <= 0.1

@@ -131,6 +131,26 @@ def test_scored_positions_give_the_full_logits_rows():
     torch.testing.assert_close(model(x, scored), model(x)[scored], rtol=1e-5, atol=1e-5)
 
 
+def test_qk_norm_recipe_gives_each_mixer_its_published_form():
+    def mixer(kind, qk):
+        return MQARModel(kind, width=16, num_heads=1, vocab_size=32, qk_norm=qk).blocks[0].mixer
+
+    for kind in ("linear_attention", "gla", "deltanet", "gdn", "kda"):
+        assert mixer(kind, "l2").l2 and not mixer(kind, "l2").elu_features
+    assert not mixer("linear_attention", "recipe").l2 and mixer("linear_attention", "recipe").elu_features
+    assert not mixer("gla", "recipe").l2 and not mixer("gla", "recipe").elu_features
+    assert all(mixer(k, "recipe").l2 for k in ("deltanet", "gdn", "kda"))
+    assert TrainConfig(qk_norm="recipe").tag().endswith("|qkrecipe") and "qk" not in TrainConfig().tag()
+    with pytest.raises(ValueError, match=r"qk_norm: expected one of l2, recipe, got 'none'"):
+        mixer("gla", "none")
+    x, y = _batch(n=2, T=16, P=4, V=32)  # the recipe forms train: finite loss, gradients everywhere
+    for kind in ("linear_attention", "gla"):
+        model = MQARModel(kind, width=16, num_heads=1, vocab_size=32, qk_norm="recipe")
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
 def test_cells_resume_and_record_where_they_ran(tmp_path, capsys):
     kw = dict(mixers=["attention", "linear_attention"], widths=[16], seq_lens=[16], pairs=[2], vocab_size=32,
               steps=3, batch_size=4, test_examples=8)
@@ -203,6 +223,7 @@ def test_mixed_pairs_split_the_batch_and_keep_the_test_at_the_cells_pairs():
 #   width 32, 16 pairs:          attention 1.000, linear 0.669, deltanet 0.631, gdn 0.030 [0]
 #   width 64, 16 pairs:          deltanet 0.912, gdn 0.745 [0]; linear 0.026, 0.186, 0.635, 0.017 [0, 1, 2, 7]
 #   same, training on 4/8/16 pairs mixed (--mixed-pairs, tested on 16):  gdn 0.973, linear 0.051 [0]
+#   tiny setting, --qk-norm recipe (published forms):  linear 0.094, gla 0.396 [7] (l2 forms: linear 0.968 [7])
 #   width 64, dk 16, 16 pairs:   linear 0.040, deltanet 0.695 [0]
 #   width 64, dk 16, 8 pairs:    linear 0.605, 0.563, 0.635; deltanet 0.928, 0.791, 0.024; gdn 0.141, 0.048,
 #                                0.047 [0, 1, 2]; with 1000 steps: linear 0.983 [0], gdn 0.889 [1], deltanet 0.008 [2]

@@ -191,3 +191,10 @@ def test_recompute_keeps_only_the_inputs_and_changes_nothing(interp_results):
     assert res["bitwise_equal"] == 1.0, res
     assert res["saved_bytes"] == res["input_bytes"] + 12, res
     assert res["saved_bytes_without"] > 2 * res["input_bytes"], res
+
+
+def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
+    """With recompute the backward's rerun of the forward is the only holder of W, Qg, Kd and P, and they are gone
+    before the chunk backward allocates dq, dk, dv (one layer's peak memory); without it autograd holds all four."""
+    res = interp_results["recompute_frees_early"]
+    assert res == {"alive_without": 4.0, "alive_with": 0.0}, res

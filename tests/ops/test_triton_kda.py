@@ -128,3 +128,10 @@ def test_recompute_keeps_only_the_inputs_and_changes_nothing(interp_results):
     assert res["bitwise_equal"] == 1.0, res
     assert res["saved_bytes"] == res["input_bytes"] + 12, res
     assert res["saved_bytes_without"] > 2 * res["input_bytes"], res
+
+
+def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
+    """With recompute the backward's rerun of the forward is the only holder of W, Qg, Kd and P, and they are gone
+    when the chunk backward's launches start (so they never coexist with dq, dk, dv, dg)."""
+    res = interp_results["recompute_frees_early"]
+    assert res["refs"] == 4.0 and res["alive_at_chunk_bwd"] and set(res["alive_at_chunk_bwd"]) == {0.0}, res

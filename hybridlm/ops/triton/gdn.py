@@ -311,11 +311,13 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
 
 def _bwd_impl(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
-    Qg: torch.Tensor, Kd: torch.Tensor, Pb: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, saved: list[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
+    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty). saved: the forward's [T, W, h, Vn, Qg, Kd, P];
+    W, Qg, Kd and P serve only the state recurrence's backward, so their entries are cleared after its launch: when
+    the list holds the only references (recompute), their memory is free before dq, dk, dv are allocated."""
+    Tb, Wb, hb, vn, Qg, Kd, Pb = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
@@ -338,6 +340,7 @@ def _bwd_impl(
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
         num_stages=TUNE["fwd_stages"],
     )
+    saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32
     # for the sum over each key head's value heads. dk's partial sum between the two phases is parked in fp32.
     gd = f32 if G > 1 else q.dtype
@@ -455,17 +458,25 @@ def gdn_chunk_bwd(
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool, h0: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
-    K, V = q.shape[-1], v.shape[-1]
     try:
-        return _bwd_impl(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Qg, Kd, Pb, cu_seqlens, scale, use_qk_l2norm,
-                         has_h0)
+        return _bwd_impl(do, dht, q, k, v, g, beta, [Tb, Wb, hb, vn, Qg, Kd, Pb], cu_seqlens, scale,
+                         use_qk_l2norm, has_h0)
     except OutOfResources as e:
         err = e
     # the backward kernels need a smaller chunk than the forward used: recompute the forward's intermediates
-    for BT in (b for b in BT_CHOICES if b < Tb.shape[-1]):
+    return _bwd_recomputed(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0,
+                           [b for b in BT_CHOICES if b < Tb.shape[-1]], err)
+
+
+def _bwd_recomputed(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0, chunk_sizes,
+                    err: Exception | None):
+    """The backward from the inputs alone: the forward's intermediates are made here (chunk sizes tried in order)
+    and held only by the list handed to _bwd_impl, which frees what the chunk backward does not read."""
+    K, V = q.shape[-1], v.shape[-1]
+    for BT in chunk_sizes:
         try:
-            saved = _fwd_impl(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False, True, BT)[2:]
-            out = _bwd_impl(do, dht, q, k, v, g, beta, *saved, cu_seqlens, scale, use_qk_l2norm, has_h0)
+            saved = list(_fwd_impl(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False, True, BT)[2:])
+            out = _bwd_impl(do, dht, q, k, v, g, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0)
         except OutOfResources as e:
             err = e
             continue
@@ -474,8 +485,31 @@ def gdn_chunk_bwd(
     raise err
 
 
+@torch.library.custom_op("hybridlm::gdn_chunk_bwd_rc", mutates_args=())
+def gdn_chunk_bwd_rc(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    has_h0: bool, h0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gdn_chunk_bwd for recompute=True: reruns the forward inside, so that W, Qg, Kd and P (~0.9 KB per token and
+    value head at K=V=128, 16-bit) are freed before the chunk backward's own buffers exist."""
+    K, V = q.shape[-1], v.shape[-1]
+    first = _bt_for(K, V, q.dtype, True)
+    return _bwd_recomputed(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0,
+                           [b for b in BT_CHOICES if b <= first], None)
+
+
+@gdn_chunk_bwd_rc.register_fake
+def _(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
+    return _bwd_fake(q, k, v, g, beta, cu_seqlens, has_h0)
+
+
 @gdn_chunk_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Qg, Kd, Pb, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
+    return _bwd_fake(q, k, v, g, beta, cu_seqlens, has_h0)
+
+
+def _bwd_fake(q, k, v, g, beta, cu_seqlens, has_h0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -507,13 +541,14 @@ class _ChunkGDN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, *saved, cu, h0 = ctx.saved_tensors
-        if ctx.recompute:
-            _, _, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, h0, cu, ctx.scale, ctx.l2, False, True)
         if dht is not None and dht.numel() == 0:
             dht = None
-        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
-            do, dht, q, k, v, g, beta, *saved, cu, ctx.scale, ctx.l2, ctx.has_h0, h0
-        )
+        if ctx.recompute:
+            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd_rc(
+                do, dht, q, k, v, g, beta, cu, ctx.scale, ctx.l2, ctx.has_h0, h0)
+        else:
+            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
+                do, dht, q, k, v, g, beta, *saved, cu, ctx.scale, ctx.l2, ctx.has_h0, h0)
         return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 

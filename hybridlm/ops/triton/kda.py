@@ -141,6 +141,25 @@ def kda_chunk_bwd(
     use_qk_l2norm: bool, has_h0: bool,
 ) -> list[torch.Tensor]:
     """Returns [dq, dk, dv, dg, dbeta, dinitial_state or empty]."""
+    return _bwd_impl(do, dht, q, k, v, g, beta, list(saved), cu_seqlens, scale, use_qk_l2norm, has_h0)
+
+
+@torch.library.custom_op("hybridlm::kda_chunk_bwd_rc", mutates_args=())
+def kda_chunk_bwd_rc(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    has_h0: bool, h0: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """kda_chunk_bwd for recompute=True: reruns the forward inside, so that W, Qg, Kd and P are freed before the
+    chunk backward's own buffers exist."""
+    saved = kda_chunk_fwd(q, k, v, g, beta, h0, cu_seqlens, scale, use_qk_l2norm, False, True)[2:]
+    return _bwd_impl(do, dht, q, k, v, g, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0)
+
+
+def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_seqlens, scale: float,
+              use_qk_l2norm: bool, has_h0: bool) -> list[torch.Tensor]:
+    """saved: the forward's [T, W, h, Vn, Qg, Kd, P, b, bL]; W, Qg, Kd and P serve only the state recurrence's
+    backward, so their entries are cleared after its launch (freed when the list holds the only references)."""
     Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -163,6 +182,7 @@ def kda_chunk_bwd(
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True, num_warps=8,
         num_stages=gdn.TUNE["fwd_stages"],
     )
+    saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
     dv = gdn._out((B, T, HV, V), q, f32)
     db = gdn._out((B, T, HV), q, f32)
@@ -191,6 +211,15 @@ def kda_chunk_bwd(
 
 @kda_chunk_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, saved, cu_seqlens, scale, use_qk_l2norm, has_h0):
+    return _bwd_fake(q, k, v, beta, cu_seqlens, has_h0)
+
+
+@kda_chunk_bwd_rc.register_fake
+def _(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
+    return _bwd_fake(q, k, v, beta, cu_seqlens, has_h0)
+
+
+def _bwd_fake(q, k, v, beta, cu_seqlens, has_h0):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -219,12 +248,14 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, cu, h0, *saved = ctx.saved_tensors
-        if ctx.recompute:
-            _, _, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, h0, cu, ctx.scale, ctx.l2, False, True)
         if dht is not None and dht.numel() == 0:
             dht = None
-        dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, g, beta, saved, cu, ctx.scale,
-                                                                   ctx.l2, ctx.has_h0)
+        if ctx.recompute:
+            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd_rc(do, dht, q, k, v, g, beta, cu, ctx.scale,
+                                                                          ctx.l2, ctx.has_h0, h0)
+        else:
+            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, g, beta, saved, cu,
+                                                                       ctx.scale, ctx.l2, ctx.has_h0)
         return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
 

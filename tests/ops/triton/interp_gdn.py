@@ -213,8 +213,40 @@ def main() -> int:
                                                                             torch.float32), gen,
                                              cu_seqlens=torch.tensor([0, 40, 150], dtype=torch.int32),
                                              use_qk_l2norm=True)
+    res["recompute_frees_early"] = frees_early_case(gen)
     print("RESULT " + json.dumps(res))
     return 0
+
+
+def frees_early_case(gen) -> dict:
+    """How many of the forward's W, Qg, Kd, P are still alive when the chunk backward starts (weak references),
+    with and without recompute."""
+    import weakref
+
+    fwd, chunk_bwd = _gdn._fwd_impl, _gdn._chunk_bwd_kblock
+    refs, alive = [], {}
+
+    def fwd_spy(*a, **kw):
+        out = fwd(*a, **kw)
+        if out[3].numel():  # the run that saves intermediates: W, Qg, Kd, P at 3, 6, 7, 8
+            refs[:] = [weakref.ref(out[i]) for i in (3, 6, 7, 8)]
+        return out
+
+    def bwd_spy(*a, **kw):
+        alive[mode] = sum(r() is not None for r in refs)
+        return chunk_bwd(*a, **kw)
+
+    _gdn._fwd_impl, _gdn._chunk_bwd_kblock = fwd_spy, bwd_spy
+    try:
+        xs = inputs(gen, 1, 130, 1, 2, 64, 64, 1, True, torch.float32)
+        for mode in (False, True):
+            leaf = [x.clone().requires_grad_() for x in xs]
+            o, _ = chunk_gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5],
+                                          use_qk_l2norm=True, recompute=mode)
+            o.sum().backward()
+    finally:
+        _gdn._fwd_impl, _gdn._chunk_bwd_kblock = fwd, chunk_bwd
+    return {"alive_without": float(alive[False]), "alive_with": float(alive[True])}
 
 
 if __name__ == "__main__":

@@ -129,8 +129,37 @@ def main() -> int:
     res["recompute_varlen"] = recompute_case(chunk_kda, xs, gen, cu_seqlens=torch.tensor([0, 40, 150],
                                                                                          dtype=torch.int32),
                                              use_qk_l2norm=True)
+    res["recompute_frees_early"] = frees_early_case(xs)
     print("RESULT " + json.dumps(res))
     return 0
+
+
+def frees_early_case(xs) -> dict:
+    """With recompute: how many of the rerun forward's W, Qg, Kd, P are alive when the K-blocked chunk backward
+    launches (weak references; `_cap` is evaluated in those launches' arguments)."""
+    import weakref
+
+    fwd, cap = _kda.kda_chunk_fwd, _kda._cap
+    refs, alive = [], []
+
+    def fwd_spy(*a, **kw):
+        out = fwd(*a, **kw)
+        refs[:] = [weakref.ref(out[i]) for i in (3, 6, 7, 8)]  # [o, ht, T, W, h, Vn, Qg, Kd, P, b, bL]
+        return out
+
+    def cap_spy():
+        alive.append(sum(r() is not None for r in refs))
+        return cap()
+
+    _kda.kda_chunk_fwd, _kda._cap = fwd_spy, cap_spy
+    try:
+        leaf = [x.clone().requires_grad_() for x in xs]
+        o, _ = chunk_kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], use_qk_l2norm=True,
+                         cu_seqlens=torch.tensor([0, 40, 150], dtype=torch.int32), recompute=True)
+        o.sum().backward()
+    finally:
+        _kda.kda_chunk_fwd, _kda._cap = fwd, cap
+    return {"refs": float(len(refs)), "alive_at_chunk_bwd": [float(a) for a in alive]}
 
 
 if __name__ == "__main__":
