@@ -11,7 +11,8 @@
 # the KDA row), layers / layersq (whole-layer table; one width and length), check (GDN/KDA vs float64, pass/fail),
 # glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
 # concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
-# results.json there and commit it to go on in a later call), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
+# results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqarcheck (CUDA graphs vs
+# eager: the GPU test, then ms/step of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
 # (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash command.
 set -u
 OUT=${OUT:-out}
@@ -44,11 +45,18 @@ for spec in "$@"; do
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results*.json "$OUT/mqar/" 2>/dev/null
-          # six shards share the GPU (each small model leaves it idle between launches), then one run merges them
-          cmd=(bash -c "for i in 0 1 2 3 4 5; do OMP_NUM_THREADS=2 python3 -m hybridlm bench mqar --preset paper \
-                 --out $OUT/mqar --shard \$i/6 --max-minutes $(((secs - 45) / 60)) > $OUT/mqar/shard\$i.log 2>&1 & done; \
-                 wait; tail -n 3 $OUT/mqar/shard?.log; python3 -m hybridlm bench mqar --preset paper --out $OUT/mqar \
-                 --max-cells 0") ;;
+          # MQAR_SHARDS processes (default 6) share the GPU, each small model leaving it idle between launches;
+          # MQAR_ARGS adds flags (e.g. --cuda-graphs); then one run merges the shards' files
+          n=${MQAR_SHARDS:-6}
+          cmd=(bash -c "for i in \$(seq 0 $((n - 1))); do OMP_NUM_THREADS=2 python3 -m hybridlm bench mqar \
+                 --preset paper ${MQAR_ARGS:-} --out $OUT/mqar --shard \$i/$n --max-minutes $(((secs - 45) / 60)) \
+                 > $OUT/mqar/shard\$i.log 2>&1 & done; wait; tail -n 3 $OUT/mqar/shard*.log; \
+                 python3 -m hybridlm bench mqar --preset paper ${MQAR_ARGS:-} --out $OUT/mqar --max-cells 0") ;;
+    mqarcheck) # CUDA graphs against eager (the GPU test), then one process's ms/step at the paper setting both ways
+          cmd=(bash -c "python3 -m pytest -q -x tests/bench/test_mqar.py -k cuda_graphs 2>&1 | tail -n 3; \
+                 for g in eager --cuda-graphs; do python3 -m hybridlm bench mqar --preset paper --mixers attention \
+                 gdn kda --widths 64 --lrs 0.003 --steps 300 --no-plot --out $OUT/mqarcheck\$g \
+                 \$([ \$g = eager ] || echo \$g) | grep -E 'ms/step'; done") ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
     *) cmd=(bash -c "$step") ;;
