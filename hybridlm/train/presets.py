@@ -40,6 +40,14 @@ TRAIN_PRESETS: dict[str, dict] = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
         hf_model_type="qwen3_5_text",
     ),
+    # ~325M parameters: the shape of `hybridlm bench train`'s 357M model (hidden 1024, 24 blocks, 8 GDN heads of 128)
+    # with the byte vocabulary; for multi-GPU scaling, where the 30M model is too small to keep a GPU busy
+    "gpu-325m": dict(
+        vocab_size=256, hidden_size=1024, num_hidden_layers=24, intermediate_size=2816,
+        linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+        hf_model_type="qwen3_5_text",
+    ),
     # the smallest thing that runs: tests
     "test-micro": dict(
         vocab_size=256, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
@@ -55,6 +63,8 @@ TRAIN_DEFAULTS: dict[str, TrainDefaults] = {
     # 600 steps x 32k tokens = ~4 epochs of the corpus; one H100: ~300k tokens/s, about 2 minutes
     "gpu-30m": TrainDefaults(seq_len=1024, batch_size=32, lr=2e-3, warmup=60, max_steps=600, eval_every=100,
                              save_every=200),
+    "gpu-325m": TrainDefaults(seq_len=4096, batch_size=4, lr=6e-4, warmup=100, max_steps=2000, eval_every=250,
+                              save_every=500),
     "test-micro": TrainDefaults(seq_len=64, batch_size=4, lr=3e-3, warmup=2, max_steps=8, eval_every=4,
                                 save_every=4),
 }

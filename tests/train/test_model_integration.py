@@ -76,3 +76,14 @@ def test_tokenizer_json_corpus(tmp_path, small_corpus, micro_args):
                          "--tokenizer", path, "--sample-tokens", "5"))
     assert s["final_step"] == 2 and s["unigram_nats_per_byte"] > 0
     assert os.path.exists(tmp_path / "r" / "sample.txt")
+
+
+def test_training_presets_have_the_sizes_their_names_say():
+    """Each GPU preset builds (on the meta device: no memory) with about the parameter count in its name, as a
+    3:1 hybrid with the byte vocabulary."""
+    for name, millions in (("gpu-30m", 30), ("gpu-325m", 325)):
+        cfg = build_config(name, None, "cuda")[0]
+        with torch.device("meta"):
+            n = sum(p.numel() for p in HybridLM(cfg).parameters())
+        assert abs(n / 1e6 - millions) / millions < 0.1, (name, n)
+        assert cfg.vocab_size == 256 and cfg.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
