@@ -35,7 +35,8 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False):
+def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
+          recompute=False):
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -53,7 +54,7 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
         fn = torch.compile(lambda *a, **kw: gated_delta_rule(*a, **kw),
                            fullgraph=True)
     o, ht = fn(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None,
-               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
+               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton", recompute=recompute)
     do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
     if grads:
         gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
@@ -74,7 +75,8 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
             "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
 
 
-def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True):
+def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
+              recompute=False):
     """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays."""
     from hybridlm.ops import kda
 
@@ -90,7 +92,7 @@ def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True,
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     leaf = [x.clone().requires_grad_(grads) for x in xs]
     o, ht = kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
-                cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton")
+                cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton", recompute=recompute)
     do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
     if grads:
         gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
@@ -194,6 +196,12 @@ def main(argv=None) -> int:
                                                        cu=[0, 1, 16, 116, 816])))
         cases.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
                                                              decay=30.0)))
+    # recompute=True (the backward reruns the forward inside its own op and frees part of it early)
+    cases.append(("recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                                        cu=[0, 1, 16, 116, 816], recompute=True)))
+    cases.append(("kda:recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128,
+                                                            dtype=torch.bfloat16, cu=[0, 1, 16, 116, 816],
+                                                            recompute=True)))
     cases.append(("kda:bench B4 T4096 H16 D128", dict(B=4, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16,
                                                       h0=False)))
     cases.append(("torch.compile T300 H2 HV4", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,

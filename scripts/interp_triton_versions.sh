@@ -16,7 +16,7 @@ for v in "${versions[@]}"; do
 import json, sys
 d = json.load(sys.stdin)
 worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged"))
-         for c, r in d.items() if isinstance(r, dict)}
+         for c, r in d.items() if isinstance(r, dict) and not c.startswith("recompute")}  # those hold counts
 ok = all(w <= 3e-5 for w in worst.values())
 print("triton", sys.argv[1], "PASS" if ok else "FAIL", "worst rel err", f"{max(worst.values()):.2e}", "seed", d["seed"])
 ' "$v" || echo "triton $v: FAIL (no result) $(echo "$out" | tail -2)"
