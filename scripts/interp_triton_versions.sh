@@ -17,7 +17,10 @@ import json, sys
 d = json.load(sys.stdin)
 worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged"))
          for c, r in d.items() if isinstance(r, dict) and not c.startswith("recompute")}  # those hold counts
-ok = all(w <= 3e-5 for w in worst.values())
-print("triton", sys.argv[1], "PASS" if ok else "FAIL", "worst rel err", f"{max(worst.values()):.2e}", "seed", d["seed"])
+bar = lambda c: 2e-3 if "fp16" in c else 3e-5  # fp16 cases: 16-bit intermediates (PLAN_TOL_FP16 of the tests)
+bad = {c: w for c, w in worst.items() if w > bar(c)}
+fp32_worst = max(w for c, w in worst.items() if "fp16" not in c)
+print("triton", sys.argv[1], "PASS" if not bad else f"FAIL {bad}", "worst rel err (fp32 cases)",
+      f"{fp32_worst:.2e}", "seed", d["seed"])
 ' "$v" || echo "triton $v: FAIL (no result) $(echo "$out" | tail -2)"
 done

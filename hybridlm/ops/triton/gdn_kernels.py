@@ -367,9 +367,12 @@ def _prep_fwd_blk(
 
 @triton.jit
 def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
-    """Block pointer to the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in a
-    [tokens, heads * dim] buffer (rows past the sequence's end read as 0 and are not written)."""
-    return tl.make_block_ptr(ptr + bos * stride + col0, (Tn, col0 + BC), (stride, 1), (t0, 0), (BT, BC), (1, 0))
+    """(pointers, row mask) of the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in
+    a [tokens, heads * dim] buffer: load with other=0 (rows past the sequence's end read as 0), store with the
+    mask (they are not written). Plain pointers, not block pointers: Triton 3.9 removed tl.make_block_ptr."""
+    r = t0 + tl.arange(0, BT)
+    return ptr + (bos + r)[:, None] * stride + col0 + tl.arange(0, BC)[None, :], (r < Tn)[:, None]
+
 
 
 @triton.jit
@@ -410,33 +413,35 @@ def _recur_fwd(
         nval = Tn - t0
         live = nval > 0  # chunks past this sequence's end touch no memory (their tiles are empty)
         if STORE:
-            p_h = tl.make_block_ptr(hbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
-                                    (0, iv * BV), (K, BV), (1, 0))
-            tl.store(p_h, S.to(hbuf.dtype.element_ty), boundary_check=(0,))
+            tl.store(hbuf + ((c0 + c) * HV + ihv) * K * V + s_off, S.to(hbuf.dtype.element_ty),
+                     mask=(offs_k < tl.where(live, K, 0))[:, None])
         if CHANNEL:
             dec = tl.exp(tl.load(g + ((c0 + c) * HV + ihv) * K + offs_k, mask=offs_k < tl.where(live, K, 0),
                                  other=0.0))[:, None]
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
-        W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        U = tl.load(_seq_tile(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), boundary_check=(0,))
+        p_t, m_t = _seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        W = tl.load(p_t, mask=m_t, other=0.0)
+        p_t, m_t = _seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        kd = tl.load(p_t, mask=m_t, other=0.0)
+        p_t, m_t = _seq_tile(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+        U = tl.load(p_t, mask=m_t, other=0.0)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
         vn_d = _op(vn, DT, LOWP)
         if STORE:
-            tl.store(_seq_tile(vnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), vn.to(vnbuf.dtype.element_ty),
-                     boundary_check=(0,))
+            p_t, m_t = _seq_tile(vnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+            tl.store(p_t, vn.to(vnbuf.dtype.element_ty), mask=m_t)
         if OUT:
-            qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-            p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
-                                    (0, 0), (BT, BT), (1, 0))
-            P = tl.load(p_p, boundary_check=(0,))
+            p_t, m_t = _seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+            qg = tl.load(p_t, mask=m_t, other=0.0)
+            P = tl.load(Pb + ((c0 + c) * HV + ihv) * BT * BT + rows[:, None] * BT + rows[None, :],
+                        mask=(rows < tl.where(live, BT, 0))[:, None], other=0.0)
             oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
                                                                              input_precision=PREC)
-            tl.store(_seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), oo.to(o.dtype.element_ty),
-                     boundary_check=(0,))
+            p_t, m_t = _seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+            tl.store(p_t, oo.to(o.dtype.element_ty), mask=m_t)
         S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
@@ -502,27 +507,29 @@ def _recur_bwd(
         nval = Tn - t0
         live = nval > 0
         # gradient of the state after chunk c
-        p_h = tl.make_block_ptr(dhbuf + ((c0 + c) * HV + ihv) * K * V, (tl.where(live, K, 0), V), (V, 1),
-                                (0, iv * BV), (K, BV), (1, 0))
-        tl.store(p_h, dS.to(dhbuf.dtype.element_ty), boundary_check=(0,))
+        tl.store(dhbuf + ((c0 + c) * HV + ihv) * K * V + offs_k[:, None] * V + offs_v[None, :],
+                 dS.to(dhbuf.dtype.element_ty), mask=(offs_k < tl.where(live, K, 0))[:, None])
         if CHANNEL:  # KDA: g is the per-chunk total log-decay per key channel [chunks, HV, K]
             dec = tl.exp(tl.load(g + ((c0 + c) * HV + ihv) * K + offs_k, mask=offs_k < tl.where(live, K, 0),
                                  other=0.0))[:, None]
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
-        W = tl.load(_seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        kd = tl.load(_seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        qg = tl.load(_seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K), boundary_check=(0,))
-        dO = tl.load(_seq_tile(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), boundary_check=(0,))
-        p_p = tl.make_block_ptr(Pb + ((c0 + c) * HV + ihv) * BT * BT, (tl.where(live, BT, 0), BT), (BT, 1),
-                                (0, 0), (BT, BT), (1, 0))
-        P = tl.load(p_p, boundary_check=(0,))
+        p_t, m_t = _seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        W = tl.load(p_t, mask=m_t, other=0.0)
+        p_t, m_t = _seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        kd = tl.load(p_t, mask=m_t, other=0.0)
+        p_t, m_t = _seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        qg = tl.load(p_t, mask=m_t, other=0.0)
+        p_t, m_t = _seq_tile(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+        dO = tl.load(p_t, mask=m_t, other=0.0)
+        P = tl.load(Pb + ((c0 + c) * HV + ihv) * BT * BT + rows[:, None] * BT + rows[None, :],
+                    mask=(rows < tl.where(live, BT, 0))[:, None], other=0.0)
         dO_d = _op(dO, DT, LOWP)
         dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
             tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
-        tl.store(_seq_tile(dvnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV), dvn.to(dvnbuf.dtype.element_ty),
-                 boundary_check=(0,))
+        p_t, m_t = _seq_tile(dvnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+        tl.store(p_t, dvn.to(dvnbuf.dtype.element_ty), mask=m_t)
         dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
