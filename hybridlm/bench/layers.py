@@ -39,17 +39,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="gdn,kda,hybrid3:1", help="comma-separated from gdn, kda, hybrid3:1")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of repeats)")
     parser.add_argument("--no-fla", action="store_true", help="skip fla's layers even if installed")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each variant's CUDA time per kernel over 3 forward+backward steps (where "
+                             "ours and fla's layers differ)")
 
 
-def _time_fwd_bwd(fn, x, rep):
-    import triton.testing
-
+def _fwd_bwd_step(fn, x):
+    """One forward+backward of fn at x against a fixed random output gradient."""
     dy = torch.randn_like(fn(x).float()).to(x.dtype)
 
     def step():
         x.grad = None
         fn(x).backward(dy)
 
+    return step
+
+
+def _profile(label: str, fn, x, steps: int = 3) -> None:
+    step = _fwd_bwd_step(fn, x)
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- {label}: CUDA time per kernel, {steps} forward+backward steps", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+
+
+def _time_fwd_bwd(fn, x, rep):
+    import triton.testing
+
+    step = _fwd_bwd_step(fn, x)
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -129,6 +150,8 @@ def _run_row(kind, wname, T, args, have_fla):
                     return y[0] if isinstance(y, tuple) else y
 
             ms, peak = _time_fwd_bwd(fn, x, args.rep)
+            if getattr(args, "profile", False):
+                _profile(f"{kind} width {wname} B{B} T{T} {name}", fn, x)
             row[f"{name}_ms"] = ms
             row[f"{name}_tok_s"] = B * T / (ms * 1e-3)
             row[f"{name}_peak_GiB"] = peak / 2**30
