@@ -259,10 +259,7 @@ class MQARModel(nn.Module):
 
     def features(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, T] -> the last block's output [B, T, width] (before the final norm and the head)."""
-        x = self.embed(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        return x
+        return _embed_and_blocks(self.embed, self.blocks, ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., width] features -> [..., vocab]."""
@@ -278,10 +275,14 @@ class _Trunk(nn.Module):
         self.embed, self.blocks = model.embed, model.blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        return x
+        return _embed_and_blocks(self.embed, self.blocks, ids)
+
+
+def _embed_and_blocks(embed: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> torch.Tensor:
+    x = embed(ids)
+    for blk in blocks:
+        x = blk(x)
+    return x
 
 
 QK_NORMS = ("l2", "recipe")
@@ -713,8 +714,8 @@ def run(args: argparse.Namespace) -> int:
                          "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                          "config": cfg, "device": dev, "torch": torch.__version__,
                          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    every = merged_results(args.out)["cells"] + data["cells"]
-    done = {r["key"] for r in every}
+    # a plain run's data are already the merged files; a shard also skips cells other shards or runs finished
+    done = {r["key"] for r in (data if shard is None else merged_results(args.out))["cells"]}
     cells = build_cells(cfg)
     mine = cells if shard is None else [c for i, c in enumerate(cells) if i % shard[1] == shard[0]]
     todo = [c for c in mine if c.key(tcfg) not in done]

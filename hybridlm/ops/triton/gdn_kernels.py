@@ -374,6 +374,26 @@ def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr
     return ptr + (bos + r)[:, None] * stride + col0 + tl.arange(0, BC)[None, :], (r < Tn)[:, None]
 
 
+@triton.jit
+def _seq_load(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
+    """The [BT, BC] tile of `_seq_tile`, rows past the sequence's end as 0."""
+    p, m = _seq_tile(ptr, bos, Tn, t0, col0, stride, BT, BC)
+    return tl.load(p, mask=m, other=0.0)
+
+
+@triton.jit
+def _seq_store(ptr, x, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
+    """Store x [BT, BC] into the tile of `_seq_tile`, rows past the sequence's end left unwritten."""
+    p, m = _seq_tile(ptr, bos, Tn, t0, col0, stride, BT, BC)
+    tl.store(p, x.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _chunk_p(Pb, ic, HV, ihv, live, rows, BT: tl.constexpr):
+    """The intra-chunk attention tile P [BT, BT] of chunk ic and value head ihv (zeros past a sequence's end)."""
+    return tl.load(Pb + (ic * HV + ihv) * BT * BT + rows[:, None] * BT + rows[None, :],
+                   mask=(rows < tl.where(live, BT, 0))[:, None], other=0.0)
+
 
 @triton.jit
 def _recur_fwd(
@@ -421,27 +441,20 @@ def _recur_fwd(
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
-        p_t, m_t = _seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        W = tl.load(p_t, mask=m_t, other=0.0)
-        p_t, m_t = _seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        kd = tl.load(p_t, mask=m_t, other=0.0)
-        p_t, m_t = _seq_tile(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        U = tl.load(p_t, mask=m_t, other=0.0)
+        W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
         vn_d = _op(vn, DT, LOWP)
         if STORE:
-            p_t, m_t = _seq_tile(vnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-            tl.store(p_t, vn.to(vnbuf.dtype.element_ty), mask=m_t)
+            _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if OUT:
-            p_t, m_t = _seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
-            qg = tl.load(p_t, mask=m_t, other=0.0)
-            P = tl.load(Pb + ((c0 + c) * HV + ihv) * BT * BT + rows[:, None] * BT + rows[None, :],
-                        mask=(rows < tl.where(live, BT, 0))[:, None], other=0.0)
+            qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+            P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
             oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
                                                                              input_precision=PREC)
-            p_t, m_t = _seq_tile(o, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-            tl.store(p_t, oo.to(o.dtype.element_ty), mask=m_t)
+            _seq_store(o, oo, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
@@ -515,21 +528,15 @@ def _recur_bwd(
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
-        p_t, m_t = _seq_tile(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        W = tl.load(p_t, mask=m_t, other=0.0)
-        p_t, m_t = _seq_tile(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        kd = tl.load(p_t, mask=m_t, other=0.0)
-        p_t, m_t = _seq_tile(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        qg = tl.load(p_t, mask=m_t, other=0.0)
-        p_t, m_t = _seq_tile(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        dO = tl.load(p_t, mask=m_t, other=0.0)
-        P = tl.load(Pb + ((c0 + c) * HV + ihv) * BT * BT + rows[:, None] * BT + rows[None, :],
-                    mask=(rows < tl.where(live, BT, 0))[:, None], other=0.0)
+        W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        dO = _seq_load(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
+        P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
         dO_d = _op(dO, DT, LOWP)
         dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
             tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
-        p_t, m_t = _seq_tile(dvnbuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        tl.store(p_t, dvn.to(dvnbuf.dtype.element_ty), mask=m_t)
+        _seq_store(dvnbuf, dvn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
