@@ -286,6 +286,7 @@ def _embed_and_blocks(embed: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor
 
 
 QK_NORMS = ("l2", "recipe")
+RECIPE_CHANGES = ("linear_attention", "gla")  # mixers whose q/k differ between qk_norm "l2" and "recipe"
 
 
 def check_qk_norm(qk_norm: str) -> None:
@@ -343,7 +344,7 @@ class TrainConfig:
     def tag(self) -> str:
         return (f"h{self.num_heads}|dk{self.key_dim or '-'}|dv{self.value_dim or '-'}|mlp{int(self.mlp)}"
                 f"|s{self.steps}|b{self.batch_size}|wu{self.warmup:g}|wd{self.weight_decay:g}"
-                + ("|mix" if self.mixed_pairs else "") + ("|qkrecipe" if self.qk_norm == "recipe" else ""))
+                + ("|mix" if self.mixed_pairs else ""))
 
 
 @dataclass
@@ -355,7 +356,10 @@ class Cell:
 
     def key(self, cfg: TrainConfig) -> str:
         s = self.setting
-        return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}"
+        # qk_norm "recipe" changes only the mixers in RECIPE_CHANGES; the others are the same model either way and
+        # share their results
+        qk = "|qkrecipe" if cfg.qk_norm == "recipe" and self.mixer in RECIPE_CHANGES else ""
+        return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}{qk}"
 
 
 def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device) -> dict:
@@ -368,6 +372,7 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     data = dict(seq_len=s.seq_len, num_pairs=s.num_pairs, vocab_size=s.vocab_size)
     x_te, y_te = mqar_batch(cfg.test_examples, **data, generator=torch.Generator().manual_seed(seed + 1_000_003))
     groups = train_groups(cfg.batch_size, s.num_pairs, cfg.mixed_pairs)
+    n_scored = sum(n * pairs for n, pairs in groups)
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
                       key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp, impl=cfg.impl,
                       qk_norm=cfg.qk_norm).to(device)
@@ -393,11 +398,13 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     for step in range(cfg.steps):
         parts = [mqar_batch(n, **{**data, "num_pairs": P}, generator=gen) for n, P in groups]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        scored = y != IGNORE
+        # every example scores exactly its number of pairs, so the count is known and finding the scored positions
+        # needs no device-to-host sync (a boolean index would wait for the GPU every step)
+        idx = torch.nonzero_static((y != IGNORE).flatten(), size=n_scored).squeeze(1)
         with autocast:
             # logits at the scored positions only [n_scored, vocab]: the same mean loss as over all positions
-            logits = model.logits(trunk(x)[scored])
-        loss = F.cross_entropy(logits.float(), y[scored])
+            logits = model.logits(trunk(x).flatten(0, 1)[idx])
+        loss = F.cross_entropy(logits.float(), y.flatten()[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -486,14 +493,15 @@ PRESETS = {
 
 
 def build_cells(cfg: dict) -> list[Cell]:
+    # learning rate outermost: a grid cut short by a time limit still has every cell at the first rate
     cells = []
-    for T in cfg["seq_lens"]:
-        for P in cfg["pairs"]:
-            if 4 * P > T + 1:
-                continue  # this many pairs do not fit in this sequence
-            for d in cfg["widths"]:
-                for m in cfg["mixers"]:
-                    for lr in cfg["lrs"]:
+    for lr in cfg["lrs"]:
+        for T in cfg["seq_lens"]:
+            for P in cfg["pairs"]:
+                if 4 * P > T + 1:
+                    continue  # this many pairs do not fit in this sequence
+                for d in cfg["widths"]:
+                    for m in cfg["mixers"]:
                         cells.append(Cell(m, d, Setting(T, P, cfg["vocab_size"]), lr))
     return cells
 
@@ -659,7 +667,7 @@ def load_results(path: str) -> dict:
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
-    """'I/N' -> (I, N): this process runs the cells whose index in the grid is I modulo N."""
+    """'I/N' -> (I, N): this process runs the cells whose index among those still to run is I modulo N."""
     if text is None:
         return None
     try:
@@ -688,10 +696,11 @@ def merged_results(out: str) -> dict:
 
 
 def estimate_seconds(cell: Cell, cfg: TrainConfig, done: list[dict], device: str) -> float | None:
-    """Seconds a cell will take, from cells already run on this device with the same mixer, width, length, steps and
-    batch (scaled by steps); None when nothing comparable ran yet."""
+    """Seconds a cell will take, from cells already run on this device with the same mixer, width, length, steps,
+    batch and CUDA-graph setting (scaled by steps); None when nothing comparable ran yet."""
     same = [r for r in done if r.get("device") == device and r["mixer"] == cell.mixer and r["width"] == cell.width
-            and r["seq_len"] == cell.setting.seq_len and r.get("batch_size") == cfg.batch_size and r.get("steps")]
+            and r["seq_len"] == cell.setting.seq_len and r.get("batch_size") == cfg.batch_size and r.get("steps")
+            and r.get("cuda_graphs", False) == cfg.cuda_graphs]
     if same:
         return max(r["seconds"] / r["steps"] for r in same) * cfg.steps
     return None
@@ -717,11 +726,16 @@ def run(args: argparse.Namespace) -> int:
     # a plain run's data are already the merged files; a shard also skips cells other shards or runs finished
     done = {r["key"] for r in (data if shard is None else merged_results(args.out))["cells"]}
     cells = build_cells(cfg)
-    mine = cells if shard is None else [c for i, c in enumerate(cells) if i % shard[1] == shard[0]]
-    todo = [c for c in mine if c.key(tcfg) not in done]
-    part = "" if shard is None else f" (shard {shard[0]}/{shard[1]} of a {len(cells)}-cell grid)"
-    print(f"MQAR preset={args.preset}{part}: {len(mine) - len(todo)} of {len(mine)} cells done, {len(todo)} to run on "
-          f"{dev} ({tcfg.steps} steps x batch {tcfg.batch_size} each)", flush=True)
+    todo = [c for c in cells if c.key(tcfg) not in done]
+    if shard is not None:
+        # shards split the cells that the merged results.json lacks (only a plain run writes it, so every shard of
+        # one launch sees the same list, whenever it starts): a resumed grid stays balanced
+        base = {r["key"] for r in load_results(os.path.join(args.out, "results.json"))["cells"]}
+        todo = [c for c in [c for c in cells if c.key(tcfg) not in base][shard[0] :: shard[1]] if c in todo]
+    part = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
+    print(f"MQAR preset={args.preset}{part}: {len(cells) - sum(c.key(tcfg) not in done for c in cells)} of "
+          f"{len(cells)} cells done, {len(todo)} to run here on {dev} ({tcfg.steps} steps x batch "
+          f"{tcfg.batch_size} each)", flush=True)
     t_start = time.perf_counter()
     ran = 0
     for cell in todo:
@@ -751,7 +765,8 @@ def run(args: argparse.Namespace) -> int:
     atomic_write_text(path, json.dumps(data, indent=1))
     if shard is not None:  # the table and plot come from a plain run after every shard has ended
         return 0
-    mine = [r for r in data["cells"] if r["key"].endswith(tcfg.tag())]
+    grid = {c.key(tcfg) for c in cells}
+    mine = [r for r in data["cells"] if r["key"] in grid]
     rows = best_per_cell(mine)
     if not rows:
         print("no cells done yet")

@@ -140,7 +140,12 @@ def test_qk_norm_recipe_gives_each_mixer_its_published_form():
     assert not mixer("linear_attention", "recipe").l2 and mixer("linear_attention", "recipe").elu_features
     assert not mixer("gla", "recipe").l2 and not mixer("gla", "recipe").elu_features
     assert all(mixer(k, "recipe").l2 for k in ("deltanet", "gdn", "kda"))
-    assert TrainConfig(qk_norm="recipe").tag().endswith("|qkrecipe") and "qk" not in TrainConfig().tag()
+    # only the mixers the recipe changes get another cell key; the others share their results with "l2" runs
+    st = Setting(seq_len=64, num_pairs=8, vocab_size=512)
+    for kind in MIXERS:
+        cell = Cell(kind, 64, st, 1e-3)
+        same = cell.key(TrainConfig(qk_norm="recipe")) == cell.key(TrainConfig())
+        assert same == (kind not in ("linear_attention", "gla")), kind
     with pytest.raises(ValueError, match=r"qk_norm: expected one of l2, recipe, got 'none'"):
         mixer("gla", "none")
     x, y = _batch(n=2, T=16, P=4, V=32)  # the recipe forms train: finite loss, gradients everywhere
@@ -217,6 +222,14 @@ def test_shards_split_the_grid_and_a_plain_run_merges_them(tmp_path, capsys):
     assert "0 to run" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"shard: expected I/N with 0 <= I < N \(e.g. 0/4\), got '2/2'"):
         mqar.run(_args(tmp_path, shard="2/2", **kw))
+    # a grown grid: the shards split the 3 new cells, not the whole grid (where shard 1 would get only one)
+    kw["widths"] = [16, 24]
+    for i in range(2):
+        assert mqar.run(_args(tmp_path, shard=f"{i}/2", **kw)) == 0
+    a = json.loads((tmp_path / "results.shard0of2.json").read_text())["cells"]
+    b = json.loads((tmp_path / "results.shard1of2.json").read_text())["cells"]
+    assert [(c["mixer"], c["width"]) for c in a[2:]] == [("attention", 24), ("gla", 24)]
+    assert [(c["mixer"], c["width"]) for c in b[1:]] == [("linear_attention", 24)]
 
 
 def test_mixed_pairs_split_the_batch_and_keep_the_test_at_the_cells_pairs():
