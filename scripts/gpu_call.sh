@@ -12,7 +12,8 @@
 # per-kernel CUDA times of ours, ours with recompute and fla's), check (GDN/KDA vs float64, pass/fail),
 # glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
 # concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
-# results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqarcheck (CUDA graphs vs
+# results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqargroups (the same, one
+# CUDA-graph process per flag group of MQAR_GROUPS), mqarcheck (CUDA graphs vs
 # eager: the GPU test, then ms/step of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
 # (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash command.
 set -u
@@ -55,6 +56,19 @@ for spec in "$@"; do
                  --preset paper ${MQAR_ARGS:-} --out $OUT/mqar --shard \$i/$n --max-minutes $(((secs - 45) / 60)) \
                  > $OUT/mqar/shard\$i.log 2>&1 & done; wait; tail -n 3 $OUT/mqar/shard*.log; \
                  python3 -m hybridlm bench mqar --preset paper ${MQAR_ARGS:-} --out $OUT/mqar --max-cells 0") ;;
+    mqargroups) # one process per '|'-separated group of flags in MQAR_GROUPS (e.g. "--mixers gdn|--mixers kda"), CUDA
+          # graphs on, no time budget of their own (each writes after every cell: the step limit loses only the cell
+          # in progress); then one run merges their files (few processes: eight shared the GPU worse than one)
+          mkdir -p "$OUT/mqar"; cp results/mqar-paper/results*.json "$OUT/mqar/" 2>/dev/null
+          IFS='|' read -r -a groups <<< "${MQAR_GROUPS:?set MQAR_GROUPS}"
+          script=""
+          for g in "${!groups[@]}"; do
+            script+="mkdir -p $OUT/g$g; cp $OUT/mqar/results.json $OUT/g$g/; (OMP_NUM_THREADS=4 timeout $((secs - 25)) \
+              python3 -m hybridlm bench mqar --preset paper --cuda-graphs ${groups[$g]} --out $OUT/g$g --no-plot \
+              > $OUT/mqar/group$g.log 2>&1; cp $OUT/g$g/results.json $OUT/mqar/results.shardgroup$g.json) & "
+          done
+          cmd=(bash -c "$script wait; tail -n 4 $OUT/mqar/group*.log; python3 -m hybridlm bench mqar --preset paper \
+               --out $OUT/mqar --max-cells 0") ;;
     mqarcheck) # CUDA graphs against eager (the GPU test), then one process's ms/step at the paper setting both ways
           cmd=(bash -c "python3 -m pytest -q -x tests/bench/test_mqar.py -k cuda_graphs 2>&1 | tail -n 3; \
                  for g in eager --cuda-graphs; do python3 -m hybridlm bench mqar --preset paper --mixers attention \

@@ -687,7 +687,7 @@ def merged_results(out: str) -> dict:
         if os.path.isdir(out) else []
     for name in names:
         part = load_results(os.path.join(out, name))
-        data["runs"] += part["runs"]
+        data["runs"] += [r for r in part["runs"] if r not in data["runs"]]  # a part may start from a copy of the base
         for r in part["cells"]:
             if r["key"] not in seen:
                 seen.add(r["key"])
