@@ -121,6 +121,11 @@ def main(argv=None) -> int:
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
     })
+    for name in ("_recur_fwd(save)", "_recur_fwd(state)", "_recur_bwd"):  # KDA's launches: one decay per channel
+        fn, ptrs, ints, cx, stages = jobs[name]
+        jobs[name + " channel"] = (fn, ptrs, ints, dict(cx, CHANNEL=True), stages)
+        for key in (name, name + " channel"):  # one pipeline stage: what the launch falls back to at large K
+            jobs[key + " 1 stage"] = jobs[key][:4] + (1,)
     for ph in (1, 2):
         jobs[f"_chunk_bwd(phase {ph})"] = (
             kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,

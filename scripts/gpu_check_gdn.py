@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--part", default="0/1", help="I/N: run every N-th case starting at I (parallel processes "
                     "share one GPU; compiling dominates); decode runs in part 0")
     ap.add_argument("--tune-json", default=None, help="launch settings from scripts/gpu_tune_gdn.py (its 'best')")
+    ap.add_argument("--only", default=None, help="run only the cases whose name contains this text (no decode cases)")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     args = ap.parse_args(argv)
     if args.merge:
@@ -192,6 +193,7 @@ def main(argv=None) -> int:
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
     for dt in (torch.bfloat16, torch.float32):
         cases.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
+        cases.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
                                                        cu=[0, 1, 16, 116, 816])))
         cases.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
@@ -212,6 +214,8 @@ def main(argv=None) -> int:
         for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
             cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
                                                              dtype=torch.bfloat16, h0=False)))
+    if args.only:
+        cases = [c for c in cases if args.only in c[0]]
     cases = cases[part::nparts]
     rows = []
     for name, kw in cases:
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
         print(f"{'PASS' if row['pass'] else 'FAIL'} {row['case']:<34} {row['dtype']:<9} worst {row['worst']:<11} "
               f"{row['worst_rel']:.2e}", flush=True)
         torch.cuda.empty_cache()
-    for dt in (torch.bfloat16, torch.float32) if part == 0 else ():
+    for dt in (torch.bfloat16, torch.float32) if part == 0 and not args.only else ():
         try:
             row = check_kda_decode(gen, dtype=dt)
         except Exception as e:
