@@ -772,11 +772,15 @@ def run(args: argparse.Namespace) -> int:
         print("no cells done yet")
         return 0
     table = format_table(rows)
+    # where and when the cells ran (a merge may run elsewhere, later)
     devices = sorted({r.get("device", "?") for r in rows})
+    torches = sorted({r.get("torch", "?") for r in rows})
+    dates = sorted(r.get("date", "?")[:10] for r in rows)
     meta = (f"MQAR, best lr per cell ({', '.join(f'{lr:g}' for lr in cfg['lrs'])}); {tcfg.steps} steps x batch "
             f"{tcfg.batch_size}, heads {tcfg.num_heads}, key dim {tcfg.key_dim or 'width/heads'}, vocab "
-            f"{cfg['vocab_size']}; device {', '.join(devices)}, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}; {len(mine)} of {len(cells)} cells; command: {data['runs'][-1]['command']}")
+            f"{cfg['vocab_size']}; device {', '.join(devices)}, torch {', '.join(torches)}, run "
+            f"{dates[0]}{'' if dates[0] == dates[-1] else ' to ' + dates[-1]}; {len(mine)} of {len(cells)} cells; "
+            f"command: {data['runs'][-1]['command']}")
     atomic_write_text(os.path.join(args.out, "table.txt"), meta + "\n" + table + "\n")
     if not args.no_plot:
         plot(rows, os.path.join(args.out, "mqar.png"))

@@ -174,18 +174,14 @@ def _recur_bv(K: int, V: int, programs: int, dev) -> int:
     heads), then 16 for more programs."""
     if TUNE["fwd_bv"]:
         return min(TUNE["fwd_bv"], V)
-    bv = min(32, V)  # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps
+    # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps; at K=256 the two
+    # pipeline stages need 236-240 KB of shared memory at 32 (over the 227 KB an H100 program may have), 222-224 KB at
+    # 16 (bf16). One stage at 32 fits (124 KB) but made an illegal memory access on the H100 (2026-11-23).
+    bv = min(32 if K <= 128 else 16, V)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     while bv > 16 and programs * (V // bv) < sms:
         bv //= 2
     return bv
-
-
-def _recur_stages(K: int) -> int:
-    """num_stages of the sequential state kernels: TUNE's, but 1 above K=128. sm_90 compile (compile_sm90.py, BV 32,
-    bf16): at K=256 two stages pipeline the [K, BV] tiles into 236-240 KB of shared memory, over the 227 KB an H100
-    program may have; one stage takes 92-124 KB with no spills (fp32: up to 216 KB)."""
-    return TUNE["fwd_stages"] if K <= 128 else 1
 
 
 def _num_warps(K: int) -> int:
@@ -239,7 +235,7 @@ def _fwd_impl(
         g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=_recur_stages(K),
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
         OUT=not split,
     )
     if split:
@@ -345,7 +341,7 @@ def _bwd_impl(
         g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
-        num_stages=_recur_stages(K),
+        num_stages=TUNE["fwd_stages"],
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32
