@@ -3,6 +3,7 @@
 CPU (CI): the kernels run under TRITON_INTERPRET=1 in a child process (tests/ops/triton/interp_gdn.py; the
 variable must be set before triton decorates the kernels), on fresh random fp32 inputs: GVA 2 and 4, varlen
 (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, beta up to 2, T = 1, 65, 70, K=64 with V=64/128,
+K=V=256,
 the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=True)` call (aot_eager backend:
 the custom ops' fake kernels trace, the real kernels run), and the decode step on a state pool with indices.
 Tolerance (relative RMS vs float64): 1e-5 for o and final state, 3e-5 for every gradient (measured ~1e-6 typical,
@@ -46,7 +47,7 @@ def interp_results():
     return json.loads(line[len("RESULT "):])
 
 
-CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "compiled_T70",
+CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "K256_V256_T70", "compiled_T70",
          "inline_output_T70", "one_launch_prep_one_by_one_T130"]
 
 

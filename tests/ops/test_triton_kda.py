@@ -42,7 +42,7 @@ def interp_results():
     return json.loads(line[len("RESULT "):])
 
 
-CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "T1",
+CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "T1", "K256_V256_T70",
          "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70"]
 
 

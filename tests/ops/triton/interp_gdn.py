@@ -155,6 +155,7 @@ def main() -> int:
                                         cu=[0, 1, 16, 80, 150])
     res["gva4_K64_V128_T65_public"] = run_case(gen, B=1, T=65, H=1, HV=4, K=64, V=128, l2=True, h0=False,
                                                public=True)
+    res["K256_V256_T70"] = run_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)  # largest head dims
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
     _gdn.TUNE["fwd_split_o"] = False  # the output computed inside the sequential kernel (the other launch plan)
