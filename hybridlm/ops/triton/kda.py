@@ -31,6 +31,13 @@ TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_
         "prep_lowp": False, "maxnreg": None}
 
 
+def _chunk_size(K: int, dtype: torch.dtype) -> int:
+    """Chunk length: 64, but 32 for float32 inputs above K=128. sm_90 compile (compile_sm90.py, K=V=256 fp32, V block
+    16): at 64 the sequential kernels need 228 KB of shared memory (the H100 allows 227 KB), at 32 118 KB. Fixed per
+    (K, dtype), not found by trial, so the fake kernel's saved shapes match."""
+    return 32 if K > 128 and dtype == torch.float32 else 64
+
+
 @torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
 def kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -41,7 +48,7 @@ def kda_chunk_fwd(
     the backward: T, W, chunk states, Vn, Qg, Kd, P, b (per token), bL (per chunk)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BT = 64
+    BT = _chunk_size(K, q.dtype)
     dev = q.device
     lay = gdn.layout(cu_seqlens, B, T, BT, dev)
     N, Ttot, nc = lay.N, lay.Ttot, lay.nc
@@ -124,7 +131,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
     out = [q.new_empty(B, T, HV, V), ht]
     if save:
-        BT, sd, Tt = 64, gdn._store_dtype(q.dtype), B * T
+        BT, sd, Tt = _chunk_size(K, q.dtype), gdn._store_dtype(q.dtype), B * T
         NC = gdn._max_chunks(Tt, N, BT)
         out += [q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(Tt, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(Tt, HV, V, dtype=sd),

@@ -110,7 +110,8 @@ def main() -> int:
     res["strong_decay_K64_V128_T300_fp32_1e-5"] = chunk_case(gen, B=1, T=300, H=1, HV=1, K=64, V=128, l2=True,
                                                              h0=False, decay=30.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
-    res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)  # largest head dims
+    # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
+    res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # the other launch plans: the whole-K kernels with the output inside the sequential kernel (the plan before
     # 2026-11-24), and the K-blocked kernels at key-channel block 16 (4 blocks at K = 64)
     with launch_plan(variant="whole", split_o=False):
