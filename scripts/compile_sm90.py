@@ -124,7 +124,9 @@ def main(argv=None) -> int:
     for name in ("_recur_fwd(save)", "_recur_fwd(state)", "_recur_bwd"):  # KDA's launches: one decay per channel
         fn, ptrs, ints, cx, stages = jobs[name]
         jobs[name + " channel"] = (fn, ptrs, ints, dict(cx, CHANNEL=True), stages)
-        for key in (name, name + " channel"):  # one pipeline stage: what the launch falls back to at large K
+        # one pipeline stage: fits at K=256 but made an illegal memory access on the H100 (2026-11-23), so the
+        # launches take V block 16 there instead (gdn._recur_bv); kept to compare
+        for key in (name, name + " channel"):
             jobs[key + " 1 stage"] = jobs[key][:4] + (1,)
     for ph in (1, 2):
         jobs[f"_chunk_bwd(phase {ph})"] = (

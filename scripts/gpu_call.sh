@@ -13,9 +13,10 @@
 # glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
 # concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
 # results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqargroups (the same, one
-# CUDA-graph process per flag group of MQAR_GROUPS), mqarcheck (CUDA graphs vs
-# eager: the GPU test, then ms/step of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs fla, one GPU), fsdp2
-# (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash command.
+# CUDA-graph process per flag group of MQAR_GROUPS), mqarcheck (CUDA graphs vs eager: the GPU test, then ms/step
+# of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs
+# fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash
+# command.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"

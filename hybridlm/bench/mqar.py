@@ -607,8 +607,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop before a cell that would end past this many minutes (estimated from the cells "
                         "run so far); rerun the same command to resume")
     parser.add_argument("--shard", default=None,
-                        help="I/N: run only the cells whose grid index is I modulo N, into results.shardIofN.json "
-                        "(N processes share one GPU; a plain run afterwards merges them and writes the table)")
+                        help="I/N: of the cells missing from results.json, run those whose index is I modulo N, "
+                        "into results.shardIofN.json (N processes share one GPU; a plain run afterwards merges them "
+                        "and writes the table)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--impl", choices=("auto", "chunk", "naive", "triton"), default="auto",
                         help="recurrence implementation of hybridlm.ops (auto: Triton kernels on CUDA where they exist,"
@@ -726,16 +727,17 @@ def run(args: argparse.Namespace) -> int:
     # a plain run's data are already the merged files; a shard also skips cells other shards or runs finished
     done = {r["key"] for r in (data if shard is None else merged_results(args.out))["cells"]}
     cells = build_cells(cfg)
-    todo = [c for c in cells if c.key(tcfg) not in done]
+    missing = [c for c in cells if c.key(tcfg) not in done]
+    todo = missing
     if shard is not None:
         # shards split the cells that the merged results.json lacks (only a plain run writes it, so every shard of
         # one launch sees the same list, whenever it starts): a resumed grid stays balanced
         base = {r["key"] for r in load_results(os.path.join(args.out, "results.json"))["cells"]}
-        todo = [c for c in [c for c in cells if c.key(tcfg) not in base][shard[0] :: shard[1]] if c in todo]
+        share = [c for c in cells if c.key(tcfg) not in base][shard[0] :: shard[1]]
+        todo = [c for c in share if c.key(tcfg) not in done]
     part = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
-    print(f"MQAR preset={args.preset}{part}: {len(cells) - sum(c.key(tcfg) not in done for c in cells)} of "
-          f"{len(cells)} cells done, {len(todo)} to run here on {dev} ({tcfg.steps} steps x batch "
-          f"{tcfg.batch_size} each)", flush=True)
+    print(f"MQAR preset={args.preset}{part}: {len(cells) - len(missing)} of {len(cells)} cells done, {len(todo)} to "
+          f"run here on {dev} ({tcfg.steps} steps x batch {tcfg.batch_size} each)", flush=True)
     t_start = time.perf_counter()
     ran = 0
     for cell in todo:

@@ -170,8 +170,8 @@ def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
 
 
 def _recur_bv(K: int, V: int, programs: int, dev) -> int:
-    """V block of the sequential kernels: 32 unless that leaves most of the device's SMs idle (few sequences x
-    heads), then 16 for more programs."""
+    """V block of the sequential kernels: 32 (16 above K=128, for shared memory) unless that leaves most of the
+    device's SMs idle (few sequences x heads), then 16 for more programs."""
     if TUNE["fwd_bv"]:
         return min(TUNE["fwd_bv"], V)
     # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps; at K=256 the two
