@@ -128,10 +128,14 @@ class LinearMixer(nn.Module):
         self.kind, self.H, self.impl = kind, num_heads, impl
         # "l2": every mixer reads l2-normalised q and k (the comparison isolates the state update); "recipe": each
         # mixer as published: linear attention with the elu + 1 feature map (Katharopoulos et al. 2020), the
-        # scalar-decay mixer with raw q and k (Mamba2's C and B), the delta-rule mixers with l2-normalised keys
-        # (DeltaNet, Gated DeltaNet and KDA need them for a stable update)
+        # scalar-decay mixer with raw q and k (Mamba2's C and B) and Mamba2's dt-scaled write, the delta-rule mixers
+        # with l2-normalised keys (DeltaNet, Gated DeltaNet and KDA need them for a stable update)
         self.l2 = qk_norm == "l2" or kind in ("deltanet", "gdn", "kda")
         self.elu_features = not self.l2 and kind == "linear_attention"
+        # Mamba2's selective write: the step dt_t that sets the decay exp(-dt_t) also scales what token t writes
+        # (h_t = exp(-dt_t) h_t-1 + dt_t k_t v_t^T), so the mixer can skip a token as well as forget; plain gated
+        # linear attention (the "l2" form) can only forget
+        self.dt_write = not self.l2 and kind == "gla"
         self.dk = key_dim or width // num_heads
         self.dv = value_dim or width // num_heads
         self.split = [num_heads * self.dk, num_heads * self.dk, num_heads * self.dv]
@@ -166,7 +170,10 @@ class LinearMixer(nn.Module):
         if self.kind == "linear_attention":
             o, _ = linear_attention(q, k, v, **kw)
         elif self.kind == "gla":
-            o, _ = gated_linear_attention(q, k, v, g=-F.softplus(self.gates(x).float()), **kw)
+            dt = F.softplus(self.gates(x).float())  # [B, T, H]
+            if self.dt_write:
+                v = v * dt[..., None].to(v.dtype)
+            o, _ = gated_linear_attention(q, k, v, g=-dt, **kw)
         elif self.kind == "deltanet":
             o, _ = delta_rule(q, k, v, beta=torch.sigmoid(self.gates(x).float()), **kw)
         elif self.kind == "gdn":
@@ -286,7 +293,10 @@ def _embed_and_blocks(embed: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor
 
 
 QK_NORMS = ("l2", "recipe")
-RECIPE_CHANGES = ("linear_attention", "gla")  # mixers whose q/k differ between qk_norm "l2" and "recipe"
+# the mixers whose model differs between qk_norm "l2" and "recipe", and the suffix that keeps their recipe cells
+# apart: linear attention's q/k features; the scalar-decay mixer's raw q/k and dt-scaled write ("dtw": cells run
+# before the write was scaled, 2026-11-23, kept the plain "|qkrecipe" and are not reused)
+RECIPE_CHANGES = {"linear_attention": "|qkrecipe", "gla": "|qkrecipe|dtw"}
 
 
 def check_qk_norm(qk_norm: str) -> None:
@@ -358,7 +368,7 @@ class Cell:
         s = self.setting
         # qk_norm "recipe" changes only the mixers in RECIPE_CHANGES; the others are the same model either way and
         # share their results
-        qk = "|qkrecipe" if cfg.qk_norm == "recipe" and self.mixer in RECIPE_CHANGES else ""
+        qk = RECIPE_CHANGES.get(self.mixer, "") if cfg.qk_norm == "recipe" else ""
         return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}{qk}"
 
 
@@ -592,8 +602,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "preset's; Zoology trains on several pair counts together)")
     parser.add_argument("--qk-norm", choices=QK_NORMS, default=None,
                         help="l2: every recurrent mixer l2-normalises q and k (isolates the update rule); recipe: "
-                        "each as published (linear attention elu+1 features, the scalar-decay mixer raw q/k, the "
-                        "delta-rule mixers l2) (default: the preset's)")
+                        "each as published (linear attention elu+1 features, the scalar-decay mixer raw q/k and "
+                        "Mamba2's dt-scaled write, the delta-rule mixers l2) (default: the preset's)")
     parser.add_argument("--steps", type=int, help="optimizer steps per cell, each on a fresh batch")
     parser.add_argument("--batch-size", type=int, help="examples per step")
     parser.add_argument("--warmup", type=float, help="fraction of steps of linear warmup before the cosine decay")
