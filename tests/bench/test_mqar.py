@@ -139,6 +139,7 @@ def test_qk_norm_recipe_gives_each_mixer_its_published_form():
         assert mixer(kind, "l2").l2 and not mixer(kind, "l2").elu_features
     assert not mixer("linear_attention", "recipe").l2 and mixer("linear_attention", "recipe").elu_features
     assert not mixer("gla", "recipe").l2 and not mixer("gla", "recipe").elu_features
+    assert mixer("gla", "recipe").dt_write and not mixer("gla", "l2").dt_write  # Mamba2's write scaled by dt
     assert all(mixer(k, "recipe").l2 for k in ("deltanet", "gdn", "kda"))
     # only the mixers the recipe changes get another cell key; the others share their results with "l2" runs
     st = Setting(seq_len=64, num_pairs=8, vocab_size=512)
