@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step), kda (first shape), "
                         "gdn (the chunked shapes)")
-    parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of ours, first shape")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel CUDA times of ours: GDN at the first shape, and the KDA row")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
 
@@ -76,6 +77,24 @@ def ceilings(dev):
     return copy_gbs, mm_tflops
 
 
+def _profile_once(args, part: str, fn) -> bool:
+    """With --profile, print the per-kernel CUDA times of 3 calls of fn (after one warm-up), once per part (the
+    first shape of GDN, the KDA row); True when it printed."""
+    done = getattr(args, "_profiled", set())
+    if not getattr(args, "profile", False) or part in done:
+        return False
+    args._profiled = done | {part}
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"{part}: per-kernel CUDA time of 3 forward+backward calls", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    return True
+
+
 def _bench_shape(B, T, H, D, dev, gen, fla, args):
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
@@ -96,15 +115,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
         return torch.autograd.grad(o, leaves, do)
 
     res = {"shape": f"B{B} T{T} H{H} D{D}", "flops_fwd": fl, "bytes_fwd": by}
-    if getattr(args, "profile", False) and not getattr(args, "_profiled", False):
-        args._profiled = True
-        ours_fb()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                ours_fb()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    if _profile_once(args, "gdn", ours_fb):
         from hybridlm.ops.triton import gdn
 
         print("chunk sizes in use:", {str(k): v for k, v in gdn._BT_OK.items()}, flush=True)
@@ -160,6 +171,7 @@ def _bench_kda(B, T, H, D, dev, gen, args):
         o = chunk_kda(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm=True)[0]
         return torch.autograd.grad(o, leaves, do)
 
+    _profile_once(args, "kda", ours_fb)
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(lambda: chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True), args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
