@@ -157,6 +157,33 @@ def test_qk_norm_recipe_gives_each_mixer_its_published_form():
         assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+def test_gla_recipe_writes_scaled_by_dt_as_mamba2():
+    """The recipe form of the scalar-decay mixer, token by token in float64: h_t = e^{-dt_t} h_{t-1} + dt_t k_t v_t^T,
+    o_t = h_t^T q_t / sqrt(dk), dt_t = softplus(a_t); then the gated norm and the output projection. The mixer
+    computes its gates in float32 (for bf16 autocast), so the reference rounds dt the same way."""
+    torch.manual_seed(3)
+    mix = mqar.LinearMixer("gla", 16, 2, qk_norm="recipe").double()
+    with torch.no_grad():
+        mix.gates.weight.normal_(0, 0.5)  # token-dependent steps, so a missing or misplaced dt shows
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    qkv, _ = mqar.causal_conv1d(mix.qkv(x), mix.conv_w, activation="silu")
+    q, k, v = (t.reshape(2, 11, 2, 8) for t in qkv.split(mix.split, dim=-1))
+    dt = torch.nn.functional.softplus(mix.gates(x).float()).double()  # [B, T, H]; the mixer takes its gates in fp32
+    h = torch.zeros(2, 2, 8, 8, dtype=torch.float64)
+    o = torch.empty(2, 11, 2, 8, dtype=torch.float64)
+    for t in range(11):
+        h = torch.exp(-dt[:, t])[..., None, None] * h + dt[:, t, :, None, None] * k[:, t, :, :, None] * v[:, t, :, None]
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], h) / 8**0.5
+    z = mix.z(x).reshape(2, 11, 2, 8)
+    want = mix.out(mqar.gated_rms_norm(o, z, mix.norm_w, 1e-6).reshape(2, 11, 16))
+    got = mix.double()(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # and the "l2" form does not scale the write: the outputs differ
+    plain = mqar.LinearMixer("gla", 16, 2, qk_norm="l2").double()
+    plain.load_state_dict(mix.state_dict())
+    assert (plain(x) - got).abs().max() > 1e-3
+
+
 def test_cuda_graphs_need_a_cuda_device():
     cfg = TrainConfig(steps=1, batch_size=4, test_examples=4, cuda_graphs=True)
     with pytest.raises(ValueError, match=r"cuda_graphs: expected a CUDA device, got cpu"):
