@@ -4,7 +4,11 @@ Non-standard here:
 - The data follow Zoology's recipe: P key-value pairs (keys from the lower half of the vocabulary, values from the
   upper half, drawn fresh for every example so nothing can be memorised across examples), then the keys again at
   gaps drawn from a power law (most queries soon after the context, a long tail far away), each followed by its
-  value. Only the value positions are scored. Other positions hold token 0.
+  value. Only the value positions are scored. Other positions hold random tokens (token 0 with
+  random_non_queries=False).
+- The paper preset gives each mixer its published form (qk_norm "recipe"): linear attention with elu + 1
+  features, the scalar-decay mixer as Mamba2 (raw q/k, the write scaled by the same dt as the decay), the delta-rule
+  mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
 - Every mixer is the same small block (projections, short conv, recurrence, gated output norm) built directly on
   `hybridlm.ops`, so the table compares the recurrences and nothing else; softmax attention uses SDPA.
 - A grid of cells (mixer x width x setting x learning rate) is run cell by cell into a JSON file; a rerun skips
