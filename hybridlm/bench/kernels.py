@@ -26,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.cuda_profile import print_kernel_times
+
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
 
 
@@ -84,14 +86,7 @@ def _profile_once(args, part: str, fn) -> bool:
     if not getattr(args, "profile", False) or part in done:
         return False
     args._profiled = done | {part}
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-    print(f"{part}: per-kernel CUDA time of 3 forward+backward calls", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    print_kernel_times(part, fn)
     return True
 
 

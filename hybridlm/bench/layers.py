@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from hybridlm.bench.cuda_profile import print_kernel_times
+
 WIDTHS = {"2048": dict(D=2048, H=16, HV=32, d=128), "1024": dict(D=1024, H=8, HV=16, d=128)}
 
 
@@ -53,18 +55,6 @@ def _fwd_bwd_step(fn, x):
         fn(x).backward(dy)
 
     return step
-
-
-def _profile(label: str, fn, x, steps: int = 3) -> None:
-    step = _fwd_bwd_step(fn, x)
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    print(f"--- {label}: CUDA time per kernel, {steps} forward+backward steps", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
 
 
 def _time_fwd_bwd(fn, x, rep):
@@ -151,7 +141,7 @@ def _run_row(kind, wname, T, args, have_fla):
 
             ms, peak = _time_fwd_bwd(fn, x, args.rep)
             if getattr(args, "profile", False):
-                _profile(f"{kind} width {wname} B{B} T{T} {name}", fn, x)
+                print_kernel_times(f"{kind} width {wname} B{B} T{T} {name}", _fwd_bwd_step(fn, x))
             row[f"{name}_ms"] = ms
             row[f"{name}_tok_s"] = B * T / (ms * 1e-3)
             row[f"{name}_peak_GiB"] = peak / 2**30
