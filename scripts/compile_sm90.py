@@ -105,12 +105,12 @@ def main(argv=None) -> int:
     jobs.update({
         "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
-                             dict(NCH=i32, H=i32, HV=i32),
+                             dict(NCH=i32, scale="fp32", H=i32, HV=i32),
                              dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp,
                                   OUT=True), 2),
         "_recur_fwd(state)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                     h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
-                              dict(NCH=i32, H=i32, HV=i32),
+                              dict(NCH=i32, scale="fp32", H=i32, HV=i32),
                               dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=True, LOWP=lowp,
                                    OUT=False), 2),
         "_out_fwd": (kern._out_fwd, dict(Qg=sd, Pb=sd, hbuf=sd, vnbuf=sd, o=dt, cu=i32, chunk_seq=i32,
@@ -128,6 +128,24 @@ def main(argv=None) -> int:
         # launches take V block 16 there instead (gdn._recur_bv); kept to compare
         for key in (name, name + " channel"):
             jobs[key + " 1 stage"] = jobs[key][:4] + (1,)
+    # the lean inference forward (gdn.TUNE fwd_variant "lean"): one-launch prep at each key block, the state pass
+    # on raw k (state only, or with the output inline on raw q), the output launch on raw q and k
+    for bk, st in ((int(x), st) for x in args.gdn_bk.split(",") for st in (0, 1, 2)):
+        jobs[f"_prep_lean(bk {bk}, stage {st})"] = (
+            kern._prep_lean, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd, RK="fp32", cu=i32,
+                                  chunk_seq=i32, chunk_start=i32), dict(H=i32, HV=i32),
+            dict(common, BK=bk, BV=min(64, args.v), INTERLEAVE=True, LOWP=False, STAGE=st), 1)
+    for out in (False, True):
+        jobs[f"_recur_fwd(lean{' inline' if out else ''})"] = (
+            kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=dt, Kd=dt, Pb="fp32", o=dt, h0="fp32", ht="fp32",
+                                  hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
+            dict(NCH=i32, scale="fp32", H=i32, HV=i32),
+            dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=not out, LOWP=lowp, OUT=out, RAWK=True), 2)
+    for bv in (64, 128):
+        jobs[f"_out_fwd_raw(BV {bv})"] = (
+            kern._out_fwd_raw, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, cu=i32, chunk_seq=i32,
+                                    chunk_start=i32), dict(scale="fp32", H=i32, HV=i32),
+            dict(common, BV=min(bv, args.v), LOWP=lowp), 1)
     for ph in (1, 2):
         jobs[f"_chunk_bwd(phase {ph})"] = (
             kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,

@@ -36,7 +36,15 @@ def rel(a, b):
 
 
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
-          recompute=False):
+          recompute=False, lean=False):
+    """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean")."""
+    if lean:
+        saved = _gdn.TUNE["fwd_variant"]
+        _gdn.TUNE["fwd_variant"] = "lean"
+        try:
+            return check(gen, name, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0, l2=l2, grads=False)
+        finally:
+            _gdn.TUNE["fwd_variant"] = saved
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -191,6 +199,16 @@ def main(argv=None) -> int:
         cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+        # the inference forward (no autograd): the lean kernels
+        for T in (1, 65, 1000):
+            cases.append((f"lean T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, lean=True)))
+        cases.append(("lean varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt, lean=True,
+                                                       cu=[0, 1, 16, 116, 816])))
+        cases.append(("lean T300 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False,
+                                                       lean=True)))
+        cases.append(("lean T200 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt, lean=True)))
+        cases.append(("lean T130 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False,
+                                                       lean=True)))
     for dt in (torch.bfloat16, torch.float32):
         cases.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
         cases.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
@@ -214,6 +232,8 @@ def main(argv=None) -> int:
         for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
             cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
                                                              dtype=torch.bfloat16, h0=False)))
+            cases.append((f"lean bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
+                                                                  dtype=torch.bfloat16, h0=False, lean=True)))
     if args.only:
         cases = [c for c in cases if args.only in c[0]]
     cases = cases[part::nparts]

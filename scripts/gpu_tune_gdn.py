@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
     ap.add_argument("--bwd-only", action="store_true", help="time only the built-in forward, then every backward plan")
+    ap.add_argument("--lean", action="store_true", help="forward only: the inference-forward plans (gdn.TUNE "
+                    "fwd_variant 'lean' and its settings) against the training forward's kernels, and fla's forward "
+                    "when installed; no backward")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
@@ -104,6 +107,8 @@ def main(argv=None) -> int:
                 dict(kb, prep_stages=2), dict(kb, prep_warps=4), dict(default, solve_interleave=False),
                 dict(default, prep_split=False), dict(default, prep_lowp=True), dict(kb, fwd_split_o=False),
                 dict(kb, fwd_bv=64), dict(kb, solve_warps=8)]
+    if args.lean:
+        return _lean_sweep(args, measure, rows, xs, (B, T, H, D), base)
     t_fwd = time.time()  # the reference run above compiled the fp32 kernels: the sweep's own budget starts now
     best_f = None
     for s in [{}] if args.bwd_only else fwd_grid:  # {}: the built-in forward settings
@@ -146,6 +151,43 @@ def main(argv=None) -> int:
                       indent=1, default=str)
     gdn.TUNE.clear()
     gdn.TUNE.update(best)
+    return 0
+
+
+def _lean_sweep(args, measure, rows, xs, shape, base) -> int:
+    """Forward-only sweep of the inference plans (no_grad: the kernels keep nothing for a backward), the training
+    forward's kernels first, with fla's forward on the same bf16 inputs for the ratio."""
+    t0 = time.time()
+    lean = dict(fwd_variant="lean")
+    grid = [dict(fwd_variant="saved"), lean, dict(lean, lean_split=True), dict(lean, lean_bk=32),
+            dict(lean, lean_warps=4), dict(lean, prep_lowp=True), dict(lean, fwd_split_o=False),
+            dict(lean, out_bv=128), dict(lean, out_warps=4), dict(lean, fwd_bv=64), dict(lean, fwd_stages=1),
+            dict(lean, lean_split=True, prep_lowp=True)]
+    for s in grid:
+        if time.time() - t0 > args.max_seconds:
+            break
+        rows.append(measure(s, False))
+    fla_ms = None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+        q, k, v, g, beta = (x.to(torch.bfloat16) if i != 3 else x for i, x in enumerate(xs))
+        with torch.no_grad():
+            fla_ms = float(triton.testing.do_bench(
+                lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True), warmup=10, rep=args.rep,
+                return_mode="median"))
+        print(f"fla fwd {fla_ms:8.3f} ms", flush=True)
+    except ImportError:
+        print("fla not installed: no ratio", flush=True)
+    ok = [r for r in rows if r.get("ok")]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    if best:
+        print(f"best lean-sweep row: {best['setting']} {best['ms']:.3f} ms"
+              + (f", fla/ours {fla_ms / best['ms']:.2f}" if fla_ms else ""), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": list(shape), "device": torch.cuda.get_device_name(), "rows": rows, "fla_fwd_ms": fla_ms,
+                       "best": dict(base, **best["setting"]) if best else None}, f, indent=1, default=str)
     return 0
 
 

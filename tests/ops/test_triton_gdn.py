@@ -113,6 +113,22 @@ def test_inference_without_autograd_matches_float64(interp_results, case):
     assert res["o"] <= TOL_OUT and res["final_state"] <= TOL_OUT, res
 
 
+LEAN_CASES = [f"lean_{plan}_{shape}" for plan in ("split", "inline")
+              for shape in ("gva2_T150", "varlen_nol2", "fp16_varlen_gva2", "T1")] + ["lean_split_gva4_K64_V128_bk32",
+                                                                     "lean_twolaunch_prep_varlen"]
+
+
+@pytest.mark.parametrize("case", LEAN_CASES)
+def test_lean_inference_forward_matches_float64(interp_results, case):
+    """The inference kernels (gdn.TUNE fwd_variant "lean"), with the training prep kernels blocked."""
+    res = interp_results[case]
+    tol = PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL
+    assert res["o_dtype_ok"] == 1.0
+    for name in ("o", "final_state"):
+        assert res[name] <= tol[name], \
+            f"{case} {name}: rel {res[name]:.3g} > {tol[name]} (seed {interp_results['seed']})"
+
+
 def test_decode_step_matches_float64(interp_results):
     res = interp_results["decode"]
     assert res["o"] <= TOL_OUT and res["state"] <= TOL_OUT, res

@@ -57,7 +57,8 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
-        "bwd_maxnreg": 128}
+        "bwd_maxnreg": 128, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
+        "lean_split": False}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -68,6 +69,12 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
 #   stage 1 143 -> 101 registers (85 at bk 32) and 96 -> 16 KB of shared memory, stage 3 76 -> 62, the one-launch
 #   prep 255 regs + 112 B of stack -> 170 regs, no stack; no spills anywhere. prep_stages: num_stages of the prep's
 #   launches (2 lets Triton pipeline the K-block loads; sm_90: stage 1 96 regs, stage 3 64, no spills)
+# fwd_variant: the forward without a backward to feed (inference, no_grad): "saved" runs the same kernels as
+#   training (prep keeps Qg, Kd, P for the backward), "lean" the inference kernels (`_prep_lean` in one launch: W
+#   and U only, T kept in registers; the sequential kernel and `_out_fwd_raw` read q and k themselves); with
+#   fwd_split_o=False the lean output is made inside the sequential kernel. lean_bk / lean_warps: its prep's key
+#   block and warps; lean_split: its prep as two launches (A and the key norms; the solve, W and U). Bytes per
+#   chunk and head (K=V=128 bf16): saved ~384 KB, lean split ~272 KB, lean inline ~176 KB
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -200,6 +207,10 @@ def _fwd_impl(
     lay = layout(cu_seqlens, B, T, BT, dev)
     N, Ttot, nc = lay.N, lay.Ttot, lay.nc
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if not save and TUNE["fwd_variant"] == "lean":
+        return _fwd_lean(q, k, v, g, beta, initial_state, lay, scale, use_qk_l2norm, output_final_state, BT)
+    if TUNE["fwd_variant"] not in ("lean", "saved"):
+        raise ValueError(f"TUNE['fwd_variant']: expected 'lean' or 'saved', got {TUNE['fwd_variant']!r}")
     f32 = torch.float32
     sd = _store_dtype(q.dtype)
     NCmax = _max_chunks(Ttot, N, BT)
@@ -232,7 +243,7 @@ def _fwd_impl(
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
+        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
@@ -245,6 +256,54 @@ def _fwd_impl(
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
         Qg, Kd, Pb = (q.new_empty(0, dtype=sd) for _ in range(3))  # distinct: custom-op outputs may not alias
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
+
+
+def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk_l2norm: bool,
+              output_final_state: bool, BT: int) -> tuple[torch.Tensor, ...]:
+    """The inference forward (TUNE["fwd_variant"] = "lean"): `_prep_lean` (W, U), the state pass reading raw k,
+    then `_out_fwd_raw` (or the output inside the state pass without fwd_split_o). Returns as `_fwd_impl` with
+    every saved tensor empty."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev, f32, sd = q.device, torch.float32, _store_dtype(q.dtype)
+    N, Ttot, nc = lay.N, lay.Ttot, lay.nc
+    prec, lowp = _prec(q.dtype), TUNE["fwd_lowp"] and sd != f32
+    split = TUNE["fwd_split_o"]
+    Ab = torch.empty(max(nc, 1), HV, BT, BT, device=dev, dtype=f32)  # A, staged for the solve's row reads
+    Wb = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
+    o = _out((B, T, HV, V), q, q.dtype)
+    ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
+    hb = torch.empty(max(nc, 1), HV, K, V, device=dev, dtype=sd) if split else q.new_empty(0, dtype=sd)
+    vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if split else q.new_empty(0, dtype=sd)
+    rk = torch.empty(Ttot, HV, device=dev, dtype=f32)  # keys' inverse norms, from the prep
+    if nc > 0:
+        bk = key_block(TUNE, "lean_bk", K)
+        for stage in ((1, 2) if TUNE["lean_split"] else (0,)):
+            kern._prep_lean[(nc, HV)](
+                k, v, g, beta, Ab, Wb, Ub, rk, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=min(bk, 32) if q.dtype == f32 else bk, BV=min(V, 64),
+                L2=use_qk_l2norm, PREC=prec, INTERLEAVE=TUNE["solve_interleave"],
+                LOWP=TUNE["prep_lowp"] and sd != f32, STAGE=stage, num_warps=TUNE["lean_warps"], num_stages=1,
+            )
+    h0 = initial_state.contiguous() if initial_state is not None else ht
+    BV = _recur_bv(K, V, N * HV, dev)
+    kern._recur_fwd[(V // BV, N * HV)](
+        g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
+        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=TUNE["fwd_stages"], OUT=not split, RAWK=True,
+        L2=use_qk_l2norm,
+    )
+    if split and nc > 0:
+        BVo = min(TUNE["out_bv"], V)
+        kern._out_fwd_raw[(V // BVo, nc, HV)](
+            q, k, g, rk, hb, vn, o, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BVo, PREC=prec, LOWP=lowp, L2=use_qk_l2norm,
+            num_warps=TUNE["out_warps"], num_stages=1,
+        )
+    e = lambda dt: q.new_empty(0, dtype=dt)  # noqa: E731 (distinct: custom-op outputs may not alias)
+    return o, ht, e(f32), e(sd), e(sd), e(sd), e(sd), e(sd), e(sd)
 
 
 def _prep_kernel(K: int, dtype: torch.dtype):

@@ -138,17 +138,18 @@ def _eye_rows(r0, BT: tl.constexpr):
 
 
 @triton.jit
-def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
-    """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
-    blocks: the diagonal blocks by forward substitution (one after another, or all at once with INTERLEAVE:
-    `_inv_diags`), then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots (NB = BT / 16 in
-    {1, 2, 4})."""
-    rows = tl.arange(0, BT)
+def _ut_blocks(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The block rows T_0..T_3 ([16, BT] each; zeros past NB = BT / 16) of T = (I + A)^{-1}, A strictly lower
+    [BT, BT] fp32 at p_T (row-major): the diagonal blocks by forward substitution (one after another, or all at
+    once with INTERLEAVE: `_inv_diags`), then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots."""
     if INTERLEAVE:
         Tii = _inv_diags(p_T, BT)
     else:
         Tii = tl.zeros([BT // 16, 16, 16], dtype=tl.float32)  # unused
     T0 = tl.dot(_diag_inv(p_T, Tii, 0, BT, INTERLEAVE), _eye_rows(0, BT), input_precision="ieee")
+    T1 = tl.zeros([16, BT], dtype=tl.float32)
+    T2 = tl.zeros([16, BT], dtype=tl.float32)
+    T3 = tl.zeros([16, BT], dtype=tl.float32)
     if BT >= 32:
         X1 = _eye_rows(16, BT) - tl.dot(_blk(p_T, 16, 0, BT), T0, input_precision="ieee")
         T1 = tl.dot(_diag_inv(p_T, Tii, 1, BT, INTERLEAVE), X1, input_precision="ieee")
@@ -160,7 +161,16 @@ def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
               - tl.dot(_blk(p_T, 48, 16, BT), T1, input_precision="ieee")
               - tl.dot(_blk(p_T, 48, 32, BT), T2, input_precision="ieee"))
         T3 = tl.dot(_diag_inv(p_T, Tii, 3, BT, INTERLEAVE), X3, input_precision="ieee")
+    return T0, T1, T2, T3
+
+
+@triton.jit
+def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
+    """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
+    blocks (`_ut_blocks`; BT in {16, 32, 64})."""
+    T0, T1, T2, T3 = _ut_blocks(p_T, BT, INTERLEAVE)
     tl.debug_barrier()  # every read of A is done before T overwrites it
+    rows = tl.arange(0, BT)
     r16 = tl.arange(0, 16)
     p_row = p_T + r16[:, None] * BT + rows[None, :]
     tl.store(p_row, T0)
@@ -169,6 +179,20 @@ def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False):
     if BT == 64:
         tl.store(p_row + 32 * BT, T2)
         tl.store(p_row + 48 * BT, T3)
+
+
+@triton.jit
+def _solve_tile(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """T = (I + A)^{-1} as a [BT, BT] fp32 register tile (A at p_T, left in place): the block rows of `_ut_blocks`
+    put in place by exact 0/1 dots (E_i^T T_i), so no T goes back to memory."""
+    T0, T1, T2, T3 = _ut_blocks(p_T, BT, INTERLEAVE)
+    Tm = tl.dot(tl.trans(_eye_rows(0, BT)), T0, input_precision="ieee")
+    if BT >= 32:
+        Tm += tl.dot(tl.trans(_eye_rows(16, BT)), T1, input_precision="ieee")
+    if BT == 64:
+        Tm += tl.dot(tl.trans(_eye_rows(32, BT)), T2, input_precision="ieee")
+        Tm += tl.dot(tl.trans(_eye_rows(48, BT)), T3, input_precision="ieee")
+    return Tm
 
 
 @triton.jit
@@ -321,14 +345,21 @@ def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV
                  PREC: tl.constexpr, LOWP: tl.constexpr):
     """Stage 3 of one chunk: W = T diag(beta rk gamma) K by K blocks, U = T diag(beta) V by V blocks (T from
     Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands)."""
-    DT: tl.constexpr = Wbuf.dtype.element_ty
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
     gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    s_w = bb * rk * tl.exp(gc)
-    Tm_d = _op(tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
+    Tm = tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :])
+    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP)
+
+
+@triton.jit
+def _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, s_w, bb, ihv, ih, H, HV, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """W = T diag(s_w) K by K blocks (s_w = beta rk gamma), U = T diag(beta) V by V blocks (Tm: T, fp32)."""
+    DT: tl.constexpr = Wbuf.dtype.element_ty
+    Tm_d = _op(Tm, DT, LOWP)
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         b_kb = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * s_w[:, None]
@@ -365,6 +396,103 @@ def _prep_fwd_blk(
                      LOWP)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Inference forward (gdn.TUNE["fwd_variant"] = "lean", used when no backward will follow): nothing is kept for a
+# backward, so the prep makes only what the state pass needs (W, U) and the later kernels read q and k themselves
+# (their l2 norms and gate scales are cheap elementwise work beside the tiles they load anyway). Per chunk and head
+# (K=V=128, bf16) that moves ~270 KB instead of ~380 KB: no Qg, Kd, P written and read back, no T round trip.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prep_lean(
+    k, v, g, beta, Tbuf, Wbuf, Ubuf, RK, cu, chunk_seq, chunk_start,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, INTERLEAVE: tl.constexpr, LOWP: tl.constexpr, STAGE: tl.constexpr = 0,
+):
+    """W = T diag(beta rk gamma) K and U = T diag(beta) V of one chunk (grid chunks x HV), and the keys' inverse
+    norms rk to RK [tokens, HV] (fp32; ones without L2) for the later kernels.
+    A = strict_lower(diag(beta rk) (K K^T) diag(rk) e^{b_i - b_j}) from raw K blocks is staged in Tbuf only so the
+    solve can read its rows; T = (I + A)^{-1} stays in registers (`_solve_tile`). STAGE 0: all in one launch;
+    1: A and rk only; 2: the rest (two launches, the first light, so more of its programs share a multiprocessor)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
+    if STAGE < 2:
+        rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        tl.store(RK + r64 * HV + ihv, rk, mask=rmask)
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            b_k = _load_raw(k, r64, rmask, H * K, ih * K, k0 + tl.arange(0, BK))
+            b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        strict = rows[:, None] > rows[None, :]
+        D = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+        b_A = tl.where(strict, b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
+        tl.store(p_T + rows[:, None] * BT + rows[None, :], b_A)
+    else:
+        rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
+    if STAGE == 1:
+        return
+    tl.debug_barrier()  # A's rows are in memory before the solve reads them
+    Tm = _solve_tile(p_T, BT, INTERLEAVE)
+    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP)
+
+
+@triton.jit
+def _q_raw_scaled(q, k, rk, gc, bos, Tn, t0, col0, stride, scale, K: tl.constexpr, BT: tl.constexpr,
+                  L2: tl.constexpr, PREC: tl.constexpr):
+    """Of one chunk, from the raw q and k rows: (Q raw, its row scales qs = scale rq e^b, and
+    P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} for j <= i, [BT, BT] fp32). Q S is then (Q_raw S) * qs: the raw
+    16-bit rows are exact dot operands (no rounding of a scaled copy), as in the K-blocked prep's Q K^T."""
+    rows = tl.arange(0, BT)
+    b_q = _seq_load(q, bos, Tn, t0, col0, stride, BT, K)
+    b_k = _seq_load(k, bos, Tn, t0, col0, stride, BT, K)
+    if L2:
+        rq = tl.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6) * scale
+    else:
+        rq = tl.full([BT], 1.0, tl.float32) * scale
+    incl = rows[:, None] >= rows[None, :]
+    P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * rq[:, None] * rk[None, :], 0.0)
+    return b_q, rq * tl.exp(gc), P
+
+
+@triton.jit
+def _out_fwd_raw(
+    q, k, g, RK, hbuf, vnbuf, o, cu, chunk_seq, chunk_start, scale,
+    H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    LOWP: tl.constexpr, L2: tl.constexpr,
+):
+    """`_out_fwd` from the raw q and k and the key norms RK (the lean forward keeps no Qg or P):
+    O = diag(qs) Q S + P Vn of one chunk and V block (grid V/BV x chunks x HV; `_q_raw_scaled`)."""
+    DT: tl.constexpr = hbuf.dtype.element_ty
+    iv = tl.program_id(0)
+    ic = tl.program_id(1)
+    ihv = tl.program_id(2)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < nval
+    r64 = bos + rows
+    gc = tl.cumsum(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32), 0)
+    rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
+    b_q, qs, P = _q_raw_scaled(q, k, rk, gc, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
+    offs_k = tl.arange(0, K)
+    offs_v = iv * BV + tl.arange(0, BV)
+    S = tl.load(hbuf + (ic * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :])
+    vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
+    vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
+    oo = tl.dot(_op(b_q, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC) * qs[:, None]
+    oo += tl.dot(_op(P, DT, LOWP), _op(vn, DT, LOWP), input_precision=PREC)
+    tl.store(o + vrow, oo.to(o.dtype.element_ty), mask=rmask[:, None])
+
+
 @triton.jit
 def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
     """(pointers, row mask) of the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in
@@ -397,18 +525,21 @@ def _chunk_p(Pb, ic, HV, ihv, live, rows, BT: tl.constexpr):
 
 @triton.jit
 def _recur_fwd(
-    g, Wbuf, Ubuf, Qg, Kd, Pb, o, h0, ht, hbuf, vnbuf, cu, chunk_off, NCH,
+    g, Wbuf, Ubuf, Qg, Kd, Pb, o, h0, ht, hbuf, vnbuf, cu, chunk_off, NCH, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
-    CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True,
+    CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True, RAWK: tl.constexpr = False, L2: tl.constexpr = False,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
     storage dtype (tensor-core rate); otherwise fp32 (PREC: tf32 or ieee). The state and every accumulator stay
     fp32. CHANNEL (KDA): g is the per-chunk total log-decay per key channel, [chunks, HV, K], and S decays by
     row. Without OUT the output is left to `_out_fwd` (all chunks in parallel, from the stored chunk-initial
-    states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four."""
+    states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four. RAWK (the lean
+    inference forward, not with CHANNEL): Kd and Qg are the raw k and q ([tokens, H, K]) and Pb the keys' inverse
+    norms [tokens, HV] fp32 (`_prep_lean`'s RK); the key scales rk e^{bL - b} multiply Vn's rows in the state update,
+    and with OUT, Q's scales and P are made here (`_q_raw_scaled`)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -442,7 +573,12 @@ def _recur_fwd(
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
         W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        if RAWK:  # raw keys: their scales rk e^{bL - b} go onto Vn's rows in the state update instead
+            ih = ihv // (HV // H)
+            gc = tl.cumsum(gs, 0)
+            rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
+            sk = rk * tl.exp(tl.sum(gs, 0) - gc)
+        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
@@ -450,12 +586,19 @@ def _recur_fwd(
         if STORE:
             _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if OUT:
-            qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
-            P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
-            oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC) + tl.dot(_op(P, DT, LOWP), vn_d,
-                                                                             input_precision=PREC)
+            if RAWK:
+                b_q, qs, P = _q_raw_scaled(Qg, Kd, rk, gc, bos, Tn, t0, ih * K, H * K, scale, K, BT, L2, PREC)
+                oo = tl.dot(_op(b_q, DT, LOWP), S_d, input_precision=PREC) * qs[:, None]
+            else:
+                qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+                P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
+                oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC)
+            oo += tl.dot(_op(P, DT, LOWP), vn_d, input_precision=PREC)
             _seq_store(o, oo, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
+        if RAWK:
+            S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), _op(vn * sk[:, None], DT, LOWP), input_precision=PREC)
+        else:
+            S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
 

@@ -73,7 +73,7 @@ def kda_chunk_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = gdn._recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
+        BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, 1.0,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],

@@ -116,6 +116,35 @@ def no_grad_case(gen, *, B, T, H, HV, K, V):
     return {"o": rel(o, o2), "final_state": rel(ht, ht2)}
 
 
+def lean_case(gen, tune: dict, *, B, T, H, HV, K, V, l2=True, cu=None, dtype=torch.float32, h0=True):
+    """The inference forward plan `tune` (gdn.TUNE fwd_variant "lean", output split or inline) with the
+    training-forward prep kernels blocked, so a silent fallback to them fails; vs the float64 chunk reference on
+    the same rounded inputs."""
+    N = B if cu is None else len(cu) - 1
+    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    from hybridlm.ops.triton import gdn_kernels as kern
+
+    saved_tune, saved_kern = dict(_gdn.TUNE), {n: getattr(kern, n) for n in ("_prep_fwd", "_prep_fwd_blk")}
+    _gdn.TUNE.update(tune)
+    for n in saved_kern:
+        setattr(kern, n, _Blocked(n))
+    try:
+        with torch.no_grad():
+            o, ht = chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5] if h0 else None,
+                                           output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2)
+    finally:
+        _gdn.TUNE.clear()
+        _gdn.TUNE.update(saved_tune)
+        for n, fn in saved_kern.items():
+            setattr(kern, n, fn)
+    d = [x.to(F64) for x in xs]
+    with torch.no_grad():
+        o2, ht2 = gated_delta_rule(*d[:3], g=d[3], beta=d[4], initial_state=d[5] if h0 else None,
+                                   output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
+    return {"o": rel(o, o2), "final_state": rel(ht, ht2), "o_dtype_ok": float(o.dtype == dtype)}
+
+
 def decode_case(gen, *, N, P, H, HV, K, V, l2):
     idx = torch.randperm(P, generator=gen)[:N].to(torch.int32)
     q, k = torch.randn(N, H, K, generator=gen), torch.randn(N, H, K, generator=gen)
@@ -208,6 +237,22 @@ def main() -> int:
                                                         K=64, V=64, l2=True, h0=True)
     res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole"), whole, B=1, T=200, H=1, HV=2, K=64,
                                             V=128, l2=True, h0=True)
+    # the inference forward (fwd_variant "lean"), output split (`_out_fwd_raw`) and inline, each at GVA 2 over 3
+    # chunks, varlen without l2norm (1, 15, 64, 70, 130 tokens), fp16 inputs with varlen and GVA, and T = 1; the
+    # split plan also at K 64 V 128 GVA 4 without initial state, with its prep at two key blocks of 32, and with
+    # its prep in two launches
+    for name, tune in (("split", dict(fwd_variant="lean", fwd_split_o=True)),
+                       ("inline", dict(fwd_variant="lean", fwd_split_o=False))):
+        res[f"lean_{name}_gva2_T150"] = lean_case(gen, tune, B=2, T=150, H=1, HV=2, K=64, V=64)
+        res[f"lean_{name}_varlen_nol2"] = lean_case(gen, tune, B=1, T=280, H=2, HV=2, K=64, V=64, l2=False,
+                                                    cu=[0, 1, 16, 80, 150, 280])
+        res[f"lean_{name}_fp16_varlen_gva2"] = lean_case(gen, tune, B=1, T=150, H=1, HV=2, K=64, V=64,
+                                                         cu=[0, 15, 150], dtype=torch.float16)
+        res[f"lean_{name}_T1"] = lean_case(gen, tune, B=2, T=1, H=1, HV=1, K=64, V=64)
+    res["lean_split_gva4_K64_V128_bk32"] = lean_case(gen, dict(fwd_variant="lean", lean_bk=32), B=1, T=130, H=1,
+                                                     HV=4, K=64, V=128, h0=False)
+    res["lean_twolaunch_prep_varlen"] = lean_case(gen, dict(fwd_variant="lean", lean_split=True), B=1, T=150, H=1,
+                                                  HV=2, K=64, V=64, cu=[0, 15, 150])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
