@@ -188,6 +188,15 @@ def test_gpu_small_fp32():
     assert ((ht.double() - ht2).norm() / ht2.norm()).item() <= 1e-5
 
 
+def test_one_pipeline_stage_in_the_sequential_kernels_is_refused(monkeypatch):
+    """num_stages=1 in `_recur_fwd` gave wrong outputs and an illegal memory access on an H100 (2026-11-23)."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "fwd_stages", 1)
+    with pytest.raises(ValueError, match=r"fwd_stages.*expected >= 2.*got 1"):
+        gdn.fwd_stages()
+
+
 def test_kblock_backward_refuses_key_blocks_below_the_v_block(monkeypatch):
     """Key blocks 32 with V blocks 64 gave a wrong dk on an H100 (BENCHMARKS.md, 2026-11-23): refused, by name."""
     from hybridlm.ops.triton import gdn

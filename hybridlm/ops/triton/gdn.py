@@ -176,6 +176,17 @@ def _cu_list(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[int]:
     return host_offsets(cu_seqlens)
 
 
+def fwd_stages() -> int:
+    """TUNE["fwd_stages"], the pipeline stages of the sequential kernels: one stage gave wrong outputs and an
+    illegal memory access on an H100 (2026-11-23: at K=256, and in the lean forward's sweep at K=V=128, o rel
+    error 16 at B4 T4096 H16, a crash at B1 T32768 H32; the CPU interpreter computes it correctly), so it is
+    refused."""
+    st = TUNE["fwd_stages"]
+    if st < 2:
+        raise ValueError(f"gdn.TUNE['fwd_stages']: expected >= 2 (one stage miscompiles on an H100), got {st}")
+    return st
+
+
 def _recur_bv(K: int, V: int, programs: int, dev) -> int:
     """V block of the sequential kernels: 32 (16 above K=128, for shared memory) unless that leaves most of the
     device's SMs idle (few sequences x heads), then 16 for more programs."""
@@ -246,7 +257,7 @@ def _fwd_impl(
         g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=TUNE["fwd_stages"],
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=fwd_stages(),
         OUT=not split,
     )
     if split:
@@ -292,7 +303,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
-        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=TUNE["fwd_stages"], OUT=not split, RAWK=True,
+        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
         L2=use_qk_l2norm,
     )
     if split and nc > 0:
@@ -400,7 +411,7 @@ def _bwd_impl(
         g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
-        num_stages=TUNE["fwd_stages"],
+        num_stages=fwd_stages(),
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32

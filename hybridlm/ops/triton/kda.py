@@ -76,7 +76,7 @@ def kda_chunk_fwd(
         BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, 1.0,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.TUNE["fwd_stages"],
+        LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.fwd_stages(),
         OUT=not split,
     )
     if split:
@@ -187,7 +187,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
         BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
         lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True, num_warps=8,
-        num_stages=gdn.TUNE["fwd_stages"],
+        num_stages=gdn.fwd_stages(),
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
