@@ -37,6 +37,46 @@ def kernel_table(step, steps: int = 5) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+class _Timed:
+    """Stands in for a Triton kernel and times each launch with CUDA events, keyed by the value of one constexpr
+    (the prep's STAGE): the profiler names every launch of a kernel alike."""
+
+    def __init__(self, fn, key: str):
+        self.fn, self.key, self.events = fn, key, []
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = self.fn[grid](*a, **kw)
+            e1.record()
+            self.events.append((kw.get(self.key), e0, e1))
+            return out
+        return launch
+
+
+def stage_times(step, name: str, key: str = "STAGE", steps: int = 5) -> dict:
+    """Microseconds per call of each value of `key` over the launches of kernel `name` in step()."""
+    from hybridlm.ops.triton import gdn_kernels as kern
+
+    orig = getattr(kern, name)
+    timed = _Timed(orig, key)
+    setattr(kern, name, timed)
+    try:
+        step()
+        torch.cuda.synchronize()
+        timed.events.clear()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        setattr(kern, name, orig)
+    out: dict = {}
+    for k, e0, e1 in timed.events:
+        out[k] = out.get(k, 0.0) + e0.elapsed_time(e1) * 1000 / steps
+    return out
+
+
 def show(label: str, rows) -> None:
     total = sum(r[1] for r in rows)
     print(f"--- {label}: {total:8.1f} us per call", flush=True)
@@ -64,6 +104,12 @@ def _profile_shape(B, T, H, D, gen, fla_gdn, tune: dict, args) -> None:
         gdn.TUNE.update(base, **setting)
         with torch.no_grad():
             show(f"{shape} fwd {label}", kernel_table(lambda fn=fn: fn(q, k, v, g=g, beta=beta)))
+            if which == "ours":
+                for kname in ("_prep_fwd_blk", "_prep_lean"):
+                    st = stage_times(lambda fn=fn: fn(q, k, v, g=g, beta=beta), kname)
+                    if st:
+                        print(f"   {kname} by STAGE (us per call, events): "
+                              + ", ".join(f"{s}: {t:.1f}" for s, t in sorted(st.items())), flush=True)
         if args.bwd:
             def fb(fn=fn):
                 o = fn(*leaves[:3], g=leaves[3], beta=leaves[4])[0]
@@ -86,9 +132,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["4,4096,16,128", "8,2048,32,128"], help="B,T,H,D each")
     ap.add_argument("--tune", nargs="*", default=[], help="KEY=VALUE gdn.TUNE settings of the second 'ours' row")
     ap.add_argument("--bwd", action="store_true", help="also forward+backward")
+    ap.add_argument("--no-fla", action="store_true", help="ours only")
     args = ap.parse_args(argv)
     tune = {k: _value(v) for k, v in (x.split("=", 1) for x in args.tune)}
     try:
+        if args.no_fla:
+            raise ImportError
         import fla.ops.common.chunk_o as fla_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
 
