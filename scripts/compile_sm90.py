@@ -102,6 +102,10 @@ def main(argv=None) -> int:
                 dict(common, BK=bk, BV=min(64, args.v), STAGE=st, INTERLEAVE=True, LOWP=lp and lowp), 1)
     jobs["_prep_fwd_blk(stage 2 il)"] = (kern._prep_fwd_blk, prep_ptrs, prep_ints,
                                          dict(common, BK=64, BV=min(64, args.v), STAGE=2, INTERLEAVE=True), 1)
+    for sp, mode in ((sp, m) for sp in ("tf32x3", "ieee") for m in (1, 2)):  # gdn.TUNE solve, solve_prec
+        jobs[f"_prep_fwd_blk(stage 2 doubling{'16' if mode == 2 else ''} {sp})"] = (
+            kern._prep_fwd_blk, prep_ptrs, prep_ints,
+            dict(common, BK=64, BV=min(64, args.v), STAGE=2, INTERLEAVE=True, DOUBLING=mode, SPREC=sp), 1)
     jobs.update({
         "_recur_fwd(save)": (kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd, o=dt,
                                                    h0="fp32", ht="fp32", hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
@@ -135,6 +139,12 @@ def main(argv=None) -> int:
             kern._prep_lean, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd, RK="fp32", cu=i32,
                                   chunk_seq=i32, chunk_start=i32), dict(H=i32, HV=i32),
             dict(common, BK=bk, BV=min(64, args.v), INTERLEAVE=True, LOWP=False, STAGE=st), 1)
+        if st != 1:
+            jobs[f"_prep_lean(bk {bk}, stage {st}, doubling)"] = (
+                kern._prep_lean, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd, RK="fp32",
+                                      cu=i32, chunk_seq=i32, chunk_start=i32), dict(H=i32, HV=i32),
+                dict(common, BK=bk, BV=min(64, args.v), INTERLEAVE=True, LOWP=False, STAGE=st, DOUBLING=1,
+                     SPREC="tf32x3"), 1)
     for out in (False, True):
         jobs[f"_recur_fwd(lean{' inline' if out else ''})"] = (
             kern._recur_fwd, dict(g="fp32", Wbuf=sd, Ubuf=sd, Qg=dt, Kd=dt, Pb="fp32", o=dt, h0="fp32", ht="fp32",

@@ -7,7 +7,7 @@
 # Steps: info, profile (bench kernels, first shape, per-kernel CUDA times), tune (launch sweep -> tune.json),
 # tunebwd (the GDN chunk-backward plans only, old default first, built-in forward -> tune_bwd.json),
 # tunelean (the inference-forward plans vs the training forward and fla, forward only, three shapes),
-# profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
+# checklean (the GPU check under tunelean's best), profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), layersprof (the GDN layer row with
@@ -47,6 +47,10 @@ for spec in "$@"; do
           cmd=(bash -c "for t in '' 'prep_warps=4' 'prep_lowp=True' 'solve_warps=2' \
                  'fwd_variant=lean lean_warps=4 out_warps=4 out_bv=128'; do python3 scripts/gpu_profile_fwd.py \
                  --no-fla --shapes 4,4096,16,128 \${t:+--tune \$t}; done") ;;
+    checklean) # the full GPU check under the best setting of the tunelean step at the first shape
+          cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json \
+                 --tune-json $OUT/lean_4_4096_16_128.json > $OUT/check\$i.part.log 2>&1 & done; wait; \
+                 tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     tunekda) cmd=(python3 scripts/gpu_tune_kda.py --json "$OUT/tune_kda.json" --max-seconds $((secs - 40))) ;;
     kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --profile --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
     kernelsq) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --profile --out "$OUT/kernelsq" "${TUNE_ARG[@]}") ;;

@@ -160,13 +160,16 @@ def _lean_sweep(args, measure, rows, xs, shape, base) -> int:
     t0 = time.time()
     # 2026-11-23 22:25 (H100, B4 T4096 H16): saved 1.066 ms, lean 1.568, and each change alone: lean_warps 4 1.268,
     # out_warps 4 1.402, out_bv 128 1.459, lean_split 1.482, prep_lowp 1.507, inline output 1.687 (fwd_stages 1:
-    # wrong output, an illegal memory access at B1 T32768: now refused). Next: the good ones together
+    # wrong output, an illegal memory access at B1 T32768: now refused). 22:36: together (lean_warps 4, out_warps 4,
+    # out_bv 128) 1.059 vs saved 1.066. 22:40 (prep launches timed one by one): the solve alone ~196 us of the
+    # forward's ~840, solve_warps 2 152 us. Now: the doubling solves, fewer solve warps, 16-bit W/U operands
     saved = dict(fwd_variant="saved")
-    lean = dict(fwd_variant="lean", lean_warps=4, out_warps=4)
-    grid = [saved, dict(saved, out_warps=4), dict(saved, out_warps=4, prep_warps=4), lean,
-            dict(lean, lean_split=True), dict(lean, out_bv=128), dict(lean, lean_split=True, out_bv=128),
-            dict(lean, lean_split=True, prep_lowp=True), dict(lean, lean_split=True, out_bv=128, prep_lowp=True),
-            dict(lean, out_warps=2), dict(lean, lean_bk=32)]
+    lean = dict(fwd_variant="lean", lean_warps=4, out_warps=4, out_bv=128)
+    grid = [saved, dict(saved, solve_warps=2), dict(saved, solve_warps=1), dict(saved, solve="doubling16"),
+            dict(saved, solve="doubling16", solve_warps=2), dict(saved, solve="doubling"),
+            dict(saved, solve_warps=2, prep_lowp=True), dict(saved, solve="doubling16", solve_warps=2, prep_lowp=True),
+            dict(saved, solve="doubling16", solve_prec="ieee"), lean, dict(lean, solve="doubling"),
+            dict(lean, solve="doubling16")]
     for s in grid:
         if time.time() - t0 > args.max_seconds:
             break

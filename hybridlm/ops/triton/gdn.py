@@ -58,7 +58,7 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
         "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": 128, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
-        "lean_split": False}
+        "lean_split": False, "solve": "subst", "solve_prec": "tf32x3"}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -75,6 +75,11 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
 #   fwd_split_o=False the lean output is made inside the sequential kernel. lean_bk / lean_warps: its prep's key
 #   block and warps; lean_split: its prep as two launches (A and the key norms; the solve, W and U). Bytes per
 #   chunk and head (K=V=128 bf16): saved ~384 KB, lean split ~272 KB, lean inline ~176 KB
+# solve: how the prep finds T = (I + A)^{-1}: "subst" (forward substitution in the 16 x 16 diagonal blocks, rows
+#   read from memory, then block rows by dots) or "doubling" (log2(BT) steps T <- T - T L T on the whole tile,
+#   `_solve_doubling`; in the lean prep A then never goes to memory) or "doubling16" (the 16 x 16 diagonal blocks by
+#   doubling, batched, then block rows as "subst"); solve_prec: the doubling's dot precision
+#   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -249,7 +254,7 @@ def _fwd_impl(
                 q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
-                num_stages=TUNE["prep_stages"], **extra,
+                num_stages=TUNE["prep_stages"], **extra, **_solve_args(fn),
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
@@ -296,6 +301,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=min(bk, 32) if q.dtype == f32 else bk, BV=min(V, 64),
                 L2=use_qk_l2norm, PREC=prec, INTERLEAVE=TUNE["solve_interleave"],
                 LOWP=TUNE["prep_lowp"] and sd != f32, STAGE=stage, num_warps=TUNE["lean_warps"], num_stages=1,
+                **_solve_args(kern._prep_lean),
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
@@ -315,6 +321,20 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         )
     e = lambda dt: q.new_empty(0, dtype=dt)  # noqa: E731 (distinct: custom-op outputs may not alias)
     return o, ht, e(f32), e(sd), e(sd), e(sd), e(sd), e(sd), e(sd)
+
+
+def _solve_args(fn) -> dict:
+    """The solve's launch arguments (TUNE["solve"], TUNE["solve_prec"]) for the kernels that take them."""
+    modes = {"subst": 0, "doubling": 1, "doubling16": 2}
+    if TUNE["solve"] not in modes:
+        raise ValueError(f"TUNE['solve']: expected one of {sorted(modes)}, got {TUNE['solve']!r}")
+    if fn is kern._prep_fwd:  # the whole-K prep solves by substitution only
+        if TUNE["solve"] != "subst":
+            raise ValueError("TUNE['solve'] = 'doubling' needs prep_variant 'kblock' (the whole-K prep substitutes)")
+        return {}
+    if TUNE["solve"] == "doubling16" and not TUNE["solve_interleave"]:
+        raise ValueError("TUNE['solve'] = 'doubling16' needs solve_interleave=True (the diagonal blocks as one tile)")
+    return dict(DOUBLING=modes[TUNE["solve"]], SPREC=TUNE["solve_prec"])
 
 
 def _prep_kernel(K: int, dtype: torch.dtype):
