@@ -55,14 +55,17 @@ BT_CHOICES = (64, 32, 16)
 TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
-        "solve_warps": 4, "prep_lowp": False, "bwd_ut_dots": True, "bwd_out_warps": None,
+        "solve_warps": 1, "prep_lowp": True, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": 128, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3"}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
-#   prep_lowp: 16-bit operands for the prep's dots (Q K^T, K K^T, T K, T V; T is still solved in fp32)
+#   prep_lowp: 16-bit operands for the prep's dots (Q K^T, K K^T, T K, T V; T is still solved in fp32).
+#   solve_warps 1 and prep_lowp are the defaults since 2026-11-23 23:06 (H100, forward, `tunelean` step): B4 T4096
+#   H16 1.060 ms (4 warps, fp32 operands) -> 0.999 (2 warps) / 0.988 (1 warp) / 0.974 (2 warps + prep_lowp); B1
+#   T32768 H32 4.683 -> 4.435 / 4.303 / 4.322; o error vs fp32 3.41e-3 -> 3.77e-3 with prep_lowp (bar 5e-3)
 # prep_variant: "kblock" (`_prep_fwd_blk`: K walked in blocks of prep_bk columns, Q K^T and K K^T on the raw
 #   inputs with the l2 norm as row/column scales; prep_lowp then applies to T K and T V only) or "whole"
 #   (`_prep_fwd`: whole [BT, K] fp32 tiles). sm_90 compile, K=V=128 bf16, 8 warps, launcher's alignment hints:

@@ -155,8 +155,7 @@ def _inv_diags_doubling(ptr, BT: tl.constexpr, SPREC: tl.constexpr):
 
 
 @triton.jit
-def _ut_blocks(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DBL16: tl.constexpr = False,
-               SPREC: tl.constexpr = "ieee"):
+def _ut_blocks(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DBL16: tl.constexpr, SPREC: tl.constexpr):
     """The block rows T_0..T_3 ([16, BT] each; zeros past NB = BT / 16) of T = (I + A)^{-1}, A strictly lower
     [BT, BT] fp32 at p_T (row-major): the diagonal blocks by forward substitution (one after another, or all at
     once with INTERLEAVE: `_inv_diags`), then block row i = T_ii (E_i - sum_{j<i} A_ij T_j) with fp32 dots."""
@@ -204,8 +203,7 @@ def _solve_doubling(A, BT: tl.constexpr, SPREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False, DOUBLING: tl.constexpr = 0,
-              SPREC: tl.constexpr = "ieee"):
+def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DOUBLING: tl.constexpr, SPREC: tl.constexpr):
     """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
     blocks (`_ut_blocks`; BT in {16, 32, 64}; DOUBLING 2: its diagonal blocks by doubling), or with DOUBLING 1
     from the whole tile (`_solve_doubling`)."""
@@ -227,8 +225,7 @@ def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr = False, DOUBLING:
 
 
 @triton.jit
-def _solve_tile(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DBL16: tl.constexpr = False,
-                SPREC: tl.constexpr = "ieee"):
+def _solve_tile(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DBL16: tl.constexpr, SPREC: tl.constexpr):
     """T = (I + A)^{-1} as a [BT, BT] fp32 register tile (A at p_T, left in place): the block rows of `_ut_blocks`
     put in place by exact 0/1 dots (E_i^T T_i), so no T goes back to memory."""
     T0, T1, T2, T3 = _ut_blocks(p_T, BT, INTERLEAVE, DBL16, SPREC)
@@ -305,7 +302,7 @@ def _prep_fwd(
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 2:
-        _solve_ut(p_T, BT, INTERLEAVE)
+        _solve_ut(p_T, BT, INTERLEAVE, 0, "ieee")
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 3:
