@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA (FlashAttention) rows")
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
+                        help="chunked shapes to run instead of the three benchmark shapes (e.g. 1,32768,32,128)")
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step), kda (first shape), "
                         "gdn (the chunked shapes)")
@@ -44,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-kernel CUDA times of ours: GDN at the first shape, and the KDA row")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
+
+
+def _shapes(args) -> list[tuple[int, int, int, int]]:
+    """The chunked shapes of this run: --shapes, else the first benchmark shape with --quick, else all three."""
+    if args.shapes:
+        out = []
+        for spec in args.shapes:
+            parts = spec.split(",")
+            if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise SystemExit(f"--shapes: expected B,T,H,D with four positive integers, got {spec!r}")
+            out.append(tuple(int(p) for p in parts))
+        return out
+    return SHAPES[:1] if args.quick else SHAPES
 
 
 def _bench(fn, rep):
@@ -265,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"kda row skipped: {e!r}", file=sys.stderr)
                 continue
         else:
-            for B, T, H, D in SHAPES[:1] if args.quick else SHAPES:
+            for B, T, H, D in _shapes(args):
                 rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args))
                 print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
