@@ -115,7 +115,24 @@ def test_inference_without_autograd_matches_float64(interp_results, case):
 
 LEAN_CASES = [f"lean_{plan}_{shape}" for plan in ("split", "inline")
               for shape in ("gva2_T150", "varlen_nol2", "fp16_varlen_gva2", "T1")] + ["lean_split_gva4_K64_V128_bk32",
-                                                                     "lean_twolaunch_prep_varlen"]
+                                                                     "lean_twolaunch_prep_varlen",
+                                                                     "lean_solve_doubling_varlen"]
+
+
+@pytest.mark.parametrize("case", ["solve_doubling_gva2_T200", "solve_doubling16_varlen"])
+def test_doubling_solves_match_float64(interp_results, case):
+    """The UT solve by doubling (gdn.TUNE solve), forward and every gradient, the other prep kernel blocked."""
+    res = interp_results[case]
+    for name, tol in PLAN_TOL.items():
+        assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
+
+
+def test_unknown_solve_is_a_clear_error(monkeypatch):
+    from hybridlm.ops.triton import gdn, gdn_kernels
+
+    monkeypatch.setitem(gdn.TUNE, "solve", "cholesky")
+    with pytest.raises(ValueError, match=r"TUNE\['solve'\]: expected one of .*got 'cholesky'"):
+        gdn._solve_args(gdn_kernels._prep_fwd_blk)
 
 
 @pytest.mark.parametrize("case", LEAN_CASES)

@@ -253,6 +253,14 @@ def main() -> int:
                                                      HV=4, K=64, V=128, h0=False)
     res["lean_twolaunch_prep_varlen"] = lean_case(gen, dict(fwd_variant="lean", lean_split=True), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
+    # the doubling solves (gdn.TUNE solve): whole tile and 16 x 16 diagonal blocks, in the training prep (forward and
+    # every gradient, GVA 2 over 4 chunks with V 128) and in the lean prep (whole tile: A never leaves registers)
+    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling"), ("_prep_fwd",), B=1, T=200, H=1, HV=2,
+                                                K=64, V=128, l2=True, h0=True)
+    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16"), ("_prep_fwd",), B=1, T=150, H=1, HV=2,
+                                               K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
+    res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
+                                                  HV=2, K=64, V=64, cu=[0, 15, 150])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
