@@ -7,7 +7,7 @@
 # Steps: info, profile (bench kernels, first shape, per-kernel CUDA times), tune (launch sweep -> tune.json),
 # tunebwd (the GDN chunk-backward plans only, old default first, built-in forward -> tune_bwd.json),
 # tunelean (the inference-forward plans vs the training forward and fla, forward only, three shapes),
-# checklean (the GPU check under tunelean's best), profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
+# tunewarps (each launch's warps alone, forward and backward, two shapes), checklean (the GPU check under tunelean's best), profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), layersprof (the GDN layer row with
@@ -43,6 +43,8 @@ for spec in "$@"; do
     tunelean) cmd=(bash -c "for s in 4,4096,16,128 1,32768,32,128 8,2048,32,128; do python3 scripts/gpu_tune_gdn.py \
                      --lean --shape \$s --json $OUT/lean_\${s//,/_}.json --max-seconds 150; done") ;;
     proffwd) cmd=(python3 scripts/gpu_profile_fwd.py --bwd --tune fwd_variant=lean lean_warps=4 out_warps=4) ;;
+    tunewarps) cmd=(bash -c "for s in 4,4096,16,128 1,32768,32,128; do python3 scripts/gpu_tune_gdn.py \
+                     --warps --shape \$s --json $OUT/warps_\${s//,/_}.json --max-seconds 120; done") ;;
     profstages) # the forward prep's launches one by one (CUDA events), built-in settings and four variants, ours only
           cmd=(bash -c "for t in '' 'prep_warps=4' 'prep_lowp=True' 'solve_warps=2' \
                  'fwd_variant=lean lean_warps=4 out_warps=4 out_bv=128'; do python3 scripts/gpu_profile_fwd.py \

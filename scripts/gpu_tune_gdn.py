@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
     ap.add_argument("--bwd-only", action="store_true", help="time only the built-in forward, then every backward plan")
+    ap.add_argument("--warps", action="store_true", help="forward only: num_warps of each forward launch on its own "
+                    "(prep stages 1 and 3, the state pass, the output), then forward+backward with the backward's "
+                    "two chunk launches' warps; with fla's forward for the ratio")
     ap.add_argument("--lean", action="store_true", help="forward only: the inference-forward plans (gdn.TUNE "
                     "fwd_variant 'lean' and its settings) against the training forward's kernels, and fla's forward "
                     "when installed; no backward")
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                 dict(kb, prep_stages=2), dict(kb, prep_warps=4), dict(default, solve_interleave=False),
                 dict(default, prep_split=False), dict(default, prep_lowp=True), dict(kb, fwd_split_o=False),
                 dict(kb, fwd_bv=64), dict(kb, solve_warps=8)]
-    if args.lean:
+    if args.lean or args.warps:
         return _lean_sweep(args, measure, rows, xs, (B, T, H, D), base)
     t_fwd = time.time()  # the reference run above compiled the fp32 kernels: the sweep's own budget starts now
     best_f = None
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
 
 def _lean_sweep(args, measure, rows, xs, shape, base) -> int:
     """Forward-only sweep of the inference plans (no_grad: the kernels keep nothing for a backward), the training
-    forward's kernels first, with fla's forward on the same bf16 inputs for the ratio."""
+    forward's kernels first, with fla's forward on the same bf16 inputs for the ratio. With --warps instead: each
+    forward launch's warps alone, then the backward launches' (forward+backward)."""
     t0 = time.time()
     # 2026-11-23 22:25 (H100, B4 T4096 H16): saved 1.066 ms, lean 1.568, and each change alone: lean_warps 4 1.268,
     # out_warps 4 1.402, out_bv 128 1.459, lean_split 1.482, prep_lowp 1.507, inline output 1.687 (fwd_stages 1:
@@ -170,10 +174,19 @@ def _lean_sweep(args, measure, rows, xs, shape, base) -> int:
             dict(saved, solve_warps=2, prep_lowp=True), dict(saved, solve="doubling16", solve_warps=2, prep_lowp=True),
             dict(saved, solve="doubling16", solve_prec="ieee"), lean, dict(lean, solve="doubling"),
             dict(lean, solve="doubling16")]
+    grad = False
+    if args.warps:  # one launch's warps at a time, built-in settings otherwise (prep defaults 8, solve 1, out 8)
+        grid = [{}, dict(prep1_warps=4), dict(prep1_warps=2), dict(prep3_warps=4), dict(prep3_warps=2),
+                dict(fwd_warps=4), dict(out_warps=4), dict(prep1_warps=4, prep3_warps=4, out_warps=4)]
     for s in grid:
         if time.time() - t0 > args.max_seconds:
             break
-        rows.append(measure(s, False))
+        rows.append(measure(s, grad))
+    if args.warps:  # the backward's two chunk launches (bwd_warps; the output launch alone: bwd_out_warps)
+        for s in [{}, dict(bwd_warps=4), dict(bwd_out_warps=4), dict(bwd_warps=4, bwd_maxnreg=None)]:
+            if time.time() - t0 > args.max_seconds:
+                break
+            rows.append(measure(s, True))
     fla_ms = None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn

@@ -58,7 +58,7 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
         "solve_warps": 1, "prep_lowp": True, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": 128, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
-        "lean_split": False, "solve": "subst", "solve_prec": "tf32x3"}
+        "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -78,6 +78,8 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
 #   fwd_split_o=False the lean output is made inside the sequential kernel. lean_bk / lean_warps: its prep's key
 #   block and warps; lean_split: its prep as two launches (A and the key norms; the solve, W and U). Bytes per
 #   chunk and head (K=V=128 bf16): saved ~384 KB, lean split ~272 KB, lean inline ~176 KB
+# prep1_warps / prep3_warps: warps of the split prep's stage 1 (Qg, Kd, P, A) and stage 3 (W, U) on their own
+#   (None: prep_warps, else 8), so each launch can be swept alone as the solve's was
 # solve: how the prep finds T = (I + A)^{-1}: "subst" (forward substitution in the 16 x 16 diagonal blocks, rows
 #   read from memory, then block rows by dots) or "doubling" (log2(BT) steps T <- T - T L T on the whole tile,
 #   `_solve_doubling`; in the lean prep A then never goes to memory) or "doubling16" (the 16 x 16 diagonal blocks by
@@ -249,8 +251,9 @@ def _fwd_impl(
     Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
     if nc > 0:
-        stages = ((1, TUNE["prep_warps"] or 8), (2, TUNE["solve_warps"]), (3, TUNE["prep_warps"] or 8)) \
-            if TUNE["prep_split"] else ((0, TUNE["prep_warps"] or 8),)
+        pw = TUNE["prep_warps"] or 8
+        stages = ((1, TUNE["prep1_warps"] or pw), (2, TUNE["solve_warps"]), (3, TUNE["prep3_warps"] or pw)) \
+            if TUNE["prep_split"] else ((0, pw),)
         fn, extra = _prep_kernel(K, q.dtype)
         for stage, warps in stages:
             fn[(nc, HV)](
