@@ -16,17 +16,13 @@ import ast
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.cuda_profile import profile_steps
 from hybridlm.ops.triton import chunk_gated_delta_rule, gdn
 
 
 def kernel_table(step, steps: int = 5) -> list[tuple[str, float, float]]:
     """(kernel name, us per step, launches per step), largest first."""
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    prof = profile_steps(step, steps)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)

@@ -78,6 +78,15 @@ def _chunk_coords(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
+    """`_chunk_coords` of chunk ic plus its rows: (sequence, first token, valid rows, rows [BT], row mask, token
+    index of each row)."""
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    rows = tl.arange(0, BT)
+    return n, bos, nval, rows, rows < nval, bos + rows
+
+
+@triton.jit
 def _blk(ptr, r0, c0, BT: tl.constexpr):
     """The [16, 16] block of a row-major [BT, BT] fp32 matrix at (r0, c0)."""
     r = tl.arange(0, 16)
@@ -270,10 +279,7 @@ def _prep_fwd(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
@@ -463,10 +469,7 @@ def _prep_lean(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
     if STAGE < 2:
@@ -495,14 +498,13 @@ def _prep_lean(
 
 
 @triton.jit
-def _q_raw_scaled(q, k, rk, gc, bos, Tn, t0, col0, stride, scale, K: tl.constexpr, BT: tl.constexpr,
+def _q_raw_scaled(q, b_k, rk, gc, bos, Tn, t0, col0, stride, scale, K: tl.constexpr, BT: tl.constexpr,
                   L2: tl.constexpr, PREC: tl.constexpr):
-    """Of one chunk, from the raw q and k rows: (Q raw, its row scales qs = scale rq e^b, and
+    """Of one chunk, from the raw q rows and the raw k tile b_k [BT, K]: (Q raw, its row scales qs = scale rq e^b, and
     P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} for j <= i, [BT, BT] fp32). Q S is then (Q_raw S) * qs: the raw
     16-bit rows are exact dot operands (no rounding of a scaled copy), as in the K-blocked prep's Q K^T."""
     rows = tl.arange(0, BT)
     b_q = _seq_load(q, bos, Tn, t0, col0, stride, BT, K)
-    b_k = _seq_load(k, bos, Tn, t0, col0, stride, BT, K)
     if L2:
         rq = tl.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6) * scale
     else:
@@ -526,13 +528,11 @@ def _out_fwd_raw(
     ic = tl.program_id(1)
     ihv = tl.program_id(2)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     gc = tl.cumsum(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32), 0)
     rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
-    b_q, qs, P = _q_raw_scaled(q, k, rk, gc, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
+    b_k = _seq_load(k, bos, nval, 0, ih * K, H * K, BT, K)
+    b_q, qs, P = _q_raw_scaled(q, b_k, rk, gc, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
     S = tl.load(hbuf + (ic * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :])
@@ -637,7 +637,7 @@ def _recur_fwd(
             _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if OUT:
             if RAWK:
-                b_q, qs, P = _q_raw_scaled(Qg, Kd, rk, gc, bos, Tn, t0, ih * K, H * K, scale, K, BT, L2, PREC)
+                b_q, qs, P = _q_raw_scaled(Qg, kd, rk, gc, bos, Tn, t0, ih * K, H * K, scale, K, BT, L2, PREC)
                 oo = tl.dot(_op(b_q, DT, LOWP), S_d, input_precision=PREC) * qs[:, None]
             else:
                 qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
@@ -665,10 +665,7 @@ def _out_fwd(
     iv = tl.program_id(0)
     ic = tl.program_id(1)
     ihv = tl.program_id(2)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
     blk = (ic * HV + ihv).to(tl.int64)
@@ -806,10 +803,7 @@ def _chunk_bwd(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
     hb = (ic * HV + ihv).to(tl.int64) * K * V
@@ -906,10 +900,7 @@ def _chunk_bwd_onephase(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
@@ -1053,10 +1044,7 @@ def _chunk_bwd_state(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
     gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
@@ -1118,10 +1106,7 @@ def _chunk_bwd_out(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
@@ -1275,10 +1260,7 @@ def _chunk_bwd_state_blk(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     blk = (ic * HV + ihv).to(tl.int64)
     hb = blk * K * V
     gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
@@ -1357,10 +1339,7 @@ def _chunk_bwd_out_blk(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     gc = tl.cumsum(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32), 0)
     s_q = scale * tl.exp(gc)  # row scale of the state read: O += diag(scale gamma) Q^ S

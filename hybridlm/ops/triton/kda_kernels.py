@@ -31,7 +31,7 @@ from .gdn_kernels import (
     _bwd_state_loop,
     _bwd_u_blk,
     _bwd_w_blk,
-    _chunk_coords,
+    _chunk_rows,
     _load_rows,
     _op,
     _row_inv_norms,
@@ -85,10 +85,7 @@ def _kda_prep_fwd(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
     gg, gn = _g_tiles(g, r64, nval, ihv, HV, K, BT)
@@ -251,10 +248,7 @@ def _kda_chunk_bwd(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
     hb = (ic * HV + ihv).to(tl.int64) * K * V
@@ -432,10 +426,7 @@ def _kda_prep_ap(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     pos = rows % 16
     c16 = tl.arange(0, 16)
     rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
@@ -499,10 +490,7 @@ def _kda_prep_wu(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     Tm = _op(tl.load(Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
@@ -540,10 +528,7 @@ def _kda_bwd_out_blk(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
@@ -594,10 +579,7 @@ def _kda_bwd_state_blk(
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
-    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < nval
-    r64 = bos + rows
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
