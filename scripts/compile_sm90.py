@@ -205,21 +205,24 @@ def main(argv=None) -> int:
         kc = dict(common, BK=bk)
         tag = f"bk {bk}{f', maxnreg {cap}' if cap else ''}"
         chunk_ptrs = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
-        jobs[f"_kda_prep_ap({tag})"] = (
-            kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
-                                  BL="fp32"), prep_ints, kc, 1, cap)
+        for mode in (1, 2, 0):  # launched twice (diagonal blocks by dot, then the exact loop) or once, exactly
+            dtag = f"{tag}, {('exact', 'dot', 'exact rest')[mode]}"
+            kd = dict(kc, DIAG=mode)
+            jobs[f"_kda_prep_ap({dtag})"] = (
+                kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
+                                      BL="fp32", redo=i32), prep_ints, kd, 1, cap)
+            jobs[f"_kda_bwd_out_blk({dtag})"] = (
+                kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
+                                          dq="fp32", dk="fp32", dg="fp32", redo=i32),
+                dict(scale="fp32", H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp), 1, cap)
+            jobs[f"_kda_bwd_state_blk({dtag})"] = (
+                kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32",
+                                            hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
+                                            dbeta="fp32", redo=i32),
+                dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp), 1, cap)
         jobs[f"_kda_prep_wu({tag})"] = (
             kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd),
             prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1, cap)
-        jobs[f"_kda_bwd_out_blk({tag})"] = (
-            kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
-                                      dq="fp32", dk="fp32", dg="fp32"),
-            dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1, cap)
-        jobs[f"_kda_bwd_state_blk({tag})"] = (
-            kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32", hbuf=sd,
-                                        dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
-                                        dbeta="fp32"),
-            dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp), 1, cap)
     jobs["_kda_solve"] = (kk._kda_solve, dict(Tbuf="fp32"), dict(HV=i32), dict(BT=args.bt, INTERLEAVE=True), 1)
     heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {dt}, BV={args.bv}, chunk-bwd BV={args.bwd_bv}, "

@@ -11,7 +11,7 @@
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), layersprof (the GDN layer row with
-# per-kernel CUDA times of ours, ours with recompute and fla's), check (GDN/KDA vs float64, pass/fail),
+# per-kernel CUDA times of ours, ours with recompute and fla's), check (GDN/KDA vs float64, pass/fail), checkdiag (check, and the KDA cases under three kda.TUNE diag_dot settings),
 # glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
 # concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
 # results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqargroups (the same, one
@@ -62,6 +62,12 @@ for spec in "$@"; do
     layersprof) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn --profile \
                      --out "$OUT/layersprof") ;;
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
+    checkdiag) # the full check (four parts) beside the KDA cases with the diagonal-block dot in fewer kernels
+          cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json \
+                 > $OUT/check\$i.part.log 2>&1 & done; for d in prep,bwd_out prep none; do python3 scripts/gpu_check_gdn.py \
+                 --only kda --kda-diag \$d --json $OUT/diag_\$d.json > $OUT/diag_\$d.log 2>&1 & done; wait; \
+                 for d in prep,bwd_out prep none; do echo diag \$d; grep -E 'FAIL|passed' $OUT/diag_\$d.log; done; \
+                 python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results*.json "$OUT/mqar/" 2>/dev/null

@@ -177,6 +177,8 @@ def main(argv=None) -> int:
                     "share one GPU; compiling dominates); decode runs in part 0")
     ap.add_argument("--tune-json", default=None, help="launch settings from scripts/gpu_tune_gdn.py (its 'best')")
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this text (no decode cases)")
+    ap.add_argument("--kda-diag", default=None, help="comma-separated K-blocked KDA kernels whose diagonal blocks go "
+                    "by dot (kda.TUNE diag_dot: prep, bwd_out, bwd_state; 'none' for the exact loop everywhere)")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     args = ap.parse_args(argv)
     if args.merge:
@@ -184,6 +186,10 @@ def main(argv=None) -> int:
     if args.tune_json:
         with open(args.tune_json) as f:
             _gdn.TUNE.update(json.load(f)["best"])
+    if args.kda_diag is not None:
+        from hybridlm.ops.triton import kda as _kda
+
+        _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -264,6 +270,9 @@ def main(argv=None) -> int:
     n_fail = _print_table(rows, seed)
     print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in _gdn._BT_OK.items()})
     print("launch settings:", json.dumps(_gdn.TUNE))
+    from hybridlm.ops.triton import kda as _kda_t
+
+    print("KDA launch settings:", json.dumps(_kda_t.TUNE))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seed": seed, "rows": rows, "tune": dict(_gdn.TUNE)}, f, indent=1, default=str)

@@ -2,7 +2,9 @@
 
 CPU (CI): tests/ops/triton/interp_kda.py under TRITON_INTERPRET=1 in a child process, fresh random fp32 inputs:
 GVA 2, varlen (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, beta up to 2, per-channel
-log-decays down to -30 a step (the overflow case), T = 1, 65, 70, K = 64 with V = 64/128, the public
+log-decays down to -30 a step (the overflow case, where the diagonal blocks take the exact launch), strong and
+mild decay in different chunks and heads of one call (both launches of each pair at work; once with the diagonal
+dot in every K-blocked kernel), T = 1, 65, 70, K = 64 with V = 64/128, the public
 `kda(..., impl="triton")`, and the decode step on a state pool; the default launch plan (K-blocked kernels,
 key-channel block 32, output kernel of its own) everywhere, and the other plans the GPU sweep compares once each
 (whole-K kernels with the output inside the sequential kernel; key-channel block 16).
@@ -42,7 +44,8 @@ def interp_results():
     return json.loads(line[len("RESULT "):])
 
 
-CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "T1", "K256_V256_T70",
+CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
+         "mixed_decay_dot_everywhere_T70", "T1", "K256_V256_T70",
          "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70"]
 
 
@@ -135,3 +138,22 @@ def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
     when the chunk backward's launches start (so they never coexist with dq, dk, dv, dg)."""
     res = interp_results["recompute_frees_early"]
     assert res["refs"] == 4.0 and res["alive_at_chunk_bwd"] and set(res["alive_at_chunk_bwd"]) == {0.0}, res
+
+
+def test_diagonal_dot_settings_are_checked():
+    """kda.TUNE["diag_dot"]: unknown kernel names and the state backward's dot for 16-bit inputs (wrong
+    gradients on an H100) are clear errors; float32 may use it."""
+    from hybridlm.ops.triton import kda as tk
+
+    old = tk.TUNE["diag_dot"]
+    try:
+        tk.TUNE["diag_dot"] = ("bwd_state",)
+        with pytest.raises(ValueError, match=r"diag_dot.*bwd_state.*torch.bfloat16"):
+            tk._diag_modes("bwd_state", torch.bfloat16)
+        assert tk._diag_modes("bwd_state", torch.float32) == (1, 2)
+        assert tk._diag_modes("prep", torch.bfloat16) == (0,)
+        tk.TUNE["diag_dot"] = ("prep", "bwd_sate")
+        with pytest.raises(ValueError, match=r"expected names among .* got \['bwd_sate'\]"):
+            tk._diag_modes("prep", torch.float32)
+    finally:
+        tk.TUNE["diag_dot"] = old

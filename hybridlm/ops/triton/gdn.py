@@ -52,13 +52,14 @@ BT_CHOICES = (64, 32, 16)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
 # fwd_split_o: the sequential kernel carries only the state (two dots per chunk) and `_out_fwd` computes the
 #   output of every chunk in parallel from the stored chunk states (inference then stores them too)
-TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
+TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 1, "prep_lowp": True, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
-        "bwd_maxnreg": 128, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
-        "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None}
+        "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
+        "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
+        "rbwd_warps": None}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -85,6 +86,13 @@ TUNE = {"bwd_warps": None, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "f
 #   `_solve_doubling`; in the lean prep A then never goes to memory) or "doubling16" (the 16 x 16 diagonal blocks by
 #   doubling, batched, then block rows as "subst"); solve_prec: the doubling's dot precision
 #   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
+# rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before)
+# Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
+#   (`_recur_fwd` at 4 warps: forward 0.968 -> 0.954 ms (B4 T4096 H16), 4.307 -> 3.974 (B1 T32768 H32), but a
+#   non-finite final state in one GPU check case: not the default, see `_recur_warps`); the chunk backward
+#   (bwd_warps) at 4 warps
+#   without the register cap (bwd_maxnreg None; was 8 warps capped at 128): forward+backward 2.689 -> 2.501 and
+#   12.165 -> 11.431. 4 warps with the cap kept: 3.398 / 15.010; only the output launch at 4: 3.028 / 13.551
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -216,6 +224,14 @@ def _num_warps(K: int) -> int:
     return 8  # sm_90 compile (scripts/compile_sm90.py): 4 warps spill the [64, K] tiles at K >= 128
 
 
+def _recur_warps(K: int) -> int:
+    """Warps of the forward state pass `_recur_fwd`: TUNE["fwd_warps"], else 8. At 4 (K <= 128) it ran 0.954 vs
+    0.968 ms (B4 T4096 H16) and 3.974 vs 4.307 (B1 T32768 H32), but the H100 check of 2026-11-24 02:05 then
+    found a non-finite final state in one bf16 case (T63 B2 H2 HV4 K128, every other case passed): not the
+    default until that is understood."""
+    return TUNE["fwd_warps"] or 8
+
+
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -246,7 +262,6 @@ def _fwd_impl(
     hb = torch.empty(NCb, HV, K, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
-    nw = _num_warps(K)
     Qg = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
@@ -268,7 +283,7 @@ def _fwd_impl(
         g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or nw, num_stages=fwd_stages(),
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_recur_warps(K), num_stages=fwd_stages(),
         OUT=not split,
     )
     if split:
@@ -315,7 +330,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
-        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
+        num_warps=_recur_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
         L2=use_qk_l2norm,
     )
     if split and nc > 0:
@@ -436,7 +451,7 @@ def _bwd_impl(
     kern._recur_bwd[(V // BV, N * HV)](
         g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["fwd_warps"] or nw,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["rbwd_warps"] or nw,
         num_stages=fwd_stages(),
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None

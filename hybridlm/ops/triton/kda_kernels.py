@@ -8,8 +8,10 @@ Non-standard here: with per-channel decay, A_ij = beta_i sum_d k_id k_jd e^{b_id
 times a [BT, BT] decay matrix. As in the PyTorch reference (ops/chunk.py `_masked_products`) the chunk is cut
 into 16-row blocks: an off-diagonal block (rows after column block c) factors e^{b_i - b_j} =
 e^{b_i - r_c} e^{r_c - b_j} through r_c = b at the last row of block c, both factors <= 1 (one masked dot per
-column block); the diagonal blocks use the exact pairwise form, one in-block column at a time (16 steps, every
-block at once). Nothing overflows for any decay, and nothing is divided by a decay.
+column block). The diagonal blocks factor through each block's middle row m (e^{b_i - b_m} e^{b_m - b_j}, one
+masked dot for all four blocks) when every such factor is within e^60 (`_diag_pass`, per chunk and head, all
+key blocks); under stronger decay they take the exact pairwise form, one in-block column at a time (16 steps of
+gathered rows, every block at once). Nothing overflows for any decay, and nothing is divided by a decay.
 
 Every exponent b_i - b_j (and bL - b_i) is summed directly from the g's between the two rows (`_g_tiles`,
 `_off_exps`, running sums in the diagonal loops), never taken as a difference of the cumulative b: under strong
@@ -70,6 +72,55 @@ def _off_exps(gg, gn, cb: tl.constexpr, BT: tl.constexpr):
     ysum = tl.cumsum(tl.where(((rows >= cb * 16) & (rows < last))[:, None], gn, 0.0), 0, reverse=True)
     ye = tl.exp(tl.where(inb, ysum, float("-inf")))
     return xe, ye
+
+
+@triton.jit
+def _mid_sums(gg, gn, BT: tl.constexpr):
+    """s_i = b_i - b_m, m = 16 (i // 16) + 7 the middle row of row i's 16-row block, summed from g ([BT, BK]):
+    within a block e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the
+    tile seen as [BT // 16, 16, BK] (masked scans over the whole tile, one block at a time, made the dot launches
+    slower than the exact loop on the H100)."""
+    BK: tl.constexpr = gg.shape[1]
+    pos = (tl.arange(0, BT) % 16)[:, None]
+    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > 7, gg, 0.0), [BT // 16, 16, BK]), 1), [BT, BK])
+    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 7, gn, 0.0), [BT // 16, 16, BK]), 1, reverse=True),
+                    [BT, BK])
+    return tl.where(pos > 7, up, 0.0) - tl.where(pos < 7, dn, 0.0)  # g of rows m+1..i, minus g of rows i+1..m
+
+
+@triton.jit
+def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+               DIAG: tl.constexpr):
+    """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
+    loop. Else the kernel is launched twice with a shared int32 redo [chunks, HV]: DIAG 1 takes the chunks (and
+    heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every key block,
+    i.e. every factor within e^60 (fp32, tf32 and bf16 reach e^88; the margin keeps a small y times e^-60 a normal
+    number), and marks the others; DIAG 2 takes only the marked ones (log-decays summing beyond ~-120 over 16 rows)
+    through the exact loop. One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
+    backward launches)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    p = redo + ic * HV + ihv
+    if DIAG == 1:
+        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+        worst = tl.zeros([BT, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
+        go = tl.max(tl.max(worst, 1), 0) <= 60.0
+        tl.store(p, tl.where(go, 0, 1).to(tl.int32))
+    elif DIAG == 2:
+        go = tl.load(p) != 0
+    else:
+        go = ic >= 0
+    return go
+
+
+@triton.jit
+def _same_block(BT: tl.constexpr):
+    """[BT, BT] mask of the pairs (i, j) in one 16-row block."""
+    rows = tl.arange(0, BT)
+    return (rows[:, None] // 16) == (rows[None, :] // 16)
 
 
 @triton.jit
@@ -318,8 +369,8 @@ def _kda_chunk_bwd(
 # - q and k are used raw; the l2 norm enters as row/column scales of the [BT, BT] matrices (A_ij = beta_i r_i
 #   r_j sum_d k_id k_jd e^..., with r = 1/||k||), computed in a first pass over K, so no gathered row needs its
 #   own norm;
-# - the diagonal 16x16 blocks of a [BT, BT] matrix M are read as a [BT, 16] band (band[i, j] = M[i, 16 (i // 16)
-#   + j]) built once, not once per K block.
+# - the exact diagonal loop (strong decay only) reads the diagonal 16x16 blocks of a [BT, BT] matrix M as a
+#   [BT, 16] band (band[i, j] = M[i, 16 (i // 16) + j]).
 # The cumulative log-decay b is recomputed from g wherever it is needed (a cumsum of a tile that is loaded anyway)
 # instead of being stored: 4 bytes per token, head and channel less to write, keep for the backward and read.
 # ---------------------------------------------------------------------------------------------------------------
@@ -358,118 +409,146 @@ def _band_col(band, j):
 
 
 @triton.jit
-def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
+def _rows_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
-    M [BT, BT] is zero outside that range, band = `_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
-    column col0, gathered again for the diagonal blocks); gg, gn = `_g_blk`. Off-diagonal blocks through
-    r_c (both factors <= 1, `_off_exps`), diagonal blocks exact, exponents summed from g."""
+    M [BT, BT] is zero outside that range; yr [BT, BK] the raw rows of y (y in memory at column col0, gathered
+    again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c (both factors <= 1,
+    `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1, `_mid_sums`) or
+    exactly, one in-block column at a time (the launch for log-decays too strong for the dot, `_diag_pass`);
+    exponents summed from g."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     out = tl.zeros([BT, BK], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
         xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(_op(M, DT, LOWP), _op(yr * ye, DT, LOWP), input_precision=PREC) * xe
-    pos = rows % 16
-    acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
-    for jj in range(16):
-        j = 15 - jj
-        src = rows - pos + j
-        ys = _load_rows(y, bos + src, src < nval, stride, col0, offs, False)
-        acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + k0 + offs[None, :],
-                       mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-        if STRICT:
-            keep = pos > j
-        else:
-            keep = pos >= j
-        out += _band_col(band, j)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
+    if DIAG == 1:
+        s = _mid_sums(gg, gn, BT)
+        Md = tl.where(_same_block(BT), M, 0.0)
+        # fp32 operands (tf32 dots for 16-bit inputs): these blocks carry the least-decayed, largest terms, and
+        # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
+        out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
+    else:
+        band = _band(M, BT)
+        pos = rows % 16
+        acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
+        for jj in range(16):
+            j = 15 - jj
+            src = rows - pos + j
+            ys = _load_rows(y, bos + src, src < nval, stride, col0, offs, False)
+            acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + k0 + offs[None, :],
+                           mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+            if STRICT:
+                keep = pos > j
+            else:
+                keep = pos >= j
+            out += _band_col(band, j)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
 @triton.jit
-def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
+def _cols_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
-    transpose partner of `_rows_prod_blk`; bandT = `_band(M^T)`)."""
+    transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks)."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     out = tl.zeros([BT, BK], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
         xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yr * xe, DT, LOWP), input_precision=PREC) * ye
-    pos = rows % 16
-    acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
-    for p in range(16):
-        src = rows - pos + p
-        smask = src < nval
-        ys = _load_rows(y, bos + src, smask, stride, col0, offs, False)
-        acc += tl.load(g + ((bos + src)[:, None] * HV + ihv) * K + k0 + offs[None, :],
-                       mask=((pos < p) & smask)[:, None], other=0.0).to(tl.float32)
-        if STRICT:
-            keep = p > pos
-        else:
-            keep = p >= pos
-        out += _band_col(bandT, p)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
+    if DIAG == 1:
+        s = _mid_sums(gg, gn, BT)
+        Md = tl.where(_same_block(BT), M, 0.0)
+        out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
+    else:
+        bandT = _band(tl.trans(M), BT)
+        pos = rows % 16
+        acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
+        for p in range(16):
+            src = rows - pos + p
+            smask = src < nval
+            ys = _load_rows(y, bos + src, smask, stride, col0, offs, False)
+            acc += tl.load(g + ((bos + src)[:, None] * HV + ihv) * K + k0 + offs[None, :],
+                           mask=((pos < p) & smask)[:, None], other=0.0).to(tl.float32)
+            if STRICT:
+                keep = p > pos
+            else:
+                keep = p >= pos
+            out += _band_col(bandT, p)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
 @triton.jit
 def _kda_prep_ap(
-    q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, cu, chunk_seq, chunk_start, scale,
+    q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    DIAG: tl.constexpr,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised."""
-    ic = tl.program_id(0)
-    ihv = tl.program_id(1)
-    ih = ihv // (HV // H)
-    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    pos = rows % 16
-    c16 = tl.arange(0, 16)
-    rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    A = tl.zeros([BT, BT], dtype=tl.float32)
-    P = tl.zeros([BT, BT], dtype=tl.float32)
-    Da = tl.zeros([BT, 16], dtype=tl.float32)  # diagonal blocks of A and P, as bands
-    Dp = tl.zeros([BT, 16], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        b = tl.cumsum(gg, 0)  # rows past the end add 0, so the last row is bL
-        tl.store(BL + (ic * HV + ihv).to(tl.int64) * K + offs, tl.sum(tl.where(rows[:, None] == BT - 1, b, 0.0), 0))
-        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
-        qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
-        ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
-        tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
-        tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
-        for cb in tl.static_range(BT // 16 - 1):
-            xe, ye = _off_exps(gg, gn, cb, BT)
-            Y = kr * ye
-            A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
-            P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
-        # diagonal blocks: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j),
-        # j from 15 down; acc = b_i - b_j, one gathered row of g added per step
-        acc = tl.zeros([BT, BK], dtype=tl.float32)
-        for jj in range(16):
-            j = 15 - jj
-            src = rows - pos + j
-            kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
-            acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                           mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-            ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
-            col = c16[None, :] == j
-            Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
-            Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
-    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    A = (A + _unband(Da, BT)) * (bb * rk)[:, None] * rk[None, :]
-    P = (P + _unband(Dp, BT)) * (rq * scale)[:, None] * rk[None, :]
-    p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
-    tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
-    tl.store(Tbuf + p_TT, A)
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+        ic = tl.program_id(0)
+        ihv = tl.program_id(1)
+        ih = ihv // (HV // H)
+        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+        pos = rows % 16
+        c16 = tl.arange(0, 16)
+        rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        A = tl.zeros([BT, BT], dtype=tl.float32)
+        P = tl.zeros([BT, BT], dtype=tl.float32)
+        Da = tl.zeros([BT, 16], dtype=tl.float32)  # diagonal blocks of A and P, as bands
+        Dp = tl.zeros([BT, 16], dtype=tl.float32)
+        blk = _same_block(BT)
+        low = rows[:, None] > rows[None, :]
+        diag = rows[:, None] == rows[None, :]
+        for k0 in range(0, K, BK):
+            offs = k0 + tl.arange(0, BK)
+            krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            b = tl.cumsum(gg, 0)  # rows past the end add 0, so the last row is bL
+            tl.store(BL + (ic * HV + ihv).to(tl.int64) * K + offs, tl.sum(tl.where(rows[:, None] == BT - 1, b, 0.0), 0))
+            kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
+            qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
+            ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
+            tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
+            tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
+            for cb in tl.static_range(BT // 16 - 1):
+                xe, ye = _off_exps(gg, gn, cb, BT)
+                Y = kr * ye
+                A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
+                P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
+            if DIAG == 1:
+                s = _mid_sums(gg, gn, BT)
+                # diagonal blocks, all four in one dot each: e^{b_i - b_j} = e^{s_i} e^{-s_j} within a block
+                Y = kr * tl.exp(-s)
+                A += tl.where(blk & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                P += tl.where(blk & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+            else:
+                # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
+                # down; acc = b_i - b_j, one gathered row of g added per step
+                acc = tl.zeros([BT, BK], dtype=tl.float32)
+                for jj in range(16):
+                    j = 15 - jj
+                    src = rows - pos + j
+                    kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
+                    acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
+                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                    ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
+                    col = c16[None, :] == j
+                    Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
+                    Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
+        bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        A = (A + _unband(Da, BT)) * (bb * rk)[:, None] * rk[None, :]
+        P = (P + _unband(Dp, BT)) * (rq * scale)[:, None] * rk[None, :]
+        p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
+        tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
+        tl.store(Tbuf + p_TT, A)
 
 
 @triton.jit
@@ -517,56 +596,55 @@ def _l2_bwd_blk(dx, x, r64, rmask, ihv, rx, s, HV, stride, col0, K: tl.constexpr
 
 @triton.jit
 def _kda_bwd_out_blk(
-    q, k, g, hbuf, vnbuf, do, dq, dk, dg, cu, chunk_seq, chunk_start, scale,
+    q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
     phase 2 finishes dk and dg."""
     DT: tl.constexpr = hbuf.dtype.element_ty
-    ic = tl.program_id(0)
-    ihv = tl.program_id(1)
-    ih = ihv // (HV // H)
-    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    hb = (ic * HV + ihv).to(tl.int64) * K * V
-    rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
-    N = tl.where(rows[:, None] >= rows[None, :], dP * scale, 0.0)
-    Nr = N * rk[None, :]  # Y1_i = sum_j N_ij k^_j e^.. on raw rows of k
-    Nc = N * rq[:, None]  # Y2_j = sum_i N_ij q^_i e^.. on raw rows of q
-    bandR = _band(Nr, BT)
-    bandC = _band(tl.trans(Nc), BT)
-    sq = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        dQS = _bwd_dqs_blk(hbuf, do, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
-        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        eb = tl.exp(tl.cumsum(gg, 0))
-        qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
-        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
-        qq = qr * rq[:, None]
-        Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                            False, PREC, DT, LOWP)
-        Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                            False, PREC, DT, LOWP)
-        dqn = dQS * eb * scale + Y1
-        db = dQS * qq * eb * scale + qq * Y1 - kr * rk[:, None] * Y2
-        sq += tl.sum(qq * dqn, 1)
-        tl.store(dq + krow, dqn, mask=rmask[:, None])
-        tl.store(dk + krow, Y2, mask=rmask[:, None])
-        tl.store(dg + krow, db, mask=rmask[:, None])
-    if L2:
-        _l2_bwd_blk(dq, q, r64, rmask, ihv, rq, sq, HV, H * K, ih * K, K, BK)
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+        ic = tl.program_id(0)
+        ihv = tl.program_id(1)
+        ih = ihv // (HV // H)
+        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+        hb = (ic * HV + ihv).to(tl.int64) * K * V
+        rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
+        N = tl.where(rows[:, None] >= rows[None, :], dP * scale, 0.0)
+        Nr = N * rk[None, :]  # Y1_i = sum_j N_ij k^_j e^.. on raw rows of k
+        Nc = N * rq[:, None]  # Y2_j = sum_i N_ij q^_i e^.. on raw rows of q
+        sq = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            offs = k0 + tl.arange(0, BK)
+            krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+            dQS = _bwd_dqs_blk(hbuf, do, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            eb = tl.exp(tl.cumsum(gg, 0))
+            qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
+            kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
+            qq = qr * rq[:, None]
+            Y1 = _rows_prod_blk(Nr, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+                                False, PREC, DT, LOWP, DIAG)
+            Y2 = _cols_prod_blk(Nc, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+                                False, PREC, DT, LOWP, DIAG)
+            dqn = dQS * eb * scale + Y1
+            db = dQS * qq * eb * scale + qq * Y1 - kr * rk[:, None] * Y2
+            sq += tl.sum(qq * dqn, 1)
+            tl.store(dq + krow, dqn, mask=rmask[:, None])
+            tl.store(dk + krow, Y2, mask=rmask[:, None])
+            tl.store(dg + krow, db, mask=rmask[:, None])
+        if L2:
+            _l2_bwd_blk(dq, q, r64, rmask, ihv, rq, sq, HV, H * K, ih * K, K, BK)
 
 
 @triton.jit
 def _kda_bwd_state_blk(
-    k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, cu, chunk_seq, chunk_start,
+    k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr,
 ):
     """Backward phase 2: the state write S' = e^{bL} S + Kd^T Vn, W = T diag(beta) (K^ e^b), U = T diag(beta) V
     and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -576,73 +654,73 @@ def _kda_bwd_state_blk(
     3. over K blocks, with the full dA: the decay products of A's gradient, dg = reverse cumsum of db over the
        chunk, dk; then the l2 norm's backward of dk."""
     DT: tl.constexpr = hbuf.dtype.element_ty
-    ic = tl.program_id(0)
-    ihv = tl.program_id(1)
-    ih = ihv // (HV // H)
-    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    hb = (ic * HV + ihv).to(tl.int64) * K * V
-    rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    Tm_d = _op(tl.load(Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]), DT, LOWP)
-    # 1. through U
-    dT, dbeta_ = _bwd_u_blk(v, dvnbuf, dv, tl.trans(Tm_d), bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
-    # 2. through Kd, the state's decay and W, per K block
-    for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        dKd, dSS = _bwd_kd_blk(hbuf, dhbuf, vnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
-        dW = _bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
-        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        kk = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * rk[:, None]
-        eb = tl.exp(tl.cumsum(gg, 0))
-        ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
-        bL = tl.load(BL + (ic * HV + ihv).to(tl.int64) * K + offs)
-        # Kd = K^ e^{bL - b}; S decays by e^{bL}
-        t = dKd * kk * ed
-        dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
-        db = tl.load(dg + krow, mask=rmask[:, None], other=0.0) - t
-        dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
-        db += tl.where((rows == nval - 1)[:, None], dbL[None, :], 0.0)  # bL is b at the last valid row
-        # W = T Kb, Kb = diag(beta) K^ e^b
-        kb = kk * eb * bb[:, None]
-        dW_d = _op(dW, DT, LOWP)
-        dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
-        dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
-        dkn += dKb * eb * bb[:, None]
-        dbeta_ += tl.sum(dKb * kk * eb, 1)
-        db += dKb * kb
-        tl.store(dk + krow, dkn, mask=rmask[:, None])
-        tl.store(dg + krow, db, mask=rmask[:, None])
-    # 3. T = (I + A)^{-1}; A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i)
-    dA = tl.where(rows[:, None] > rows[None, :],
-                  -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
-                          tl.trans(Tm_d), input_precision=PREC), 0.0)
-    Mr = dA * rk[None, :]  # X1_i = sum_j dA_ij k^_j e^..
-    Mc = dA * (bb * rk)[:, None]  # X2_j = sum_i dA_ij beta_i k^_i e^..
-    bandR = _band(Mr, BT)
-    bandC = _band(tl.trans(Mc), BT)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
-        kk = kr * rk[:, None]
-        X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                            True, PREC, DT, LOWP)
-        dbeta_ += tl.sum(kk * X1, 1)
-        X1 = X1 * bb[:, None]
-        X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                            True, PREC, DT, LOWP)
-        dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
-        db = tl.load(dg + krow, mask=rmask[:, None], other=0.0) + kk * (X1 - X2)
-        db = tl.where(rmask[:, None], db, 0.0)
-        sk += tl.sum(kk * dkn, 1)
-        tl.store(dk + krow, dkn, mask=rmask[:, None])
-        tl.store(dg + krow, tl.cumsum(db, 0, reverse=True), mask=rmask[:, None])
-    if L2:
-        _l2_bwd_blk(dk, k, r64, rmask, ihv, rk, sk, HV, H * K, ih * K, K, BK)
-    tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+        ic = tl.program_id(0)
+        ihv = tl.program_id(1)
+        ih = ihv // (HV // H)
+        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+        hb = (ic * HV + ihv).to(tl.int64) * K * V
+        rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+        bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+        p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
+        Tm_d = _op(tl.load(p_T), DT, LOWP)
+        # 1. through U
+        dT, dbeta_ = _bwd_u_blk(v, dvnbuf, dv, tl.trans(Tm_d), bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
+        # 2. through Kd, the state's decay and W, per K block
+        for k0 in range(0, K, BK):
+            offs = k0 + tl.arange(0, BK)
+            krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+            dKd, dSS = _bwd_kd_blk(hbuf, dhbuf, vnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
+            dW = _bwd_w_blk(hbuf, dvnbuf, hb, r64, rmask, ihv, HV, offs, V, BT, BK, BV, PREC, LOWP)
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            kk = _load_rows(k, r64, rmask, H * K, ih * K, offs, False) * rk[:, None]
+            eb = tl.exp(tl.cumsum(gg, 0))
+            ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
+            bL = tl.load(BL + (ic * HV + ihv).to(tl.int64) * K + offs)
+            # Kd = K^ e^{bL - b}; S decays by e^{bL}
+            t = dKd * kk * ed
+            dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + dKd * ed
+            db = tl.load(dg + krow, mask=rmask[:, None], other=0.0) - t
+            dbL = tl.sum(t, 0) + tl.exp(bL) * dSS
+            db += tl.where((rows == nval - 1)[:, None], dbL[None, :], 0.0)  # bL is b at the last valid row
+            # W = T Kb, Kb = diag(beta) K^ e^b
+            kb = kk * eb * bb[:, None]
+            dW_d = _op(dW, DT, LOWP)
+            dT += tl.dot(dW_d, tl.trans(_op(kb, DT, LOWP)), input_precision=PREC)
+            dKb = tl.dot(tl.trans(Tm_d), dW_d, input_precision=PREC)
+            dkn += dKb * eb * bb[:, None]
+            dbeta_ += tl.sum(dKb * kk * eb, 1)
+            db += dKb * kb
+            tl.store(dk + krow, dkn, mask=rmask[:, None])
+            tl.store(dg + krow, db, mask=rmask[:, None])
+        # 3. T = (I + A)^{-1}; A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i)
+        dA = tl.where(rows[:, None] > rows[None, :],
+                      -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
+                              tl.trans(Tm_d), input_precision=PREC), 0.0)
+        Mr = dA * rk[None, :]  # X1_i = sum_j dA_ij k^_j e^..
+        Mc = dA * (bb * rk)[:, None]  # X2_j = sum_i dA_ij beta_i k^_i e^..
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            offs = k0 + tl.arange(0, BK)
+            krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
+            kk = kr * rk[:, None]
+            X1 = _rows_prod_blk(Mr, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+                                True, PREC, DT, LOWP, DIAG)
+            dbeta_ += tl.sum(kk * X1, 1)
+            X1 = X1 * bb[:, None]
+            X2 = _cols_prod_blk(Mc, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+                                True, PREC, DT, LOWP, DIAG)
+            dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
+            db = tl.load(dg + krow, mask=rmask[:, None], other=0.0) + kk * (X1 - X2)
+            db = tl.where(rmask[:, None], db, 0.0)
+            sk += tl.sum(kk * dkn, 1)
+            tl.store(dk + krow, dkn, mask=rmask[:, None])
+            tl.store(dg + krow, tl.cumsum(db, 0, reverse=True), mask=rmask[:, None])
+        if L2:
+            _l2_bwd_blk(dk, k, r64, rmask, ihv, rk, sk, HV, H * K, ih * K, K, BK)
+        tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)
 
 
 __all__ = ["_kda_prep_fwd", "_kda_chunk_bwd", "_kda_prep_ap", "_kda_solve", "_kda_prep_wu", "_kda_bwd_out_blk",

@@ -109,6 +109,19 @@ def main() -> int:
     # cumulative log-decay (|b| ~ 1e3 here, fp32 ulp ~ 6e-5); now summed from g directly (dg ~ 2e-6)
     res["strong_decay_K64_V128_T300_fp32_1e-5"] = chunk_case(gen, B=1, T=300, H=1, HV=1, K=64, V=128, l2=True,
                                                              h0=False, decay=30.0)
+    # decay 30 a step in head 0's second chunk and in key block 1 (channels 32-63) of head 1's first chunk, mild
+    # elsewhere: in each K-blocked kernel's launch pair the dot launch takes (chunk 0, head 0) and (chunk 1, head 1),
+    # the exact launch the other two (kda_kernels._diag_pass)
+    mixed = torch.full((1, 70, 2, 64), 1.5)
+    mixed[:, 64:, 0] = 30.0
+    mixed[:, :64, 1, 32:] = 30.0
+    res["mixed_decay_by_chunk_and_head_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                          decay=mixed)
+    # the same with the diagonal blocks' dot in every K-blocked kernel (kda.TUNE diag_dot; the default has it in
+    # the output backward only, the other two being options, bwd_state for float32 inputs only)
+    with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state")):
+        res["mixed_decay_dot_everywhere_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                           decay=mixed)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
