@@ -30,6 +30,7 @@ else
   export PYTHONPATH=$PWD
 fi
 TUNE_ARG=()
+n_cmd=0
 for spec in "$@"; do
   step=${spec%%:*}
   secs=${spec#*:}
@@ -98,9 +99,11 @@ for spec in "$@"; do
                  \$([ \$g = eager ] || echo \$g) | grep -E 'ms/step'; done") ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
-    *) cmd=(bash -c "$step") ;;
+    *) cmd=(bash -c "$step") ;;  # its log is $OUT/cmdN.log (N counts the free-form steps from 1)
   esac
-  timeout -k 10 "$secs" "${cmd[@]}" 2>&1 | tee "$OUT/$step.log" | tail -n 60
+  log=$step
+  if [[ ! $step =~ ^[A-Za-z0-9_]+$ ]]; then n_cmd=$((n_cmd + 1)); log=cmd$n_cmd; fi  # a command is no file name
+  timeout -k 10 "$secs" "${cmd[@]}" 2>&1 | tee "$OUT/$log.log" | tail -n 60
   echo "--- $step exit ${PIPESTATUS[0]} $(date -u +%H:%M:%S)"
   if [ "$step" = tune ] && [ -f "$OUT/tune.json" ]; then TUNE_ARG=(--tune-json "$OUT/tune.json"); fi
 done
