@@ -21,6 +21,7 @@ import torch
 from hybridlm.ops import gated_delta_rule
 from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
 from hybridlm.ops.triton import gdn as _gdn
+from hybridlm.ops.triton import kda as _kda
 
 _gdn.POISON = True  # outputs start as NaN: an unwritten element fails
 
@@ -187,8 +188,6 @@ def main(argv=None) -> int:
         with open(args.tune_json) as f:
             _gdn.TUNE.update(json.load(f)["best"])
     if args.kda_diag is not None:
-        from hybridlm.ops.triton import kda as _kda
-
         _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -270,9 +269,7 @@ def main(argv=None) -> int:
     n_fail = _print_table(rows, seed)
     print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in _gdn._BT_OK.items()})
     print("launch settings:", json.dumps(_gdn.TUNE))
-    from hybridlm.ops.triton import kda as _kda_t
-
-    print("KDA launch settings:", json.dumps(_kda_t.TUNE))
+    print("KDA launch settings:", json.dumps(_kda.TUNE))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seed": seed, "rows": rows, "tune": dict(_gdn.TUNE)}, f, indent=1, default=str)

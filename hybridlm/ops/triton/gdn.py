@@ -88,11 +88,11 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
 # rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before)
 # Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
-#   (`_recur_fwd` at 4 warps: forward 0.968 -> 0.954 ms (B4 T4096 H16), 4.307 -> 3.974 (B1 T32768 H32), but a
-#   non-finite final state in one GPU check case: not the default, see `_recur_warps`); the chunk backward
-#   (bwd_warps) at 4 warps
-#   without the register cap (bwd_maxnreg None; was 8 warps capped at 128): forward+backward 2.689 -> 2.501 and
-#   12.165 -> 11.431. 4 warps with the cap kept: 3.398 / 15.010; only the output launch at 4: 3.028 / 13.551
+#   the chunk backward (bwd_warps) at 4 warps without the register cap (bwd_maxnreg None; was 8 warps capped at
+#   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
+#   output launch at 4: 3.028 / 13.551. `_recur_fwd` at 4 warps (fwd_warps) ran the forward 0.968 -> 0.954 ms
+#   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
+#   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -224,14 +224,6 @@ def _num_warps(K: int) -> int:
     return 8  # sm_90 compile (scripts/compile_sm90.py): 4 warps spill the [64, K] tiles at K >= 128
 
 
-def _recur_warps(K: int) -> int:
-    """Warps of the forward state pass `_recur_fwd`: TUNE["fwd_warps"], else 8. At 4 (K <= 128) it ran 0.954 vs
-    0.968 ms (B4 T4096 H16) and 3.974 vs 4.307 (B1 T32768 H32), but the H100 check of 2026-11-24 02:05 then
-    found a non-finite final state in one bf16 case (T63 B2 H2 HV4 K128, every other case passed): not the
-    default until that is understood."""
-    return TUNE["fwd_warps"] or 8
-
-
 def _fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -283,7 +275,7 @@ def _fwd_impl(
         g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_recur_warps(K), num_stages=fwd_stages(),
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(),
         OUT=not split,
     )
     if split:
@@ -330,7 +322,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
-        num_warps=_recur_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
+        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
         L2=use_qk_l2norm,
     )
     if split and nc > 0:

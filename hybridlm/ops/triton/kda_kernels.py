@@ -369,8 +369,8 @@ def _kda_chunk_bwd(
 # - q and k are used raw; the l2 norm enters as row/column scales of the [BT, BT] matrices (A_ij = beta_i r_i
 #   r_j sum_d k_id k_jd e^..., with r = 1/||k||), computed in a first pass over K, so no gathered row needs its
 #   own norm;
-# - the exact diagonal loop (strong decay only) reads the diagonal 16x16 blocks of a [BT, BT] matrix M as a
-#   [BT, 16] band (band[i, j] = M[i, 16 (i // 16) + j]).
+# - the exact diagonal loop reads the diagonal 16x16 blocks of a [BT, BT] matrix M as a [BT, 16] band
+#   (band[i, j] = M[i, 16 (i // 16) + j]) built once, not once per K block (`_diag_band`).
 # The cumulative log-decay b is recomputed from g wherever it is needed (a cumsum of a tile that is loaded anyway)
 # instead of being stored: 4 bytes per token, head and channel less to write, keep for the backward and read.
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,21 +403,32 @@ def _unband(band, BT: tl.constexpr):
 
 
 @triton.jit
+def _diag_band(M, BT: tl.constexpr, DIAG: tl.constexpr):
+    """`_band(M)` for the exact diagonal loop of `_rows_prod_blk` / `_cols_prod_blk`, built once per program
+    before the key-block loop; the dot launch (DIAG 1) reads M itself, so it gets zeros."""
+    if DIAG == 1:
+        band = tl.zeros([BT, 16], dtype=tl.float32)
+    else:
+        band = _band(M, BT)
+    return band
+
+
+@triton.jit
 def _band_col(band, j):
     """Column j of a [BT, 16] band, as [BT]."""
     return tl.sum(tl.where(tl.arange(0, 16)[None, :] == j, band, 0.0), 1)
 
 
 @triton.jit
-def _rows_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
+def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                    LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
-    M [BT, BT] is zero outside that range; yr [BT, BK] the raw rows of y (y in memory at column col0, gathered
-    again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c (both factors <= 1,
-    `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1, `_mid_sums`) or
-    exactly, one in-block column at a time (the launch for log-decays too strong for the dot, `_diag_pass`);
-    exponents summed from g."""
+    M [BT, BT] is zero outside that range, band = `_diag_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
+    column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
+    (both factors <= 1, `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1,
+    `_mid_sums`) or exactly, one in-block column at a time (the launch for log-decays too strong for the dot,
+    `_diag_pass`); exponents summed from g."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     out = tl.zeros([BT, BK], dtype=tl.float32)
@@ -431,7 +442,6 @@ def _rows_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.
         # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
         out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     else:
-        band = _band(M, BT)
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
         for jj in range(16):
@@ -449,11 +459,12 @@ def _rows_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.
 
 
 @triton.jit
-def _cols_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
+def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                    LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
-    transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks)."""
+    transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks; bandT =
+    `_diag_band(M^T)`)."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     out = tl.zeros([BT, BK], dtype=tl.float32)
@@ -465,7 +476,6 @@ def _cols_prod_blk(M, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.
         Md = tl.where(_same_block(BT), M, 0.0)
         out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
     else:
-        bandT = _band(tl.trans(M), BT)
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
         for p in range(16):
@@ -616,6 +626,8 @@ def _kda_bwd_out_blk(
         N = tl.where(rows[:, None] >= rows[None, :], dP * scale, 0.0)
         Nr = N * rk[None, :]  # Y1_i = sum_j N_ij k^_j e^.. on raw rows of k
         Nc = N * rq[:, None]  # Y2_j = sum_i N_ij q^_i e^.. on raw rows of q
+        bandR = _diag_band(Nr, BT, DIAG)
+        bandC = _diag_band(tl.trans(Nc), BT, DIAG)
         sq = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             offs = k0 + tl.arange(0, BK)
@@ -626,9 +638,9 @@ def _kda_bwd_out_blk(
             qr = _load_rows(q, r64, rmask, H * K, ih * K, offs, False)
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             qq = qr * rq[:, None]
-            Y1 = _rows_prod_blk(Nr, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+            Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
                                 False, PREC, DT, LOWP, DIAG)
-            Y2 = _cols_prod_blk(Nc, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+            Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
                                 False, PREC, DT, LOWP, DIAG)
             dqn = dQS * eb * scale + Y1
             db = dQS * qq * eb * scale + qq * Y1 - kr * rk[:, None] * Y2
@@ -699,6 +711,8 @@ def _kda_bwd_state_blk(
                               tl.trans(Tm_d), input_precision=PREC), 0.0)
         Mr = dA * rk[None, :]  # X1_i = sum_j dA_ij k^_j e^..
         Mc = dA * (bb * rk)[:, None]  # X2_j = sum_i dA_ij beta_i k^_i e^..
+        bandR = _diag_band(Mr, BT, DIAG)
+        bandC = _diag_band(tl.trans(Mc), BT, DIAG)
         sk = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             offs = k0 + tl.arange(0, BK)
@@ -706,11 +720,11 @@ def _kda_bwd_state_blk(
             gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             kk = kr * rk[:, None]
-            X1 = _rows_prod_blk(Mr, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+            X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
                                 True, PREC, DT, LOWP, DIAG)
             dbeta_ += tl.sum(kk * X1, 1)
             X1 = X1 * bb[:, None]
-            X2 = _cols_prod_blk(Mc, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
+            X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
                                 True, PREC, DT, LOWP, DIAG)
             dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
             db = tl.load(dg + krow, mask=rmask[:, None], other=0.0) + kk * (X1 - X2)
