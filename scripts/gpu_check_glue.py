@@ -273,6 +273,7 @@ def sweep_conv(gen, quick: bool):
     default = dict(tconv.TUNE)
     settings = [
         ("default", {}),
+        ("two passes (dpre scratch, then a dx launch)", dict(bwd_fused=False)),
         ("first H100 run: 4 warps, per-block dw, bt 64", dict(fwd_warps=4, dw_warps=4, dx_warps=4, dw_acc=False,
                                                               dw_bt=64)),
         ("acc, bt 16, 8 warps", dict(dw_acc=True, dw_bt=16)),

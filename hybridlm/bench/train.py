@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our model's linear recurrences keep only their inputs for the backward "
                         "(HybridConfig.linear_recompute)")
     parser.add_argument("--no-fla", action="store_true", help="only our model, even if fla is installed")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed steps, N more under the CUDA profiler: CUDA ms per step by kernel "
+                        "group and the top kernels of each model (printed, and in train.json / profile.md)")
     parser.add_argument("--tiny", action="store_true",
                         help="hidden 64, 4 blocks, vocab 256 and the --tiny defaults above: a smoke run that works "
                              "on a CPU (fla is skipped there: its kernels need CUDA)")
@@ -247,6 +250,7 @@ class RunSpec:
     device: torch.device
     bf16: bool
     recompute_linear: bool = False  # our model's linear recurrences keep only their inputs (linear_recompute)
+    profile: int = 0  # steps run under the CUDA profiler after the timed ones (0: none)
 
 
 class _LogCollector(logging.Handler):
@@ -335,6 +339,8 @@ def measure(name: str, build: Callable, shape: Shape, spec: RunSpec) -> tuple[di
         step_s = statistics.median(times)
         row.update(step_ms=step_s * 1e3, tokens_per_s=spec.batch_size * spec.seq_len / step_s,
                    step_ms_all=[t * 1e3 for t in times], loss_first=losses[0], loss_last=losses[-1])
+        if spec.profile:
+            row["profile"] = profile_step(lambda: _train_step(fwd, run_model, optimizer, ids, spec), spec.profile)
     except torch.OutOfMemoryError as e:
         row["error"] = f"out of memory: {str(e).splitlines()[0][:300]}"
     except Exception as e:  # noqa: BLE001  (one failing model must not hide the other's row)
@@ -346,6 +352,66 @@ def measure(name: str, build: Callable, shape: Shape, spec: RunSpec) -> tuple[di
         model = optimizer = run_model = None  # noqa: F841  (drop the references before freeing)
         _free(dev)
     return row, config
+
+
+# --- profile ----------------------------------------------------------------------------------------------------
+
+# kernel groups, first match wins (lower-case kernel names); Triton kernels have bare names, so what no torch or
+# CUDA library pattern claims is counted as Triton
+KERNEL_GROUPS = (
+    ("attention (SDPA)", ("sdpa", "flash_fwd", "flash_bwd", "fmha", "efficient_attention", "attention_kernel")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk", "sm90_", "sm80_")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("loss", ("softmax", "nll_loss", "cross_entropy")),
+    ("torch other", ("at::", "void ", "memcpy", "memset", "cudnn", "::")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "Triton"
+
+
+def profile_step(step: Callable, steps: int) -> dict:
+    """CUDA time per step of `steps` calls of step() under the profiler: by group and by kernel (ms)."""
+    _sync(torch.device("cuda"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        if us > 0:
+            kernels[e.key] = kernels.get(e.key, 0.0) + us / 1e3 / steps
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + ms
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:30])
+    return {"steps": steps, "total_ms": sum(kernels.values()), "groups_ms": groups, "top_kernels_ms": top}
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Markdown: CUDA ms per step by kernel group, one column per model, then each model's top kernels."""
+    prof = [(r["model"], r["profile"]) for r in rows if "profile" in r]
+    if not prof:
+        return ""
+    groups = sorted({g for _, p in prof for g in p["groups_ms"]}, key=lambda g: -max(p["groups_ms"].get(g, 0.0)
+                                                                                   for _, p in prof))
+    lines = ["| kernel group | " + " | ".join(f"{m} ms/step" for m, _ in prof) + " |",
+             "|---|" + "---|" * len(prof)]
+    for g in groups + ["all kernels"]:
+        vals = [p["total_ms"] if g == "all kernels" else p["groups_ms"].get(g, 0.0) for _, p in prof]
+        lines.append(f"| {g} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    for m, p in prof:
+        lines += ["", f"{m}: top kernels (CUDA ms per step, {p['steps']} profiled steps)", "",
+                  "| kernel | group | ms |", "|---|---|---|"]
+        lines += [f"| `{k[:90]}` | {kernel_group(k)} | {v:.2f} |" for k, v in p["top_kernels_ms"].items()]
+    return "\n".join(lines)
 
 
 # --- output -----------------------------------------------------------------------------------------------------
@@ -428,9 +494,13 @@ def _spec(args: argparse.Namespace) -> tuple[Shape, RunSpec]:
             raise ValueError(f"{flag}: must be >= {low}, got {v}")
     if args.lr <= 0:
         raise ValueError(f"--lr: must be > 0, got {args.lr}")
+    if args.profile < 0 or (args.profile and dev.type != "cuda"):
+        raise ValueError(f"--profile: expected 0, or a number of steps >= 1 on a CUDA device, got {args.profile} "
+                         f"on {dev}")
     seq_len, batch, steps, warmup = vals
     return shape, RunSpec(seq_len, batch, steps, warmup, args.lr, args.seed, args.grad_ckpt, args.compile, dev,
-                          bf16=dev.type == "cuda", recompute_linear=args.recompute_linear)
+                          bf16=dev.type == "cuda", recompute_linear=args.recompute_linear,
+                          profile=args.profile)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -474,6 +544,11 @@ def run(args: argparse.Namespace) -> int:
                   default=str)
     with open(os.path.join(args.out, "train.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
+    prof = profile_table(rows)
+    if prof:
+        print(prof)
+        with open(os.path.join(args.out, "profile.md"), "w", encoding="utf-8") as f:
+            f.write(prof + "\n")
     return 0
 
 

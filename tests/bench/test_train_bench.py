@@ -116,8 +116,36 @@ def test_recompute_linear_reaches_our_model(one_thread):
 
 @pytest.mark.parametrize("flags,name", [(["--batch-size", "0"], "--batch-size"), (["--seq-len", "1"], "--seq-len"),
                                         (["--steps", "0"], "--steps"), (["--lr", "0"], "--lr"),
-                                        (["--device", "gpu7"], "--device")])
+                                        (["--device", "gpu7"], "--device"), (["--profile", "2"], "--profile")])
 def test_bad_flags_name_the_argument(tmp_path, capsys, flags, name):
     assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), *flags]) == 2
     assert name in capsys.readouterr().err
     assert not (tmp_path / "train.json").exists()
+
+
+@pytest.mark.parametrize("name,group", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"), ("nvjet_tst_192x192_64x4", "matmul"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>", "attention (SDPA)"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1",
+     "attention (SDPA)"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4>", "loss"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "torch other"),
+    ("Memcpy DtoD (Device -> Device)", "torch other"), ("_recur_bwd", "Triton"),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "Triton"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer")])
+def test_profile_groups_kernels_by_name(name, group):
+    assert bench.kernel_group(name) == group
+
+
+def test_profile_table_puts_models_side_by_side():
+    rows = [{"model": "ours", "profile": {"steps": 2, "total_ms": 10.0, "groups_ms": {"matmul": 6.0, "Triton": 4.0},
+                                         "top_kernels_ms": {"gemm_a": 6.0, "_recur_fwd": 4.0}}},
+            {"model": "fla", "profile": {"steps": 2, "total_ms": 9.0, "groups_ms": {"matmul": 7.0, "loss": 2.0},
+                                        "top_kernels_ms": {"gemm_b": 7.0}}},
+            {"model": "other", "error": "out of memory"}]
+    table = bench.profile_table(rows)
+    assert "| kernel group | ours ms/step | fla ms/step |" in table
+    assert "| matmul | 6.0 | 7.0 |" in table and "| loss | 0.0 | 2.0 |" in table
+    assert "| all kernels | 10.0 | 9.0 |" in table
+    assert "| `_recur_fwd` | Triton | 4.00 |" in table
+    assert bench.profile_table([{"model": "ours"}]) == ""

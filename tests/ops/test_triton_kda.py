@@ -141,19 +141,17 @@ def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
 
 
 def test_diagonal_dot_settings_are_checked():
-    """kda.TUNE["diag_dot"]: unknown kernel names and the state backward's dot for 16-bit inputs (wrong
-    gradients on an H100) are clear errors; float32 may use it."""
+    """kda.TUNE["diag_dot"]: unknown kernel names are a clear error naming them; the listed kernels get their
+    two launches (dot, then exact), the others one exact launch."""
     from hybridlm.ops.triton import kda as tk
 
     old = tk.TUNE["diag_dot"]
     try:
         tk.TUNE["diag_dot"] = ("bwd_state",)
-        with pytest.raises(ValueError, match=r"diag_dot.*bwd_state.*torch.bfloat16"):
-            tk._diag_modes("bwd_state", torch.bfloat16)
-        assert tk._diag_modes("bwd_state", torch.float32) == (1, 2)
-        assert tk._diag_modes("prep", torch.bfloat16) == (0,)
+        assert tk._diag_modes("bwd_state") == (1, 2)
+        assert tk._diag_modes("prep") == (0,)
         tk.TUNE["diag_dot"] = ("prep", "bwd_sate")
         with pytest.raises(ValueError, match=r"expected names among .* got \['bwd_sate'\]"):
-            tk._diag_modes("prep", torch.float32)
+            tk._diag_modes("prep")
     finally:
         tk.TUNE["diag_dot"] = old

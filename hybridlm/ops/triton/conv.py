@@ -8,9 +8,10 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   the host once per call (checked: 0 to T, non-decreasing), as the reference's per-document loop does.
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
-- The forward saves nothing of size [B, T, C] but its inputs. The backward runs two passes: dpre = dy * act'(pre)
-  with pre recomputed (a fp32 scratch; dy itself without an activation) and dweight/dbias as per-program fp32
-  partials summed on the host (deterministic, no atomics); then dx from dpre. Gradients flow to x, weight, bias and
+- The forward saves nothing of size [B, T, C] but its inputs. The backward recomputes pre and dpre = dy * act'(pre)
+  and sums dweight/dbias as per-program fp32 partials, added up on the host (deterministic, no atomics). dx needs
+  dpre at W positions: by default the same kernel recomputes them (`TUNE["bwd_fused"]`); the older plan stores
+  dpre in a fp32 scratch and runs a second pass for dx. Gradients flow to x, weight, bias and
   initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
@@ -45,7 +46,12 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8; the forward 116
 # registers at 4 warps, 48 at 8. The first H100 timings above were taken at 4 warps everywhere.
 # scripts/gpu_check_glue.py --sweep-conv times the alternatives.
-TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8}
+# bwd_fused: one backward kernel that also computes dx, from dpre recomputed at the W positions each input reaches
+# (W pre-activations a token instead of one; no [T, C] fp32 scratch written and read back, no second launch).
+# H100 profile of the 350M training step (2026-11-24 04:02, two passes): 6.56 + 4.57 ms a step for 18 layers of
+# [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66. False: the two passes.
+TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8,
+        "bwd_fused": True}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -77,6 +83,36 @@ def _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS
         b_w = tl.load(w + o_c * W + i, mask=m_c, other=0.0).to(x.dtype.element_ty).to(tl.float32)
         b_y += b_w[None, :] * _load_hist(x, h0, bos, L, i_n, pos - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
     return b_y
+
+
+@triton.jit
+def _dpre(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+          HAS_H0: tl.constexpr, SILU: tl.constexpr):
+    """dpre = dy * act'(pre) at in-document positions pos [R] -> [R, BC] fp32 (0 outside 0..L-1), pre recomputed."""
+    m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
+    b_dp = tl.load(dy + (bos + pos)[:, None] * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    if SILU:
+        b_p = _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
+        b_sg = tl.sigmoid(b_p)
+        b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+    return b_dp
+
+
+@triton.jit
+def _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_H0: tl.constexpr, SILU: tl.constexpr):
+    """(dx, dpre) at positions pos [R]: dx = sum_s w[:, W-1-s] * dpre_{pos+s} with every dpre recomputed from x
+    and dy (no [T, C] scratch), dpre at pos itself for the weight's gradient. Same order of sums as
+    `_dx_from_dp`; the weight is rounded to x's dtype as in the forward."""
+    DT = x.dtype.element_ty
+    b_dp = _dpre(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+    b_w = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)
+    b_dx = b_w[None, :] * b_dp
+    for s in tl.static_range(1, W):
+        b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
+        b_dx += b_w[None, :] * _dpre(x, w, bias, h0, dy, bos, L, i_n, pos + s, o_c, m_c, C, W, HAS_BIAS, HAS_H0,
+                                     SILU)
+    return b_dx, b_dp
 
 
 @triton.jit
@@ -112,12 +148,14 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _conv_bwd_dw(x, w, bias, h0, dy, dp, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
+def _conv_bwd_dw(x, w, bias, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-                 SILU: tl.constexpr, ACC: tl.constexpr):
+                 SILU: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr):
     """Pass 1, grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n, computes
-    dpre = dy * act'(pre) there (stored to dp [Ttot, C] fp32 when SILU; dpre = dy otherwise) and writes its partial
-    dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] / dbp [N * NS, C]."""
+    dpre = dy * act'(pre) there and writes its partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of
+    dwp [N * NS, C, W] / dbp [N * NS, C]. FUSED: also dx of those blocks, from dpre recomputed at the W - 1 later
+    positions each input reaches (`_dx_recompute`: one kernel, no scratch); else dpre goes to dp [Ttot, C] fp32
+    when SILU (dpre = dy otherwise) for `_conv_bwd_dx`."""
     i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
@@ -137,12 +175,13 @@ def _conv_bwd_dw(x, w, bias, h0, dy, dp, dwp, dbp, cu, C, NS, W: tl.constexpr, W
         o_t = i_t * BT + tl.arange(0, BT)
         m = (o_t < L)[:, None] & m_c[None, :]
         p_o = (bos + o_t)[:, None] * C + o_c[None, :]
-        b_dp = tl.load(dy + p_o, mask=m, other=0.0).to(tl.float32)
-        if SILU:
-            b_p = _pre_act(x, w, bias, h0, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
-            b_sg = tl.sigmoid(b_p)
-            b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
-            tl.store(dp + p_o, b_dp, mask=m)
+        if FUSED:
+            b_dx, b_dp = _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+            tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
+        else:
+            b_dp = _dpre(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+            if SILU:
+                tl.store(dp + p_o, b_dp, mask=m)
         if ACC:
             b_ab += b_dp
         else:
@@ -205,15 +244,20 @@ def _conv_bwd_dx(w, dp, dx, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.con
 
 
 @triton.jit
-def _conv_bwd_h0(x, w, dp, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr):
-    """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0)."""
+def _conv_bwd_h0(x, w, bias, h0, dy, dp, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, FUSED: tl.constexpr):
+    """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0);
+    from the dp scratch, or (FUSED, no scratch) from dpre recomputed."""
     i_c, i_n = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, WP)
-    b_dh = _dx_from_dp(w, dp, x, bos, L, o_j - W, o_c, m_c, C, W)
+    if FUSED:
+        b_dh, _ = _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True, SILU)
+    else:
+        b_dh = _dx_from_dp(w, dp, x, bos, L, o_j - W, o_c, m_c, C, W)
     p_dh = dh0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
     tl.store(p_dh, b_dh.to(dh0.dtype.element_ty), mask=(o_j < W)[:, None] & m_c[None, :])
 
@@ -325,21 +369,24 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    # dpre = dy * act'(pre): a fp32 scratch with SiLU, dy itself without an activation
-    dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu else dy
+    fused = TUNE["bwd_fused"]
+    # two passes: dpre = dy * act'(pre) in a fp32 scratch with SiLU (dy itself without an activation), then dx
+    dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu and not fused else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC,
+        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC,
                                   HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-                                  ACC=TUNE["dw_acc"], num_warps=TUNE["dw_warps"])
-        _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC,
-                                                     num_warps=TUNE["dx_warps"])
+                                  ACC=TUNE["dw_acc"], FUSED=fused, num_warps=TUNE["dw_warps"])
+        if not fused:
+            _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC,
+                                                         num_warps=TUNE["dx_warps"])
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
     if need_dh0 and initial_state is not None:
         dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
         if N > 0:
-            _conv_bwd_h0[(NC, N)](x, weight, dp, dh0, cu, C, W=W, WP=WP, BC=BC, num_warps=4)
+            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dp, dh0, cu, C, W=W, WP=WP, BC=BC,
+                                  HAS_BIAS=bias is not None, SILU=silu, FUSED=fused, num_warps=4)
     return dx, dw, db, dh0
 
 

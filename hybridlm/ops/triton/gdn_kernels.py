@@ -850,6 +850,8 @@ def _chunk_bwd(
         dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
                                                K, V, BT, BV, PREC, LOWP)
         ed = tl.exp(gL - gc)
+        if PHASE == 0:
+            tl.debug_barrier()  # dkp was stored above by this program's other threads (one-launch plan)
         dkn = tl.load(dkp + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
         r = tl.sum(kk * dKd, 1) * ed
         dgc -= r

@@ -31,10 +31,11 @@ from . import kda_kernels as kk
 #   (`kda_kernels._diag_pass`: a dot launch, then an exact launch for the rest) instead of the exact per-column
 #   loop of 16 gathered rows per key block: any of "prep", "bwd_out", "bwd_state". H100, B4 T4096 H16 D128 bf16,
 #   per forward+backward (exact loop: 2026-11-24 01:27 profile; dot: 02:07): `_kda_bwd_out_blk` 3.74 -> 2.09 ms,
-#   `_kda_bwd_state_blk` 6.60 -> 3.07 but with wrong bf16 gradients (dk, dg, dbeta; right in fp32 and in the CPU
-#   interpreter at fp16; not isolated: refused for 16-bit inputs), `_kda_prep_ap` 2.11 -> 2.04 (two launches).
+#   `_kda_bwd_state_blk` 6.60 -> 3.07, `_kda_prep_ap` 2.11 -> 2.04 (two launches; not worth it). With 16-bit
+#   operands in the diagonal dot the state backward gave wrong bf16 gradients (02:05, 8-5240 relative); with fp32
+#   operands (tf32 dots) its bf16 gradients equal the exact launch's to 3 digits (03:52, scripts/gpu_kda_state_dot.py)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out",)}
+        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state")}
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -101,14 +102,11 @@ def _bc_shape(Ttot: int, HV: int, K: int) -> tuple[int, ...]:
     return (Ttot, HV, K) if TUNE["variant"] == "whole" else (0,)
 
 
-def _diag_modes(kernel: str, dtype: torch.dtype) -> tuple[int, ...]:
+def _diag_modes(kernel: str) -> tuple[int, ...]:
     """The DIAG launches of one K-blocked kernel: (1, 2) by dot then the rest exactly, or (0,) all exactly."""
     unknown = set(TUNE["diag_dot"]) - {"prep", "bwd_out", "bwd_state"}
     if unknown:
         raise ValueError(f"kda.TUNE['diag_dot']: expected names among prep, bwd_out, bwd_state, got {sorted(unknown)}")
-    if kernel == "bwd_state" and kernel in TUNE["diag_dot"] and dtype != torch.float32:
-        raise ValueError("kda.TUNE['diag_dot']: 'bwd_state' gave wrong gradients for 16-bit inputs on an H100 "
-                         f"(right in float32); remove it for {dtype} inputs")
     return (1, 2) if kernel in TUNE["diag_dot"] else (0,)
 
 
@@ -137,7 +135,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         return
     BK = _bk(K)
     redo = _redo(lay.nc, HV, q.device)
-    for mode in _diag_modes("prep", q.dtype):  # diagonal blocks by dot where the decay allows, the rest exactly
+    for mode in _diag_modes("prep"):  # diagonal blocks by dot where the decay allows, the rest exactly
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=BK, L2=l2, PREC=prec, DIAG=mode, num_warps=TUNE["prep_warps"], num_stages=1,
                               **_cap())
@@ -230,13 +228,13 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     elif nc > 0:
         BK, bw = _bk(K), TUNE["bwd_warps"]
         redo = _redo(nc, HV, dev)
-        for mode in _diag_modes("bwd_out", q.dtype):  # TUNE diag_dot, as in the prep
+        for mode in _diag_modes("bwd_out"):  # TUNE diag_dot, as in the prep
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw, num_stages=1,
                 **_cap(),
             )
-        for mode in _diag_modes("bwd_state", q.dtype):
+        for mode in _diag_modes("bwd_state"):
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw,

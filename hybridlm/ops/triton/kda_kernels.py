@@ -595,7 +595,10 @@ def _kda_prep_wu(
 
 @triton.jit
 def _l2_bwd_blk(dx, x, r64, rmask, ihv, rx, s, HV, stride, col0, K: tl.constexpr, BK: tl.constexpr):
-    """dx <- (dx - x^ s) r in place over K blocks: the l2 norm's backward (x^ = x r, s_i = sum_d x^_id dx_id)."""
+    """dx <- (dx - x^ s) r in place over K blocks: the l2 norm's backward (x^ = x r, s_i = sum_d x^_id dx_id).
+    dx was just stored by this program in another layout: other threads' global stores, visible to the CTA only
+    after a barrier (as in gdn_kernels' state backward)."""
+    tl.debug_barrier()
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         row = (r64[:, None] * HV + ihv) * K + offs[None, :]
@@ -705,7 +708,9 @@ def _kda_bwd_state_blk(
             db += dKb * kb
             tl.store(dk + krow, dkn, mask=rmask[:, None])
             tl.store(dg + krow, db, mask=rmask[:, None])
-        # 3. T = (I + A)^{-1}; A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i)
+        # 3. T = (I + A)^{-1}; A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i). Its K walk reads back the dk
+        # and dg rows pass 2 stored, in other layouts: a barrier first makes other threads' stores visible
+        tl.debug_barrier()
         dA = tl.where(rows[:, None] > rows[None, :],
                       -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP),
                               tl.trans(Tm_d), input_precision=PREC), 0.0)

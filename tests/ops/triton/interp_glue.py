@@ -63,8 +63,9 @@ def grads_vs(out, out_ref, leaves, leaves_ref, gen, names):
 # ---------------------------------------------------------------------------------------------------- conv
 
 
-def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True):
+def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True):
     tconv.TUNE["dw_acc"] = acc  # the backward's dweight accumulation: elementwise (True) or per block (False)
+    tconv.TUNE["bwd_fused"] = fused  # dx in the same kernel from recomputed dpre (True) or from a scratch pass
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, generator=gen)
     xs = {"x": r(B, T, C), "weight": r(C, W) / W**0.5}
@@ -193,6 +194,11 @@ def ops_cases(gen) -> dict:
     res["conv_W4_varlen_h0_bias"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
                                               cu=[0, 2, 40, 45])
     res["conv_W4_T1_h0"] = conv_case(gen, B=3, T=1, C=16, W=4, bias=True, h0=True, silu=True)
+    res["conv_W4_varlen_h0_bias_twopass"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
+                                                      cu=[0, 2, 40, 45], fused=False)
+    res["conv_W3_noact_twopass"] = conv_case(gen, B=2, T=21, C=24, W=3, bias=False, h0=True, silu=False,
+                                             fused=False)
+    tconv.TUNE["bwd_fused"] = True
     res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
     res["conv_decode_W2"] = conv_decode_case(gen, N=2, P=2, C=33, W=2, bias=False, pooled=False)
     res["gnorm_silu_D128"] = norm_case(gen, shape=(2, 5, 3, 128), gated=True, weight=True, activation="silu")
