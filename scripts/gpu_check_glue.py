@@ -274,6 +274,9 @@ def sweep_conv(gen, quick: bool):
     settings = [
         ("default", {}),
         ("two passes (dpre scratch, then a dx launch)", dict(bwd_fused=False)),
+        ("two passes, bt 16", dict(bwd_fused=False, dw_bt=16)),
+        ("one kernel, bt 32", dict(bwd_fused=True, dw_bt=32)),
+        ("one kernel, bt 16, 4 warps", dict(bwd_fused=True, dw_bt=16, dw_warps=4)),
         ("first H100 run: 4 warps, per-block dw, bt 64", dict(fwd_warps=4, dw_warps=4, dx_warps=4, dw_acc=False,
                                                               dw_bt=64)),
         ("acc, bt 16, 8 warps", dict(dw_acc=True, dw_bt=16)),

@@ -41,7 +41,10 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # B4 T4096 C8192 bf16, 0.92 ms for this pass with dw_bt 64, 1.13 ms with 32; 2026-11-22). True was written after
 # that run to remove the per-block reductions and has only run in the CPU interpreter so far: if it misbehaves on
 # a GPU, set False (scripts/gpu_check_glue.py --conv-dw-acc 0).
-# dw_bt None: 32 with the accumulators (five [BT, BC] fp32 tiles live), 64 without.
+# dw_bt None: with the accumulators (five [BT, BC] fp32 tiles live) 16 in the one-kernel backward, 32 in the two
+# passes; 64 without them. H100 sweeps, bf16 [4, 4096, 8192] W4 SiLU fwd+bwd (2026-11-24 04:20 and 04:31): two
+# passes at 32 2.431 / 2.435 ms, two passes at 16 2.329, one kernel at 32 2.536 / 2.567, one kernel at 16 2.058 /
+# 1.894.
 # *_warps: num_warps of the forward, of pass 1 and of pass 2 (dx). From an sm_90 compile on the CPU (ptxas, bf16,
 # W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8; the forward 116
 # registers at 4 warps, 48 at 8. The first H100 timings above were taken at 4 warps everywhere.
@@ -49,7 +52,9 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # bwd_fused: one backward kernel that also computes dx, from dpre recomputed at the W positions each input reaches
 # (W pre-activations a token instead of one; no [T, C] fp32 scratch written and read back, no second launch).
 # H100 profile of the 350M training step (2026-11-24 04:02, two passes): 6.56 + 4.57 ms a step for 18 layers of
-# [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66. False: the two passes.
+# [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66; one kernel at its first block size (32),
+# 11.00 ms: no gain there (04:25); at 16 (the default since) not profiled in that step yet. False: the two
+# passes.
 TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8,
         "bwd_fused": True}
 
@@ -361,7 +366,7 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
     NC = triton.cdiv(C, BC)
-    BT1 = TUNE["dw_bt"] or (32 if TUNE["dw_acc"] else 64)
+    BT1 = TUNE["dw_bt"] or (64 if not TUNE["dw_acc"] else 16 if TUNE["bwd_fused"] else 32)
     NS = 1  # the CPU interpreter pays per program
     if x.device.type == "cuda":
         NS = max(1, min(triton.cdiv(Lmax, BT1), triton.cdiv(TUNE["dw_programs_per_sm"] * _num_sms(x.device),
