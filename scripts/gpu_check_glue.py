@@ -2,14 +2,14 @@
 
     python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--sweep-conv] [--json PATH]
 
-Kernels (hybridlm/ops/triton/{conv,norm,gates}.py): causal depthwise conv1d + SiLU forward/backward (widths 2, 3, 4, 6,
-bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled decode step;
-gated RMSNorm (SiLU, sigmoid + fp32 output; D = 64, 128, 256) and RMSNorm kinds (D = 2048, 4096); the GDN gates
-(beta_scale 1 and 2) and Kimi's channel-wise gates. Each in bfloat16 and float32, on fresh random inputs (seed
-printed), outputs NaN-poisoned (an unwritten element fails). Errors are relative L2 against float64 PyTorch on the
-same rounded inputs, for every output and every gradient; "ref" is the error of the PyTorch reference path run
-in the same dtype, for scale. Bars: bf16 1e-2 (the kernels round the fp32 weight to bf16 as the reference does,
-~2e-3, plus one output rounding), fp32 1e-5.
+Kernels (hybridlm/ops/triton/{conv,norm,gates,swiglu}.py): causal depthwise conv1d + SiLU forward/backward
+(widths 2, 3, 4, 6, bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled
+decode step; gated RMSNorm (SiLU, sigmoid + fp32 output; D = 64, 128, 256) and RMSNorm kinds (D = 2048, 4096); the
+GDN gates (beta_scale 1 and 2) and Kimi's channel-wise gates; SwiGLU's silu(gate) * up. Each in bfloat16 and
+float32, on fresh random inputs (seed printed), outputs NaN-poisoned (an unwritten element fails). Errors are
+relative L2 against float64 PyTorch on the same rounded inputs, for every output and every gradient; "ref" is the
+error of the PyTorch reference path run in the same dtype, for scale. Bars: bf16 1e-2 (the kernels round the fp32
+weight to bf16 as the reference does, ~2e-3, plus one output rounding), fp32 1e-5.
 Timings (median of CUDA-event timed repeats, bf16, Qwen3-Next widths B4 T4096): fused kernel vs the PyTorch
 reference path, forward and forward+backward; --sweep-conv also times the conv backward's launch settings
 (hybridlm.ops.triton.conv.TUNE). Exit status 1 if any case fails.
@@ -29,6 +29,7 @@ from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rm
 from hybridlm.ops.triton import conv as tconv
 from hybridlm.ops.triton import gates as tgates
 from hybridlm.ops.triton import norm as tnorm
+from hybridlm.ops.triton import swiglu as tswiglu
 
 F64 = torch.float64
 DEV = "cuda"
@@ -150,6 +151,12 @@ def gates_case(gen, dtype, *, B, T, H, K, beta_scale, kda):
     return compare(fused, ref, inp, dtype, gen)
 
 
+def swiglu_case(gen, dtype, *, shape):
+    inp = {"gate": rnd(gen, *shape, scale=3.0, dtype=dtype), "up": rnd(gen, *shape, dtype=dtype)}
+    return compare(lambda gate, up: (tswiglu.silu_mul(gate, up),), lambda gate, up: (F.silu(gate) * up,), inp,
+                   dtype, gen)
+
+
 def cases(quick: bool):
     B, T = (2, 1024) if quick else (4, 4096)
     C = 8192  # Qwen3-Next conv channels: 2 * 16 * 128 + 32 * 128
@@ -174,6 +181,8 @@ def cases(quick: bool):
     yield "gates gdn HV32", lambda g, d: gates_case(g, d, B=B, T=T, H=32, K=1, beta_scale=1.0, kda=False)
     yield "gates gdn beta2 HV6", lambda g, d: gates_case(g, d, B=2, T=777, H=6, K=1, beta_scale=2.0, kda=False)
     yield "gates kda H16 K128", lambda g, d: gates_case(g, d, B=2, T=1000, H=16, K=128, beta_scale=1.0, kda=True)
+    yield "swiglu [B,T,2816]", lambda g, d: swiglu_case(g, d, shape=(B, T, 2816))
+    yield "swiglu 4097x3", lambda g, d: swiglu_case(g, d, shape=(4097, 3))  # a partial last block
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -260,6 +269,12 @@ def timings(gen, quick: bool):
 
     pair(f"gates kda [{B},{T},16x128]", lambda f, b, A, dt: tgates.kda_gates(f, b, A, dt), kda_ref,
          {"f": f, "b": bk, "A": Ak, "dt": dtk})
+    del f
+    from hybridlm.layers.mlp import silu_mul  # the PyTorch path SwiGLU takes (saves less for the backward)
+
+    gs, us = rnd(gen, B, T, 2816, dtype=bf), rnd(gen, B, T, 2816, dtype=bf)
+    pair(f"swiglu silu(gate) * up [{B},{T},2816]", lambda g, u: (tswiglu.silu_mul(g, u),),
+         lambda g, u: (silu_mul(g, u),), {"g": gs, "u": us})
     return rows
 
 
@@ -325,7 +340,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.conv_dw_acc is not None:
         tconv.TUNE["dw_acc"] = bool(args.conv_dw_acc)
-    tconv.POISON = tnorm.POISON = tgates.POISON = True  # outputs start as NaN: an unwritten element fails
+    tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True  # outputs start as NaN
     seed = args.seed if args.seed is not None else torch.seed() % 2**31
     gen = torch.Generator(device=DEV).manual_seed(seed)
     import triton
@@ -355,7 +370,7 @@ def main() -> int:
             ok_all &= ok
             results.append(row)
             torch.cuda.empty_cache()
-    tconv.POISON = tnorm.POISON = tgates.POISON = False
+    tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = False
     rows = []
     if not args.no_timing:
         try:

@@ -3,8 +3,9 @@
 Non-standard here: the weight is stored as `[C, 1, W]` (a torch Conv1d weight, the checkpoint layout) and the
 op is sequence-first. Packed documents (`cu_seqlens`) are convolved one by one, so a document never reads the
 tail of the previous one.
-`use_fused_glue` is the switch every layer uses for its glue (conv, gates, gated norm): the fused Triton kernels
-of `hybridlm.ops.triton.{conv,gates,norm}` when the layer's impl resolves to "triton", else the PyTorch reference.
+`use_fused_glue` is the switch every layer uses for its glue (conv, gates, gated norm, SwiGLU): the fused Triton
+kernels of `hybridlm.ops.triton.{conv,gates,norm,swiglu}` when the layer's impl resolves to "triton", else the
+PyTorch reference.
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ try:  # the fused glue kernels (registers their custom ops); imported here so fo
     from hybridlm.ops.triton import conv as tconv
     from hybridlm.ops.triton import gates as tgates
     from hybridlm.ops.triton import norm as tnorm
+    from hybridlm.ops.triton import swiglu as tswiglu
 
     _GLUE_ERROR = None
 except ImportError as _e:  # no triton: the reference glue only
-    tconv = tgates = tnorm = None
+    tconv = tgates = tnorm = tswiglu = None
     _GLUE_ERROR = repr(_e)
 
 log = logging.getLogger("hybridlm.layers")
 _GLUE_LOGGED: set[tuple] = set()
 
 
-def use_fused_glue(impl: str, x: torch.Tensor, where: str) -> bool:
+def use_fused_glue(impl: str, x: torch.Tensor, where: str, auto: bool = True) -> bool:
     """True when `impl` resolves to the fused Triton glue for input x: impl="triton" always (the kernels refuse
     CPU tensors outside TRITON_INTERPRET=1, and raise for float64), impl="auto" on CUDA for float16/bfloat16/
-    float32 when triton imports; "naive" and "chunk" never. The choice "auto" makes is logged once per
-    (where, device type, dtype)."""
+    float32 when triton imports and the kernel is cleared for "auto" (`auto`; False for a kernel not yet checked
+    on a GPU); "naive" and "chunk" never. The choice "auto" makes is logged once per (where, device type, dtype)."""
     if impl == "triton":
         if _GLUE_ERROR is not None:
             raise RuntimeError(f"impl: 'triton' was asked for {where}, but the Triton glue kernels do not import "
@@ -50,6 +52,8 @@ def use_fused_glue(impl: str, x: torch.Tensor, where: str) -> bool:
         why = f"{x.dtype} inputs"
     elif _GLUE_ERROR is not None:
         why = "triton does not import"
+    elif not auto:
+        why = "its kernel is not yet cleared for impl='auto'"
     key = (where, x.device.type, x.dtype)
     if key not in _GLUE_LOGGED and not torch.compiler.is_compiling():  # logged by the first eager call
         _GLUE_LOGGED.add(key)

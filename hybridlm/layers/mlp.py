@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .conv import tswiglu, use_fused_glue  # the fused kernel, imported once there (None without triton)
+
 
 class _SiluMul(torch.autograd.Function):
     """silu(gate) * up that keeps only gate and up for the backward (autograd's graph would also keep silu(gate)
@@ -46,16 +48,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x))."""
+    """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x)). impl: "triton" runs silu(gate) * up as one fused
+    kernel (`hybridlm.ops.triton.swiglu`); "auto" does so on CUDA once that kernel is cleared for it
+    (`swiglu.AUTO`), else PyTorch (`silu_mul`); see `layers.conv.use_fused_glue`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, impl: str = "auto"):
         super().__init__()
+        self.impl = impl
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if use_fused_glue(self.impl, gate, "SwiGLU", auto=tswiglu is not None and tswiglu.AUTO):
+            return self.down_proj(tswiglu.silu_mul(gate, up))
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Experts(nn.Module):

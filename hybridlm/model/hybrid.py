@@ -63,10 +63,10 @@ def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Modu
                           rope_theta=c.rope_theta, bias=c.attention_bias, impl=impl)
 
 
-def build_mlp(config: HybridConfig, layer: int) -> nn.Module:
+def build_mlp(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module:
     c = config
     if c.mlp_types[layer] == "dense":
-        return SwiGLU(c.hidden_size, c.intermediate_size)
+        return SwiGLU(c.hidden_size, c.intermediate_size, impl=impl)
     return MoE(c.moe_kind, c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                c.shared_expert_intermediate_size, norm_topk_prob=c.norm_topk_prob, n_group=c.n_group,
                topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
@@ -80,7 +80,7 @@ class HybridBlock(nn.Module):
         self.post_norm = config.block_style == "olmo" and not self.linear
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind, impl=impl)  # noqa: E731
         self.mixer = build_mixer(config, layer, impl)
-        self.mlp = build_mlp(config, layer)
+        self.mlp = build_mlp(config, layer, impl)
         self.norm1, self.norm2 = norm(), norm()  # pre-norms, or post-norms of an OLMo attention block
 
     def forward(self, x: torch.Tensor, *, attention_mask, cu_seqlens, attn_mask, position_ids,

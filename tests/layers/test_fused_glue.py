@@ -162,3 +162,29 @@ def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
     res = interp_full[case]
     assert res["conv_state"] == 0.0, (res, interp_full["seed"])
     assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, (res, interp_full["seed"])
+
+
+def test_auto_takes_a_kernel_only_once_it_is_cleared():
+    """`use_fused_glue(..., auto=False)`: a kernel not yet checked on a GPU (SwiGLU's, `swiglu.AUTO`) is left to
+    PyTorch under impl="auto" even on CUDA; impl="triton" still takes it."""
+    from types import SimpleNamespace
+
+    from hybridlm.layers import conv as lc
+
+    cuda_like = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)  # no GPU needed to decide
+    assert lc.use_fused_glue("auto", cuda_like, "test-cleared", auto=True) is (lc._GLUE_ERROR is None)
+    assert lc.use_fused_glue("auto", cuda_like, "test-not-cleared", auto=False) is False
+    if lc._GLUE_ERROR is None:
+        assert lc.use_fused_glue("triton", cuda_like, "test-not-cleared", auto=False) is True
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the interpreter off")
+def test_swiglu_triton_reaches_the_kernel():
+    from hybridlm.layers.conv import _GLUE_ERROR
+    from hybridlm.layers.mlp import SwiGLU
+
+    if _GLUE_ERROR is not None:
+        pytest.skip("triton does not import")
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        SwiGLU(8, 16, impl="triton")(torch.randn(1, 5, 8))
+    assert SwiGLU(8, 16)(torch.randn(1, 5, 8)).shape == (1, 5, 8)  # auto on the CPU: PyTorch

@@ -7,7 +7,8 @@ the same kernel from recomputed dpre, or from a scratch pass), SiLU, initial sta
 documents shorter than the kernel (lengths 1, 2), T = 1, C not a multiple of the channel block; the pooled decode
 step; gated RMSNorm (SiLU /
 sigmoid + fp32 output, with and without weight) at D = 64, 100, 128, 256; RMSNorm kinds at D = 48..2560; the
-GDN gates (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; a torch.compile(fullgraph,
+GDN gates (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; SwiGLU's silu(gate) * up
+(a partial last block); a torch.compile(fullgraph,
 aot_eager) call through the custom ops.
 Tolerances (relative L2 vs float64, measured ~1e-7 everywhere): outputs and states 2e-6, every gradient 5e-6
 (dA_log / ddt_bias are sums over all tokens: 1e-5). Final states are copies of inputs: exact.
@@ -48,15 +49,16 @@ CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_T5_noacc", "conv_W6_bias_h0_T4
 NORM = ["gnorm_silu_D128", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64", "gnorm_silu_D256",
         "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
 GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
+SWIGLU = ["swiglu_2x7x300", "swiglu_5x16"]
 EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5_noacc": 2, "conv_W6_bias_h0_T40": 4,
                   "conv_W4_varlen_1_2_37_5": 2, "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
                   "conv_W4_varlen_h0_bias_twopass": 4, "conv_W3_noact_twopass": 3,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
                   "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,
-                  "gates_gdn": 4, "gates_gdn_beta2": 4, "gates_kda_K16": 4}
+                  "gates_gdn": 4, "gates_gdn_beta2": 4, "gates_kda_K16": 4, "swiglu_2x7x300": 2, "swiglu_5x16": 2}
 
 
-@pytest.mark.parametrize("case", CONV + NORM + GATES)
+@pytest.mark.parametrize("case", CONV + NORM + GATES + SWIGLU)
 def test_glue_kernels_match_float64(interp_results, case):
     res, seed = interp_results[case], interp_results["seed"]
     assert res.pop("dtype_ok") == 1.0

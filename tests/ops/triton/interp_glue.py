@@ -29,8 +29,9 @@ from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rm
 from hybridlm.ops.triton import conv as tconv  # noqa: E402
 from hybridlm.ops.triton import gates as tgates  # noqa: E402
 from hybridlm.ops.triton import norm as tnorm  # noqa: E402
+from hybridlm.ops.triton import swiglu as tswiglu  # noqa: E402
 
-tconv.POISON = tnorm.POISON = tgates.POISON = True
+tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True
 
 F64 = torch.float64
 
@@ -138,6 +139,22 @@ def norm_case(gen, *, shape, gated, weight, **kw):
     return res
 
 
+# ---------------------------------------------------------------------------------------------------- swiglu
+
+
+def swiglu_case(gen, *, shape):
+    """silu(gate) * up: the fused kernel against float64 F.silu(gate) * up; gate spread wide (|gate| up to ~10)
+    so both tails of the sigmoid count."""
+    xs = {"gate": 3 * torch.randn(*shape, generator=gen), "up": torch.randn(*shape, generator=gen)}
+    leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
+    ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
+    y = tswiglu.silu_mul(leaf["gate"], leaf["up"])
+    y2 = F.silu(ref["gate"]) * ref["up"]
+    res = {"y": rel(y, y2), "dtype_ok": float(y.dtype == torch.float32)}
+    res.update(grads_vs([y], [y2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------- gates
 
 
@@ -164,7 +181,8 @@ def gates_case(gen, *, B, T, H, K, beta_scale, kda):
 
 
 def compiled_case(gen):
-    """conv + gated norm + gates under torch.compile(fullgraph=True, aot_eager): the fake kernels trace."""
+    """conv + SwiGLU + gated norm + gates under torch.compile(fullgraph=True, aot_eager): the fake kernels
+    trace."""
     r = lambda *s: torch.randn(*s, generator=gen)
     x, w, z = r(1, 9, 40).requires_grad_(), r(40, 4).requires_grad_(), r(1, 9, 40).requires_grad_()
     a, b, A, dt = r(1, 9, 4), r(1, 9, 4), r(4), r(4)
@@ -172,7 +190,7 @@ def compiled_case(gen):
     def f(x, w, z, a, b, A, dt):
         y, _ = tconv.causal_conv1d(x, w, activation="silu")
         g, beta = tgates.gdn_gates(a, b, A, dt)
-        return tnorm.gated_rms_norm(y, z, None), g, beta
+        return tnorm.gated_rms_norm(tswiglu.silu_mul(y, z), z, None), g, beta
 
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, z, a, b, A, dt)
     ref = f(x, w, z, a, b, A, dt)
@@ -213,6 +231,8 @@ def ops_cases(gen) -> dict:
     res["gates_gdn"] = gates_case(gen, B=2, T=9, H=6, K=1, beta_scale=1.0, kda=False)
     res["gates_gdn_beta2"] = gates_case(gen, B=1, T=20, H=4, K=1, beta_scale=2.0, kda=False)
     res["gates_kda_K16"] = gates_case(gen, B=2, T=5, H=3, K=16, beta_scale=1.0, kda=True)
+    res["swiglu_2x7x300"] = swiglu_case(gen, shape=(2, 7, 300))  # 4200 elements: 3 blocks, the last partial
+    res["swiglu_5x16"] = swiglu_case(gen, shape=(5, 16))
     res["compiled"] = compiled_case(gen)
     return res
 
