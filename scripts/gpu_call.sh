@@ -17,8 +17,9 @@
 # results.json there and commit it to go on in a later call; MQAR_SHARDS, MQAR_ARGS), mqargroups (the same, one
 # CUDA-graph process per flag group of MQAR_GROUPS), mqarcheck (CUDA graphs vs eager: the GPU test, then ms/step
 # of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs
-# fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s). Any other STEP runs as a bash
-# command.
+# fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s), kdasan (compute-sanitizer
+# memcheck over the two KDA settings that stop with an illegal memory access: bwd_lowp off, bwd_warps 4),
+# swiglu (the fused SwiGLU kernel's GPU check and timing row). Any other STEP runs as a bash command.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -99,6 +100,9 @@ for spec in "$@"; do
                  \$([ \$g = eager ] || echo \$g) | grep -E 'ms/step'; done") ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
+    kdasan) cmd=(bash -c "for v in exact_nolowp dot_w4; do compute-sanitizer --tool memcheck --print-limit 5 \
+                 python3 scripts/gpu_kda_state_dot.py --variants \$v --no-time 2>&1 | tail -n 40; done") ;;
+    swiglu) cmd=(python3 scripts/gpu_check_glue.py --only swiglu --json "$OUT/swiglu.json") ;;
     *) cmd=(bash -c "$step") ;;  # its log is $OUT/cmdN.log (N counts the free-form steps from 1)
   esac
   log=$step
