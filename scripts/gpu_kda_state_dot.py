@@ -6,7 +6,8 @@
 2026-11-24 02:05, with 16-bit operands in the diagonal dot; right in fp32 and in the CPU interpreter). This
 script runs each variant below on one small case against the float64 chunk reference (relative RMS per
 gradient; bars as the GPU check: 1e-2 in bf16) and times forward + backward at the benchmark shape (B4 T4096
-H16 D128, bf16, median of CUDA events). Its 03:52 run found the fp32-operand dot right (the default since):
+H16 D128, bf16, median of `triton.testing.do_bench` as in the kernel bench; the 03:52 run used 20 CUDA-event
+repeats). Its 03:52 run found the fp32-operand dot right (the default since):
 
   exact       the exact loop in the state backward (the dot in the output backward only)
   dot         the state backward's dot (fp32 operands, tf32 dots for 16-bit inputs): the default
@@ -25,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.kernels import _bench
 from hybridlm.ops import kda
 from hybridlm.ops.triton import gdn as _gdn
 from hybridlm.ops.triton import kda as _kda
@@ -80,24 +82,14 @@ def errors(gen):
     return {nm: rel(a, b) for nm, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, ref)}
 
 
-def time_fb(xs, do, rep=20):
+def time_fb(xs, do, rep=50):
     leaf = [x.detach().clone().requires_grad_() for x in xs]
 
     def step():
         o = kda(*leaf[:3], g=leaf[3], beta=leaf[4], use_qk_l2norm=True, impl="triton")[0]
         torch.autograd.grad(o, leaf, do)
 
-    for _ in range(3):
-        step()
-    ts = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return _bench(step, rep)  # the kernel bench's timer (triton's do_bench, median)
 
 
 def main() -> int:
@@ -108,6 +100,7 @@ def main() -> int:
     ap.add_argument("--no-time", action="store_true", help="errors only")
     args = ap.parse_args()
     LOWP0, WARPS0 = _gdn.TUNE["bwd_lowp"], _kda.TUNE["bwd_warps"]
+    diag0 = _kda.TUNE["diag_dot"]
     torch.backends.cuda.matmul.allow_tf32 = False
     seed = torch.seed() % 2**31
     print(f"seed {seed}; {torch.cuda.get_device_name()}; torch {torch.__version__}; bwd_lowp {LOWP0}, "
@@ -129,6 +122,7 @@ def main() -> int:
         print(f"{name:<11} " + " ".join(f"{err[k]:>9.2e}" for k in ("dq", "dk", "dv", "dg", "dbeta"))
               + f" {ms if ms is not None else float('nan'):>11.3f} {time.time() - t0:>5.0f}", flush=True)
     apply({})
+    _kda.TUNE["diag_dot"] = diag0  # the settings as found
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seed": seed, "rows": rows}, f, indent=1)
