@@ -211,6 +211,10 @@ def main(argv=None) -> int:
             jobs[f"_kda_prep_ap({dtag})"] = (
                 kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
                                       BL="fp32", redo=i32), prep_ints, kd, 1, cap)
+            if mode == 0:  # the off-diagonal factors once per key block (kda.TUNE prep_factored)
+                jobs[f"_kda_prep_ap({dtag}, factored)"] = (
+                    kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd,
+                                          Pb=sd, BL="fp32", redo=i32), prep_ints, dict(kd, FACT=True), 1, cap)
             jobs[f"_kda_bwd_out_blk({dtag})"] = (
                 kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
                                           dq="fp32", dk="fp32", dg="fp32", redo=i32),

@@ -34,8 +34,11 @@ from . import kda_kernels as kk
 #   `_kda_bwd_state_blk` 6.60 -> 3.07, `_kda_prep_ap` 2.11 -> 2.04 (two launches; not worth it). With 16-bit
 #   operands in the diagonal dot the state backward gave wrong bf16 gradients (02:05, 8-5240 relative); with fp32
 #   operands (tf32 dots) its bf16 gradients equal the exact launch's to 3 digits (03:52, scripts/gpu_kda_state_dot.py)
+# prep_factored: `_kda_prep_ap` takes its off-diagonal blocks' exponentials from `kda_kernels._off_parts` once per
+#   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
+#   scans and 6 exponentials at BT 64). Exact in the CPU interpreter; not yet timed on a GPU, so off.
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state")}
+        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": False}
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -137,8 +140,8 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     redo = _redo(lay.nc, HV, q.device)
     for mode in _diag_modes("prep"):  # diagonal blocks by dot where the decay allows, the rest exactly
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
-                              BK=BK, L2=l2, PREC=prec, DIAG=mode, num_warps=TUNE["prep_warps"], num_stages=1,
-                              **_cap())
+                              BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"],
+                              num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
     kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),

@@ -75,6 +75,38 @@ def _off_exps(gg, gn, cb: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _off_parts(gg, gn, BT: tl.constexpr):
+    """The factors of `_off_exps` for every column block at once: E_i = e^{sum of g over row i's 16-row block from
+    its first row to i}, Y_i = e^{sum of g over rows i+1 .. the last row of i's block} (ye of the block holding i),
+    and the block totals Tb [BT // 16, BK] of g. Two scans over the tile seen as [BT // 16, 16, BK] and two
+    exponentials, instead of two masked whole-tile scans and two exponentials per column block."""
+    BK: tl.constexpr = gg.shape[1]
+    pos = (tl.arange(0, BT) % 16)[:, None]
+    g3 = tl.reshape(gg, [BT // 16, 16, BK])
+    E = tl.exp(tl.reshape(tl.cumsum(g3, 1), [BT, BK]))
+    Y = tl.exp(tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 15, gn, 0.0), [BT // 16, 16, BK]), 1, reverse=True),
+                          [BT, BK]))
+    return E, Y, tl.sum(g3, 1)
+
+
+@triton.jit
+def _off_exps_from(E, Y, Tb, cb: tl.constexpr, BT: tl.constexpr):
+    """`_off_exps(gg, gn, cb)` from `_off_parts`: ye = Y on column block cb's rows; for a row i in a later block j,
+    xe_i = E_i e^{Tb_{cb+1} + ... + Tb_{j-1}} (g summed from the row after block cb to i, in two parts, each a
+    direct sum of g: no difference of cumulative sums; both factors <= 1)."""
+    BK: tl.constexpr = E.shape[1]
+    NB: tl.constexpr = BT // 16
+    rows = tl.arange(0, BT)
+    blk = tl.arange(0, NB)
+    between = (blk[None, :] > cb) & (blk[None, :] < blk[:, None])  # [j, m]: cb < m < j
+    F = tl.exp(tl.sum(tl.where(between[:, :, None], Tb[None, :, :], 0.0), 1))  # [NB, BK]
+    F = tl.where((blk > cb)[:, None], F, 0.0)
+    xe = tl.reshape(tl.reshape(E, [NB, 16, BK]) * F[:, None, :], [BT, BK])
+    ye = tl.where((rows // 16 == cb)[:, None], Y, 0.0)
+    return xe, ye
+
+
+@triton.jit
 def _mid_sums(gg, gn, BT: tl.constexpr):
     """s_i = b_i - b_m, m = 16 (i // 16) + 7 the middle row of row i's 16-row block, summed from g ([BT, BK]):
     within a block e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the
@@ -496,11 +528,12 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr,
+    DIAG: tl.constexpr, FACT: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
-    A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised."""
+    A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
+    FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block."""
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
@@ -528,8 +561,13 @@ def _kda_prep_ap(
             ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
             tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
             tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
+            if FACT:
+                E, Yf, Tb = _off_parts(gg, gn, BT)
             for cb in tl.static_range(BT // 16 - 1):
-                xe, ye = _off_exps(gg, gn, cb, BT)
+                if FACT:
+                    xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+                else:
+                    xe, ye = _off_exps(gg, gn, cb, BT)
                 Y = kr * ye
                 A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
                 P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)

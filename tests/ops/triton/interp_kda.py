@@ -118,10 +118,17 @@ def main() -> int:
     res["mixed_decay_by_chunk_and_head_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                           decay=mixed)
     # the same with the diagonal blocks' dot in every K-blocked kernel (kda.TUNE diag_dot; the default has it in
-    # the output backward only, the other two being options, bwd_state for float32 inputs only)
+    # both backward kernels, the prep being an option)
     with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state")):
         res["mixed_decay_dot_everywhere_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
+    # the prep's off-diagonal exponentials factored once per key block (kda.TUNE prep_factored): mixed decay, and
+    # varlen chunks that end early (rows past a chunk's end add 0 to every block sum)
+    with launch_plan(prep_factored=True):
+        res["prep_factored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                          decay=mixed)
+        res["prep_factored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                         cu=[0, 1, 16, 80, 150], decay=30.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
