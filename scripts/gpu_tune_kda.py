@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         return {"setting": setting, "fwd_ms": fwd, "fwdbwd_ms": fb, "errors": err, "ok": ok}
 
     kb = dict(variant="kblock", bk=32, split_o=True, prep_warps=8, bwd_warps=8)
-    grid = [kb, dict(kb, maxnreg=128), dict(kb, bk=16, maxnreg=128), dict(kb, bk=64), dict(kb, bk=16),
+    grid = [kb, dict(kb, prep_factored=True), dict(kb, maxnreg=128), dict(kb, bk=16, maxnreg=128), dict(kb, bk=64),
+            dict(kb, bk=16),
             dict(kb, prep_warps=4, bwd_warps=4), dict(kb, split_o=False), dict(kb, prep_lowp=True),
             dict(variant="whole", split_o=False), dict(variant="whole", split_o=True)]
     rows, best = [], None
