@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                 kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32",
                                             hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
                                             dbeta="fp32", redo=i32),
-                dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp), 1, cap)
+                dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1), 1, cap)
         jobs[f"_kda_prep_wu({tag})"] = (
             kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd),
             prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1, cap)

@@ -45,8 +45,8 @@ def interp_results():
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
-         "mixed_decay_dot_everywhere_T70", "prep_factored_mixed_decay_T70", "prep_factored_varlen_decay30", "T1",
-         "K256_V256_T70",
+         "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_factored_mixed_decay_T70",
+         "prep_factored_varlen_decay30", "T1", "K256_V256_T70",
          "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70"]
 
 

@@ -237,11 +237,12 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw, num_stages=1,
                 **_cap(),
             )
+        marked = "bwd_out" in TUNE["diag_dot"]  # its dot launch has written redo's marks: the state's reads them
         for mode in _diag_modes("bwd_state"):
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
-                BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw,
-                num_stages=1, **_cap(),
+                BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
+                num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

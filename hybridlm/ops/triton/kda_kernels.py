@@ -122,18 +122,22 @@ def _mid_sums(gg, gn, BT: tl.constexpr):
 
 @triton.jit
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-               DIAG: tl.constexpr):
+               DIAG: tl.constexpr, MARKED: tl.constexpr = False):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
     loop. Else the kernel is launched twice with a shared int32 redo [chunks, HV]: DIAG 1 takes the chunks (and
     heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every key block,
     i.e. every factor within e^60 (fp32, tf32 and bf16 reach e^88; the margin keeps a small y times e^-60 a normal
     number), and marks the others; DIAG 2 takes only the marked ones (log-decays summing beyond ~-120 over 16 rows)
     through the exact loop. One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
-    backward launches)."""
+    backward launches). MARKED (with DIAG 1): redo already holds the marks of this call, written by an earlier
+    dot launch over the same g and key blocks (the output backward's, before the state backward): read them, do
+    not recompute them."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     p = redo + ic * HV + ihv
-    if DIAG == 1:
+    if DIAG == 1 and MARKED:
+        go = tl.load(p) == 0
+    elif DIAG == 1:
         n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
         worst = tl.zeros([BT, BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -697,17 +701,17 @@ def _kda_bwd_out_blk(
 def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
 ):
-    """Backward phase 2: the state write S' = e^{bL} S + Kd^T Vn, W = T diag(beta) (K^ e^b), U = T diag(beta) V
-    and the UT transform (dA = -T^T dT T^T), in three passes:
+    """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
+    W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
     1. over V blocks: dv = diag(beta) T^T dVn, dT = dVn (diag(beta) V)^T, beta's gradient through U;
     2. over K blocks (each with a V loop for dKd = Vn dS'^T, dW = -dVn S^T, rowsum(S * dS')): dT += dW Kb^T,
        the K and b gradients through Kd, S's decay and W (added to phase 1's parts in the dk and dg buffers);
     3. over K blocks, with the full dA: the decay products of A's gradient, dg = reverse cumsum of db over the
        chunk, dk; then the l2 norm's backward of dk."""
     DT: tl.constexpr = hbuf.dtype.element_ty
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, MARKED):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)

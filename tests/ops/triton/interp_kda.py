@@ -122,6 +122,10 @@ def main() -> int:
     with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state")):
         res["mixed_decay_dot_everywhere_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
+    # the state backward's dot alone: it computes its own marks (with the output backward's dot it reads theirs)
+    with launch_plan(diag_dot=("bwd_state",)):
+        res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                           decay=mixed)
     # the prep's off-diagonal exponentials factored once per key block (kda.TUNE prep_factored): mixed decay, and
     # varlen chunks that end early (rows past a chunk's end add 0 to every block sum)
     with launch_plan(prep_factored=True):
