@@ -18,7 +18,8 @@
 # CUDA-graph process per flag group of MQAR_GROUPS), mqarcheck (CUDA graphs vs eager: the GPU test, then ms/step
 # of one process at the paper setting both ways), train350m (bench train: 357M hybrid training tokens/s, ours vs
 # fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s), kdasan (compute-sanitizer
-# memcheck over the two KDA settings that stop with an illegal memory access: bwd_lowp off, bwd_warps 4),
+# memcheck over the two KDA settings that stopped with an illegal memory access, bwd_lowp off and bwd_warps 4: since
+# 2026-11-24 both are refused on CUDA with a ValueError, so the step now shows that refusal),
 # swiglu (the fused SwiGLU kernel's GPU check and timing row). Any other STEP runs as a bash command.
 set -u
 OUT=${OUT:-out}
@@ -101,7 +102,7 @@ for spec in "$@"; do
     train350m) cmd=(python3 -m hybridlm.bench.train --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
     kdasan) cmd=(bash -c "for v in exact_nolowp dot_w4; do compute-sanitizer --tool memcheck --print-limit 5 \
-                 python3 scripts/gpu_kda_state_dot.py --variants \$v --no-time 2>&1 | tail -n 40; done") ;;
+                 python3 scripts/gpu_kda_state_dot.py --variants \$v --no-time 2>&1 | grep -v 'Host Frame' | head -n 60; done") ;;
     swiglu) cmd=(python3 scripts/gpu_check_glue.py --only swiglu --json "$OUT/swiglu.json") ;;
     *) cmd=(bash -c "$step") ;;  # its log is $OUT/cmdN.log (N counts the free-form steps from 1)
   esac

@@ -15,6 +15,11 @@ repeats). Its 03:52 run found the fp32-operand dot right (the default since):
   dot_nolowp  the same with fp32 operands in every backward dot (gdn.TUNE bwd_lowp off)
   dot_w4      the same at 4 warps (kda.TUNE bwd_warps; a layout-dependent codegen fault moves with the warps)
   exact_nolowp  the exact loop with bwd_lowp off (dot_nolowp hit an illegal memory access at 03:53: which part?)
+
+compute-sanitizer over the last two (2026-11-24 06:16-06:31, the `kdasan` step of gpu_call.sh): exact_nolowp reads
+an out-of-range shared address in `_recur_bwd` (its dS update); dot_w4 reads shared memory out of bounds in a
+reduction of `_kda_bwd_out_blk`. Both settings are refused on CUDA since (`gdn.bwd_lowp`, `kda._bwd_warps`), so
+those variants now report that ValueError.
 """
 
 from __future__ import annotations

@@ -450,7 +450,11 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
 
 
-def _shape_notes(shape: Shape) -> list[str]:
+def _shape_notes(shape: Shape, device: torch.device) -> list[str]:
+    from hybridlm.layers.conv import tswiglu  # None without triton
+
+    fused = device.type == "cuda" and tswiglu is not None and tswiglu.AUTO  # what SwiGLU(impl="auto") runs
+    swiglu = "as one fused Triton kernel" if fused else "in PyTorch"
     extra = len(shape.attention_layers) * (shape.hidden_size * shape.attn_heads * shape.attn_head_dim
                                            + 2 * shape.attn_head_dim)
     return [
@@ -460,7 +464,7 @@ def _shape_notes(shape: Shape) -> list[str]:
         f"{shape.attn_heads} / {shape.attn_kv_heads} kv heads x {shape.attn_head_dim}, vocab {shape.vocab_size}, "
         f"tied embeddings {shape.tie_embeddings}",
         "ours: Qwen3.5 layout (one in_proj_qkv and one short conv over q|k|v, gated attention with an output "
-        "gate and q/k RMSNorm, zero-centred RMSNorm, PyTorch SwiGLU); fla: GatedDeltaNetForCausalLM with its "
+        f"gate and q/k RMSNorm, zero-centred RMSNorm, SwiGLU {swiglu}); fla: GatedDeltaNetForCausalLM with its "
         "Attention at the same blocks (no output gate, no q/k norm; fused RMSNorm and SwiGLU kernels): ours has "
         f"{extra:,} more parameters from the gate and q/k norms",
         "loss: logits of each model, then the same fp32 F.cross_entropy (fla's fused loss is not used)",
@@ -518,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
             "batch_size": spec.batch_size, "steps": spec.steps, "warmup": spec.warmup, "grad_ckpt": spec.grad_ckpt,
             "recompute_linear": spec.recompute_linear,
             "compile": spec.compile, "shape": asdict(shape),
-            "notes": _shape_notes(shape) + fla_notes}
+            "notes": _shape_notes(shape, dev) + fla_notes}
     print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
           f"{spec.warmup} + {spec.steps} steps", flush=True)
     with _collect_logs() as impl_log:

@@ -165,8 +165,8 @@ def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
 
 
 def test_auto_takes_a_kernel_only_once_it_is_cleared():
-    """`use_fused_glue(..., auto=False)`: a kernel not yet checked on a GPU (SwiGLU's, `swiglu.AUTO`) is left to
-    PyTorch under impl="auto" even on CUDA; impl="triton" still takes it."""
+    """`use_fused_glue(..., auto=False)`: a kernel not yet checked on a GPU (as SwiGLU's was until 2026-11-24,
+    `swiglu.AUTO`) is left to PyTorch under impl="auto" even on CUDA; impl="triton" still takes it."""
     from types import SimpleNamespace
 
     from hybridlm.layers import conv as lc

@@ -45,8 +45,8 @@ def interp_results():
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
-         "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_factored_mixed_decay_T70",
-         "prep_factored_varlen_decay30", "T1", "K256_V256_T70",
+         "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_unfactored_mixed_decay_T70",
+         "prep_unfactored_varlen_decay30", "T1", "K256_V256_T70",
          "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70"]
 
 
@@ -165,3 +165,30 @@ def test_diagonal_dot_settings_are_checked():
             tk._diag_modes("prep")
     finally:
         tk.TUNE["diag_dot"] = old
+
+
+def test_settings_that_fail_on_the_h100_are_refused_on_cuda():
+    """The two non-default settings that stop with an illegal memory access on the H100 (compute-sanitizer,
+    2026-11-24): KDA's backward below 8 warps, and 16-bit intermediates with fp32 backward operands. On CUDA they
+    are a clear error naming the setting; elsewhere (the interpreter) they run."""
+    from types import SimpleNamespace
+
+    from hybridlm.ops.triton import gdn as tg
+    from hybridlm.ops.triton import kda as tk
+
+    old_w, old_l = tk.TUNE["bwd_warps"], tg.TUNE["bwd_lowp"]
+    try:
+        tk.TUNE["bwd_warps"] = 4
+        with pytest.raises(ValueError, match=r"kda.TUNE\['bwd_warps'\]: expected 8 or more on CUDA .* got 4"):
+            tk._bwd_warps(torch.device("cuda"))
+        assert tk._bwd_warps(torch.device("cpu")) == 4
+        tg.TUNE["bwd_lowp"] = False
+        bf16_cuda = SimpleNamespace(dtype=torch.bfloat16, is_cuda=True)
+        with pytest.raises(ValueError, match=r"gdn.TUNE\['bwd_lowp'\]: expected True with torch.bfloat16"):
+            tg.bwd_lowp(bf16_cuda)
+        assert tg.bwd_lowp(SimpleNamespace(dtype=torch.float32, is_cuda=True)) is False
+        assert tg.bwd_lowp(SimpleNamespace(dtype=torch.bfloat16, is_cuda=False)) is False
+        tg.TUNE["bwd_lowp"] = True
+        assert tg.bwd_lowp(bf16_cuda) is True
+    finally:
+        tk.TUNE["bwd_warps"], tg.TUNE["bwd_lowp"] = old_w, old_l

@@ -220,6 +220,18 @@ def _recur_bv(K: int, V: int, programs: int, dev) -> int:
     return bv
 
 
+def bwd_lowp(hb: torch.Tensor) -> bool:
+    """Whether the backward's dots take 16-bit operands (TUNE["bwd_lowp"] with 16-bit saved intermediates hb).
+    Refused on CUDA: bwd_lowp off with 16-bit intermediates. compute-sanitizer (H100, Triton 3.6, 2026-11-24) shows
+    `_recur_bwd` with KDA's per-channel decay reading an out-of-range shared address there (its dS update, fp32
+    operands converted from bf16), then an illegal memory access; fp32 operands come with store_fp32 instead."""
+    lowp = TUNE["bwd_lowp"] and hb.dtype != torch.float32
+    if hb.dtype != torch.float32 and not TUNE["bwd_lowp"] and hb.is_cuda:
+        raise ValueError(f"gdn.TUNE['bwd_lowp']: expected True with {hb.dtype} intermediates on CUDA (False stops "
+                         "with an illegal memory access on sm_90; set store_fp32=True for fp32 operands), got False")
+    return lowp
+
+
 def _num_warps(K: int) -> int:
     return 8  # sm_90 compile (scripts/compile_sm90.py): 4 warps spill the [64, K] tiles at K >= 128
 
@@ -437,7 +449,7 @@ def _bwd_impl(
     nw = _num_warps(K)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
-    lowp = TUNE["bwd_lowp"] and hb.dtype != f32
+    lowp = bwd_lowp(hb)
     BV = _recur_bv(K, V, N * HV, dev)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](

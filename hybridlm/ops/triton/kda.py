@@ -36,9 +36,10 @@ from . import kda_kernels as kk
 #   operands (tf32 dots) its bf16 gradients equal the exact launch's to 3 digits (03:52, scripts/gpu_kda_state_dot.py)
 # prep_factored: `_kda_prep_ap` takes its off-diagonal blocks' exponentials from `kda_kernels._off_parts` once per
 #   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
-#   scans and 6 exponentials at BT 64). Exact in the CPU interpreter; not yet timed on a GPU, so off.
-TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 8, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": False}
+#   scans and 6 exponentials at BT 64). H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py, 2026-11-24 06:11):
+#   forward 3.213 -> 3.060 ms at 8 prep warps, 2.827 at 4 (forward+backward 9.022 -> 8.741), same errors
+TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
+        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True}
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -111,6 +112,17 @@ def _diag_modes(kernel: str) -> tuple[int, ...]:
     if unknown:
         raise ValueError(f"kda.TUNE['diag_dot']: expected names among prep, bwd_out, bwd_state, got {sorted(unknown)}")
     return (1, 2) if kernel in TUNE["diag_dot"] else (0,)
+
+
+def _bwd_warps(dev: torch.device) -> int:
+    """TUNE["bwd_warps"] of the K-blocked backward launches. Refused on CUDA below 8: at 4 warps compute-sanitizer
+    (H100, Triton 3.6, 2026-11-24) shows `_kda_bwd_out_blk` reading shared memory out of bounds (1 KB at 116 KB, in
+    a reduction), then infinite gradients or an illegal memory access."""
+    w = TUNE["bwd_warps"]
+    if dev.type == "cuda" and w < 8:
+        raise ValueError(f"kda.TUNE['bwd_warps']: expected 8 or more on CUDA (4 reads shared memory out of bounds in "
+                         f"_kda_bwd_out_blk on sm_90), got {w}")
+    return w
 
 
 def _redo(nc: int, HV: int, dev: torch.device) -> torch.Tensor:
@@ -207,7 +219,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     prec = gdn._prec(q.dtype)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
-    lowp = gdn.TUNE["bwd_lowp"] and hb.dtype != f32
+    lowp = gdn.bwd_lowp(hb)
     BV = gdn._recur_bv(K, V, N * HV, dev)
     dh0 = gdn._out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
@@ -229,7 +241,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 num_warps=8, num_stages=1,
             )
     elif nc > 0:
-        BK, bw = _bk(K), TUNE["bwd_warps"]
+        BK, bw = _bk(K), _bwd_warps(dev)
         redo = _redo(nc, HV, dev)
         for mode in _diag_modes("bwd_out"):  # TUNE diag_dot, as in the prep
             kk._kda_bwd_out_blk[(nc, HV)](

@@ -126,13 +126,13 @@ def main() -> int:
     with launch_plan(diag_dot=("bwd_state",)):
         res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
-    # the prep's off-diagonal exponentials factored once per key block (kda.TUNE prep_factored): mixed decay, and
-    # varlen chunks that end early (rows past a chunk's end add 0 to every block sum)
-    with launch_plan(prep_factored=True):
-        res["prep_factored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                          decay=mixed)
-        res["prep_factored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                         cu=[0, 1, 16, 80, 150], decay=30.0)
+    # the prep's off-diagonal exponentials per column block (kda.TUNE prep_factored False; the default factors them
+    # once per key block): mixed decay, and varlen chunks that end early at 8 prep warps (the default is 4)
+    with launch_plan(prep_factored=False, prep_warps=8):
+        res["prep_unfactored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                            decay=mixed)
+        res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                           cu=[0, 1, 16, 80, 150], decay=30.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
