@@ -618,12 +618,18 @@ def train(args) -> dict:
 
 
 def run(args) -> int:
+    finished = False
     try:
         train(args)
+        finished = True
     except TrainError as e:
         print(f"hybridlm train: error: {e}", file=sys.stderr)
         return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if finished:
+                # every rank done (rank 0 writes its plot and summary last) before any tears the group down: in one
+                # CPU run a rank that left first aborted at exit ("terminate called without an active exception")
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 0
