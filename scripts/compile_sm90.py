@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             jobs[f"_kda_prep_ap({dtag})"] = (
                 kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
                                       BL="fp32", redo=i32), prep_ints, kd, 1, cap)
-            if mode == 0:  # the off-diagonal factors once per key block (kda.TUNE prep_factored)
+            if mode != 1:  # the off-diagonal factors once per key block (kda.TUNE prep_factored)
                 jobs[f"_kda_prep_ap({dtag}, factored)"] = (
                     kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd,
                                           Pb=sd, BL="fp32", redo=i32), prep_ints, dict(kd, FACT=True), 1, cap)
@@ -224,6 +224,10 @@ def main(argv=None) -> int:
                                             hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
                                             dbeta="fp32", redo=i32),
                 dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1), 1, cap)
+        # the whole chunk as one dot where the decay allows (kda.TUNE prep_whole; then "exact rest, factored")
+        jobs[f"_kda_prep_ap({tag}, whole chunk)"] = (
+            kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
+                                  BL="fp32", redo=i32), prep_ints, dict(kc, DIAG=3, FACT=True), 1, cap)
         jobs[f"_kda_prep_wu({tag})"] = (
             kk._kda_prep_wu, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd),
             prep_ints, dict(kc, BV=min(64, args.v), LOWP=False), 1, cap)

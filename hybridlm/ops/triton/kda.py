@@ -38,8 +38,13 @@ from . import kda_kernels as kk
 #   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
 #   scans and 6 exponentials at BT 64). H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py, 2026-11-24 06:11):
 #   forward 3.213 -> 3.060 ms at 8 prep warps, 2.827 at 4 (forward+backward 9.022 -> 8.741), same errors
+# prep_whole: `_kda_prep_ap` takes each chunk (and head) whose log-decays stay within e^60 of its middle row in
+#   every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked dot for
+#   A and one for P per key block, as GDN's prep does (DIAG 3); the others go through the blocks (a second launch,
+#   exact diagonal blocks, off-diagonal ones as prep_factored says). Not yet timed on a GPU.
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True}
+        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
+        "prep_whole": True}
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -150,7 +155,8 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         return
     BK = _bk(K)
     redo = _redo(lay.nc, HV, q.device)
-    for mode in _diag_modes("prep"):  # diagonal blocks by dot where the decay allows, the rest exactly
+    # the whole chunk by dot where the decay allows, or its diagonal blocks by dot; the rest exactly
+    for mode in (3, 2) if TUNE["prep_whole"] else _diag_modes("prep"):
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"],
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())

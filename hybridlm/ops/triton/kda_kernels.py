@@ -121,6 +121,18 @@ def _mid_sums(gg, gn, BT: tl.constexpr):
 
 
 @triton.jit
+def _whole_sums(gg, gn, BT: tl.constexpr):
+    """s_i = b_i - b_m, m = BT / 2 - 1 the chunk's middle row, summed from g ([BT, BK]): for any two rows of the
+    chunk e^{b_i - b_j} = e^{s_i} e^{-s_j}, so while every |s| stays within the dot bound a chunk's whole [BT, BT]
+    product is one masked dot per key block, as GDN's is (`_diag_pass` DIAG 3)."""
+    rows = tl.arange(0, BT)[:, None]
+    M: tl.constexpr = BT // 2 - 1
+    up = tl.cumsum(tl.where(rows > M, gg, 0.0), 0)  # g of rows m+1..i
+    dn = tl.cumsum(tl.where(rows < M, gn, 0.0), 0, reverse=True)  # g of rows i+1..m
+    return tl.where(rows > M, up, 0.0) - tl.where(rows < M, dn, 0.0)
+
+
+@triton.jit
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                DIAG: tl.constexpr, MARKED: tl.constexpr = False):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
@@ -128,14 +140,25 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every key block,
     i.e. every factor within e^60 (fp32, tf32 and bf16 reach e^88; the margin keeps a small y times e^-60 a normal
     number), and marks the others; DIAG 2 takes only the marked ones (log-decays summing beyond ~-120 over 16 rows)
-    through the exact loop. One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
+    through the exact loop. DIAG 3 (the prep only, before a DIAG 2 launch) does the same with the whole chunk as
+    one block (`_whole_sums`: every row within e^60 of the middle row, log-decays summing to at most ~120 over the
+    chunk), so a chunk it takes needs neither the off-diagonal blocks' factors nor the diagonal blocks.
+    One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
     backward launches). MARKED (with DIAG 1): redo already holds the marks of this call, written by an earlier
     dot launch over the same g and key blocks (the output backward's, before the state backward): read them, do
     not recompute them."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     p = redo + ic * HV + ihv
-    if DIAG == 1 and MARKED:
+    if DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
+        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+        worst = tl.zeros([BT, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+            worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
+        go = tl.max(tl.max(worst, 1), 0) <= 60.0
+        tl.store(p, tl.where(go, 0, 1).to(tl.int32))
+    elif DIAG == 1 and MARKED:
         go = tl.load(p) == 0
     elif DIAG == 1:
         n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
@@ -537,7 +560,9 @@ def _kda_prep_ap(
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
-    FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block."""
+    FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block. DIAG 3: the
+    chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
+    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
@@ -565,39 +590,51 @@ def _kda_prep_ap(
             ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
             tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
             tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
-            if FACT:
-                E, Yf, Tb = _off_parts(gg, gn, BT)
-            for cb in tl.static_range(BT // 16 - 1):
-                if FACT:
-                    xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-                else:
-                    xe, ye = _off_exps(gg, gn, cb, BT)
-                Y = kr * ye
-                A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
-                P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
-            if DIAG == 1:
-                s = _mid_sums(gg, gn, BT)
-                # diagonal blocks, all four in one dot each: e^{b_i - b_j} = e^{s_i} e^{-s_j} within a block
+            if DIAG == 3:
+                # the whole chunk at once: e^{b_i - b_j} = e^{s_i} e^{-s_j} through the middle row (fp32 operands;
+                # where j > i the product may overflow, and the masks below drop it)
+                s = _whole_sums(gg, gn, BT)
                 Y = kr * tl.exp(-s)
-                A += tl.where(blk & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
-                P += tl.where(blk & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                A += tl.where(low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                P += tl.where(low | diag, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             else:
-                # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
-                # down; acc = b_i - b_j, one gathered row of g added per step
-                acc = tl.zeros([BT, BK], dtype=tl.float32)
-                for jj in range(16):
-                    j = 15 - jj
-                    src = rows - pos + j
-                    kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
-                    acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-                    ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
-                    col = c16[None, :] == j
-                    Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
-                    Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
+                if FACT:
+                    E, Yf, Tb = _off_parts(gg, gn, BT)
+                for cb in tl.static_range(BT // 16 - 1):
+                    if FACT:
+                        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+                    else:
+                        xe, ye = _off_exps(gg, gn, cb, BT)
+                    Y = kr * ye
+                    A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
+                    P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
+                if DIAG == 1:
+                    s = _mid_sums(gg, gn, BT)
+                    # diagonal blocks, all four in one dot each: e^{b_i - b_j} = e^{s_i} e^{-s_j} within a block
+                    Y = kr * tl.exp(-s)
+                    A += tl.where(blk & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                    P += tl.where(blk & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC),
+                                  0.0)
+                else:
+                    # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j
+                    # from 15 down; acc = b_i - b_j, one gathered row of g added per step
+                    acc = tl.zeros([BT, BK], dtype=tl.float32)
+                    for jj in range(16):
+                        j = 15 - jj
+                        src = rows - pos + j
+                        kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
+                        acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
+                                       mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                        ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
+                        col = c16[None, :] == j
+                        Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
+                        Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        A = (A + _unband(Da, BT)) * (bb * rk)[:, None] * rk[None, :]
-        P = (P + _unband(Dp, BT)) * (rq * scale)[:, None] * rk[None, :]
+        if DIAG == 0 or DIAG == 2:  # the exact loop's diagonal blocks
+            A += _unband(Da, BT)
+            P += _unband(Dp, BT)
+        A = A * (bb * rk)[:, None] * rk[None, :]
+        P = P * (rq * scale)[:, None] * rk[None, :]
         p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
         tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
         tl.store(Tbuf + p_TT, A)

@@ -126,9 +126,17 @@ def main() -> int:
     with launch_plan(diag_dot=("bwd_state",)):
         res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
-    # the prep's off-diagonal exponentials per column block (kda.TUNE prep_factored False; the default factors them
-    # once per key block): mixed decay, and varlen chunks that end early at 8 prep warps (the default is 4)
-    with launch_plan(prep_factored=False, prep_warps=8):
+    # log-decays averaging 1.9 a step: |b_i - b_m| over half a chunk near the whole-chunk dot's bound of 60, so some
+    # chunks (and heads) take the one-dot prep with factors up to ~e^60 and the others the blocks
+    res["whole_chunk_bound_decay3.75_T150"] = chunk_case(gen, B=2, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                         decay=3.75)
+    # the prep through 16-row blocks for every chunk (kda.TUNE prep_whole False; by default the mild-decay chunks
+    # are one dot each), off-diagonal exponentials factored once per key block (the default) or per column block
+    with launch_plan(prep_whole=False):
+        res["prep_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                        decay=mixed)
+    # ... per column block, mixed decay and varlen chunks that end early, at 8 prep warps (the default is 4)
+    with launch_plan(prep_whole=False, prep_factored=False, prep_warps=8):
         res["prep_unfactored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                             decay=mixed)
         res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
