@@ -46,6 +46,7 @@ def interp_results():
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
          "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_blocks_mixed_decay_T70",
+         "whole_dot_state_only_T70",
          "whole_chunk_bound_decay3.75_T150",
          "prep_unfactored_mixed_decay_T70",
          "prep_unfactored_varlen_decay30", "T1", "K256_V256_T70",
@@ -157,16 +158,24 @@ def test_diagonal_dot_settings_are_checked():
     two launches (dot, then exact), the others one exact launch."""
     from hybridlm.ops.triton import kda as tk
 
-    old = tk.TUNE["diag_dot"]
+    old, old_w = tk.TUNE["diag_dot"], tk.TUNE["whole_dot"]
     try:
+        tk.TUNE["whole_dot"] = ()
         tk.TUNE["diag_dot"] = ("bwd_state",)
         assert tk._diag_modes("bwd_state") == (1, 2)
         assert tk._diag_modes("prep") == (0,)
+        tk.TUNE["whole_dot"] = ("prep", "bwd_state")  # the whole-chunk launch first, the exact one last
+        assert tk._diag_modes("bwd_state") == (3, 1, 2)
+        assert tk._diag_modes("prep") == (3, 2)
+        assert tk._diag_modes("bwd_out") == (0,)
         tk.TUNE["diag_dot"] = ("prep", "bwd_sate")
-        with pytest.raises(ValueError, match=r"expected names among .* got \['bwd_sate'\]"):
+        with pytest.raises(ValueError, match=r"diag_dot'\]: expected names among .* got \['bwd_sate'\]"):
+            tk._diag_modes("prep")
+        tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = (), ("pre",)
+        with pytest.raises(ValueError, match=r"whole_dot'\]: expected names among .* got \['pre'\]"):
             tk._diag_modes("prep")
     finally:
-        tk.TUNE["diag_dot"] = old
+        tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = old, old_w
 
 
 def test_settings_that_fail_on_the_h100_are_refused_on_cuda():

@@ -38,13 +38,16 @@ from . import kda_kernels as kk
 #   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
 #   scans and 6 exponentials at BT 64). H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py, 2026-11-24 06:11):
 #   forward 3.213 -> 3.060 ms at 8 prep warps, 2.827 at 4 (forward+backward 9.022 -> 8.741), same errors
-# prep_whole: `_kda_prep_ap` takes each chunk (and head) whose log-decays stay within e^60 of its middle row in
-#   every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked dot for
-#   A and one for P per key block, as GDN's prep does (DIAG 3); the others go through the blocks (a second launch,
-#   exact diagonal blocks, off-diagonal ones as prep_factored says). Not yet timed on a GPU.
+# whole_dot: the K-blocked kernels that take each chunk (and head) whose log-decays stay within e^60 of its middle
+#   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
+#   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
+#   through the 16-row blocks (diag_dot's launch, then the exact one). Any of "prep", "bwd_out", "bwd_state".
+#   H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py --no-fla, 2026-11-24 06:59), in the prep only: forward
+#   2.832 -> 1.772 ms, forward+backward 8.608 -> 7.625, same errors
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "prep_whole": True}
+        "whole_dot": ("prep", "bwd_out", "bwd_state")}
+KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -112,11 +115,14 @@ def _bc_shape(Ttot: int, HV: int, K: int) -> tuple[int, ...]:
 
 
 def _diag_modes(kernel: str) -> tuple[int, ...]:
-    """The DIAG launches of one K-blocked kernel: (1, 2) by dot then the rest exactly, or (0,) all exactly."""
-    unknown = set(TUNE["diag_dot"]) - {"prep", "bwd_out", "bwd_state"}
-    if unknown:
-        raise ValueError(f"kda.TUNE['diag_dot']: expected names among prep, bwd_out, bwd_state, got {sorted(unknown)}")
-    return (1, 2) if kernel in TUNE["diag_dot"] else (0,)
+    """The DIAG launches of one K-blocked kernel (`kda_kernels._diag_pass`): 3 the whole chunk by dot, 1 its
+    diagonal blocks by dot, 2 the rest exactly; (0,) all exactly in one launch."""
+    for key in ("diag_dot", "whole_dot"):
+        unknown = set(TUNE[key]) - set(KERNELS)
+        if unknown:
+            raise ValueError(f"kda.TUNE[{key!r}]: expected names among {', '.join(KERNELS)}, got {sorted(unknown)}")
+    modes = ((3,) if kernel in TUNE["whole_dot"] else ()) + ((1,) if kernel in TUNE["diag_dot"] else ())
+    return modes + (2,) if modes else (0,)
 
 
 def _bwd_warps(dev: torch.device) -> int:
@@ -155,10 +161,10 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         return
     BK = _bk(K)
     redo = _redo(lay.nc, HV, q.device)
-    # the whole chunk by dot where the decay allows, or its diagonal blocks by dot; the rest exactly
-    for mode in (3, 2) if TUNE["prep_whole"] else _diag_modes("prep"):
+    modes = _diag_modes("prep")  # the whole chunk by dot where the decay allows, ...; the rest exactly
+    for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
-                              BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"],
+                              BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"], WHOLE=3 in modes,
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
@@ -249,18 +255,21 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     elif nc > 0:
         BK, bw = _bk(K), _bwd_warps(dev)
         redo = _redo(nc, HV, dev)
-        for mode in _diag_modes("bwd_out"):  # TUNE diag_dot, as in the prep
+        out_modes, state_modes = _diag_modes("bwd_out"), _diag_modes("bwd_state")  # as in the prep
+        for mode in out_modes:
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-                BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw, num_stages=1,
-                **_cap(),
+                BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
+                num_warps=bw, num_stages=1, **_cap(),
             )
-        marked = "bwd_out" in TUNE["diag_dot"]  # its dot launch has written redo's marks: the state's reads them
-        for mode in _diag_modes("bwd_state"):
+        # the same launches as the output backward's have written redo's marks (same g, same key blocks): the state
+        # backward reads them instead of recomputing them
+        marked = state_modes == out_modes and state_modes != (0,)
+        for mode in state_modes:
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
-                num_warps=bw, num_stages=1, **_cap(),
+                WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

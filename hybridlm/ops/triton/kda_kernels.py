@@ -134,7 +134,7 @@ def _whole_sums(gg, gn, BT: tl.constexpr):
 
 @triton.jit
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-               DIAG: tl.constexpr, MARKED: tl.constexpr = False):
+               DIAG: tl.constexpr, MARKED: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
     loop. Else the kernel is launched twice with a shared int32 redo [chunks, HV]: DIAG 1 takes the chunks (and
     heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every key block,
@@ -146,11 +146,16 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
     backward launches). MARKED (with DIAG 1): redo already holds the marks of this call, written by an earlier
     dot launch over the same g and key blocks (the output backward's, before the state backward): read them, do
-    not recompute them."""
+    not recompute them.
+    The marks: 0 the whole chunk by dot (DIAG 3), 2 its diagonal blocks by dot (DIAG 1), 1 neither (DIAG 2). WHOLE
+    (with DIAG 1): a DIAG 3 launch of this kernel came first, so the chunks it marked 0 are done. Every chunk is
+    taken by exactly one launch of a sequence (3, 1, 2), (3, 2), (1, 2) or (0)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     p = redo + ic * HV + ihv
-    if DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
+    if DIAG == 3 and MARKED:
+        go = tl.load(p) == 0
+    elif DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
         n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
         worst = tl.zeros([BT, BK], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -159,17 +164,23 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
         go = tl.max(tl.max(worst, 1), 0) <= 60.0
         tl.store(p, tl.where(go, 0, 1).to(tl.int32))
     elif DIAG == 1 and MARKED:
-        go = tl.load(p) == 0
+        go = tl.load(p) == 2
     elif DIAG == 1:
-        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-        worst = tl.zeros([BT, BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
-        go = tl.max(tl.max(worst, 1), 0) <= 60.0
-        tl.store(p, tl.where(go, 0, 1).to(tl.int32))
+        go = ic < 0
+        if WHOLE:
+            todo = tl.load(p) != 0
+        else:
+            todo = ic >= 0
+        if todo:
+            n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+            worst = tl.zeros([BT, BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+                worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
+            go = tl.max(tl.max(worst, 1), 0) <= 60.0
+            tl.store(p, tl.where(go, 2, 1).to(tl.int32))
     elif DIAG == 2:
-        go = tl.load(p) != 0
+        go = tl.load(p) == 1
     else:
         go = ic >= 0
     return go
@@ -465,7 +476,7 @@ def _unband(band, BT: tl.constexpr):
 def _diag_band(M, BT: tl.constexpr, DIAG: tl.constexpr):
     """`_band(M)` for the exact diagonal loop of `_rows_prod_blk` / `_cols_prod_blk`, built once per program
     before the key-block loop; the dot launch (DIAG 1) reads M itself, so it gets zeros."""
-    if DIAG == 1:
+    if DIAG == 1 or DIAG == 3:
         band = tl.zeros([BT, 16], dtype=tl.float32)
     else:
         band = _band(M, BT)
@@ -490,6 +501,9 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
     `_diag_pass`); exponents summed from g."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
+    if DIAG == 3:  # the whole chunk through its middle row (`_whole_sums`), fp32 operands as the diagonal dot's
+        s = _whole_sums(gg, gn, BT)
+        return tl.dot(M, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
         xe, ye = _off_exps(gg, gn, cb, BT)
@@ -526,6 +540,9 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
     `_diag_band(M^T)`)."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
+    if DIAG == 3:  # as in `_rows_prod_blk`
+        s = _whole_sums(gg, gn, BT)
+        return tl.dot(tl.trans(M), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
     for cb in tl.static_range(BT // 16 - 1):
         xe, ye = _off_exps(gg, gn, cb, BT)
@@ -555,7 +572,7 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, FACT: tl.constexpr = False,
+    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
@@ -563,7 +580,7 @@ def _kda_prep_ap(
     FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
     the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)
@@ -690,13 +707,13 @@ def _l2_bwd_blk(dx, x, r64, rmask, ihv, rx, s, HV, stride, col0, K: tl.constexpr
 def _kda_bwd_out_blk(
     q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr,
+    L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
     phase 2 finishes dk and dg."""
     DT: tl.constexpr = hbuf.dtype.element_ty
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG):
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)
@@ -739,6 +756,7 @@ def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -748,7 +766,7 @@ def _kda_bwd_state_blk(
     3. over K blocks, with the full dA: the decay products of A's gradient, dg = reverse cumsum of db over the
        chunk, dk; then the l2 norm's backward of dk."""
     DT: tl.constexpr = hbuf.dtype.element_ty
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, MARKED):
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, MARKED, WHOLE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)

@@ -122,6 +122,10 @@ def main() -> int:
     with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state")):
         res["mixed_decay_dot_everywhere_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
+    # the whole-chunk dot in the state backward only: its first launch overwrites the output backward's marks
+    with launch_plan(whole_dot=("bwd_state",)):
+        res["whole_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                     decay=mixed)
     # the state backward's dot alone: it computes its own marks (with the output backward's dot it reads theirs)
     with launch_plan(diag_dot=("bwd_state",)):
         res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
@@ -130,13 +134,13 @@ def main() -> int:
     # chunks (and heads) take the one-dot prep with factors up to ~e^60 and the others the blocks
     res["whole_chunk_bound_decay3.75_T150"] = chunk_case(gen, B=2, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                          decay=3.75)
-    # the prep through 16-row blocks for every chunk (kda.TUNE prep_whole False; by default the mild-decay chunks
+    # every kernel through 16-row blocks for every chunk (kda.TUNE whole_dot empty; by default the mild-decay chunks
     # are one dot each), off-diagonal exponentials factored once per key block (the default) or per column block
-    with launch_plan(prep_whole=False):
+    with launch_plan(whole_dot=()):
         res["prep_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                         decay=mixed)
     # ... per column block, mixed decay and varlen chunks that end early, at 8 prep warps (the default is 4)
-    with launch_plan(prep_whole=False, prep_factored=False, prep_warps=8):
+    with launch_plan(whole_dot=(), prep_factored=False, prep_warps=8):
         res["prep_unfactored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                             decay=mixed)
         res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
