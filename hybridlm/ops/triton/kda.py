@@ -42,8 +42,10 @@ from . import kda_kernels as kk
 #   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
 #   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
 #   through the 16-row blocks (diag_dot's launch, then the exact one). Any of "prep", "bwd_out", "bwd_state".
-#   H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py --no-fla, 2026-11-24 06:59), in the prep only: forward
-#   2.832 -> 1.772 ms, forward+backward 8.608 -> 7.625, same errors
+#   H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py --no-fla, 2026-11-24): in the prep only (06:59) forward
+#   2.832 -> 1.772 ms, forward+backward 8.608 -> 7.625; in all three (07:11) forward+backward 7.553 -> 5.820, worst
+#   bf16 error 4.81e-3 (dg) -> 3.56e-3 (o). Kernel bench at 07:16: forward 1.469 ms (fla 1.195), forward+backward
+#   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
         "whole_dot": ("prep", "bwd_out", "bwd_state")}
