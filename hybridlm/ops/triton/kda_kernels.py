@@ -12,6 +12,10 @@ column block). The diagonal blocks factor through each block's middle row m (e^{
 masked dot for all four blocks) when every such factor is within e^60 (`_diag_pass`, per chunk and head, all
 key blocks); under stronger decay they take the exact pairwise form, one in-block column at a time (16 steps of
 gathered rows, every block at once). Nothing overflows for any decay, and nothing is divided by a decay.
+First of all (`kda.TUNE["whole_dot"]`), a chunk whose every row is within e^60 of its middle row m in every channel
+takes the whole [BT, BT] product as one masked dot per key block, e^{b_i - b_j} = e^{b_i - b_m} e^{b_m - b_j}
+(`_whole_sums`), as GDN's kernels do; where j > i that product may overflow, and the mask drops it. The launches
+and their marks are in `_diag_pass`.
 
 Every exponent b_i - b_j (and bL - b_i) is summed directly from the g's between the two rows (`_g_tiles`,
 `_off_exps`, running sums in the diagonal loops), never taken as a difference of the cumulative b: under strong
