@@ -178,6 +178,15 @@ def test_diagonal_dot_settings_are_checked():
         tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = old, old_w
 
 
+def test_each_chunk_goes_to_the_launch_its_decay_allows(interp_results):
+    """Chunks of log-decay 0.5, 4 and 30 a step: the prep takes the first as one dot and leaves the others to its
+    exact launch (marks 0, 1, 1); the backward takes them whole, by diagonal-block dot and exactly (0, 2, 1)."""
+    res = interp_results["launch_marks"]
+    assert res["buffers"] == 2, res
+    assert res["prep"] == [0, 1, 1], res
+    assert res["bwd"] == [0, 2, 1], res
+
+
 def test_settings_that_fail_on_the_h100_are_refused_on_cuda():
     """The two non-default settings that stop with an illegal memory access on the H100 (compute-sanitizer,
     2026-11-24): KDA's backward below 8 warps, and 16-bit intermediates with fp32 backward operands. On CUDA they

@@ -168,8 +168,33 @@ def main() -> int:
                                                                                          dtype=torch.int32),
                                              use_qk_l2norm=True)
     res["recompute_frees_early"] = frees_early_case(xs)
+    res["launch_marks"] = marks_case(gen)
     print("RESULT " + json.dumps(res))
     return 0
+
+
+def marks_case(gen) -> dict:
+    """The marks that route each chunk to one launch (`kda_kernels._diag_pass`), default plan: three chunks of
+    constant log-decay 0.5, 4 and 30 a step (|b_i - b_m| over 32 rows: 16, 128, 960; over 8 rows within a 16-row
+    block: 4, 32, 240). The prep (launches 3, 2): 0, 1, 1. The backward (3, 1, 2), after both of its kernels: 0
+    (whole chunk), 2 (diagonal blocks by dot), 1 (exact)."""
+    T, K = 192, 64
+    g = torch.cat([torch.full((1, 64, 1, K), -d) for d in (0.5, 4.0, 30.0)], 1)
+    q, k, v = (torch.randn(1, T, 1, K, generator=gen).requires_grad_() for _ in range(3))
+    beta = torch.rand(1, T, 1, generator=gen)
+    bufs, make = [], _kda._redo
+
+    def spy(*a):
+        bufs.append(make(*a))
+        return bufs[-1]
+
+    _kda._redo = spy
+    try:
+        o, _ = chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+        o.sum().backward()
+    finally:
+        _kda._redo = make
+    return {"prep": bufs[0].flatten().tolist(), "bwd": bufs[1].flatten().tolist(), "buffers": len(bufs)}
 
 
 def frees_early_case(xs) -> dict:
