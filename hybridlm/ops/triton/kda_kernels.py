@@ -137,6 +137,22 @@ def _whole_sums(gg, gn, BT: tl.constexpr):
 
 
 @triton.jit
+def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                  WHOLE: tl.constexpr):
+    """Whether every factor of chunk ic's dot stays within e^60 in every key channel: the whole chunk's
+    (`_whole_sums`, WHOLE) or its diagonal 16-row blocks' (`_mid_sums`)."""
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+    worst = tl.zeros([BT, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
+        if WHOLE:
+            worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
+        else:
+            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
+    return tl.max(tl.max(worst, 1), 0) <= 60.0
+
+
+@triton.jit
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                DIAG: tl.constexpr, MARKED: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
@@ -160,12 +176,7 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     if DIAG == 3 and MARKED:
         go = tl.load(p) == 0
     elif DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
-        n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-        worst = tl.zeros([BT, BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-            worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
-        go = tl.max(tl.max(worst, 1), 0) <= 60.0
+        go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, True)
         tl.store(p, tl.where(go, 0, 1).to(tl.int32))
     elif DIAG == 1 and MARKED:
         go = tl.load(p) == 2
@@ -176,12 +187,7 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
         else:
             todo = ic >= 0
         if todo:
-            n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-            worst = tl.zeros([BT, BK], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-                worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
-            go = tl.max(tl.max(worst, 1), 0) <= 60.0
+            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, False)
             tl.store(p, tl.where(go, 2, 1).to(tl.int32))
     elif DIAG == 2:
         go = tl.load(p) == 1
