@@ -10,7 +10,8 @@
 # tunewarps (each launch's warps alone, forward and backward, two shapes), checklean (the GPU check under tunelean's best), profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
 # tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
-# the KDA row), layers / layersq (whole-layer table; one width and length), layersprof (the GDN layer row with
+# the KDA row), layers / layersq (whole-layer table; one width and length), layerskda (the KDA layer row alone,
+# no recompute variant: fla's KDA layer autotunes for over 4 minutes; rows are saved as they finish), layersprof (the GDN layer row with
 # per-kernel CUDA times of ours, ours with recompute and fla's), check (GDN/KDA vs float64, pass/fail), checkdiag (check, and the KDA cases under three kda.TUNE diag_dot settings),
 # glue (fused glue vs float64), train30m (the no-argument GPU run, gpu-30m), mqar (paper-preset cells in six
 # concurrent shards until the step's limit, resuming from results/mqar-paper/results.json: copy the returned
@@ -62,6 +63,8 @@ for spec in "$@"; do
     kdagdn) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --parts kda,gdn --profile --out "$OUT/kdagdn" "${TUNE_ARG[@]}") ;;
     layers) cmd=(python3 -m hybridlm.bench.layers --rep 50 --out "$OUT/layers") ;;
     layersq) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn,kda --out "$OUT/layersq") ;;
+    layerskda) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows kda --no-recompute \
+                    --out "$OUT/layerskda") ;;
     layersprof) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn --profile \
                      --out "$OUT/layersprof") ;;
     check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;

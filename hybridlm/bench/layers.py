@@ -29,6 +29,7 @@ import time
 import torch
 
 from hybridlm.bench.cuda_profile import print_kernel_times
+from hybridlm.bench.mqar import atomic_write_text
 
 WIDTHS = {"2048": dict(D=2048, H=16, HV=32, d=128), "1024": dict(D=1024, H=8, HV=16, d=128)}
 
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="gdn,kda,hybrid3:1", help="comma-separated from gdn, kda, hybrid3:1")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of repeats)")
     parser.add_argument("--no-fla", action="store_true", help="skip fla's layers even if installed")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="skip the rows of our layers with recompute=True (one variant less per row)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each variant's CUDA time per kernel over 3 forward+backward steps (where "
                              "ours and fla's layers differ)")
@@ -118,7 +121,8 @@ def _run_row(kind, wname, T, args, have_fla):
     makers = {"gdn": (_ours_gdn, _fla_gdn), "kda": (_ours_kda, _fla_kda), "hybrid3:1": (_ours_hybrid, None)}
     ours, theirs = makers[kind]
     variants = [("ours", ours)]
-    if kind != "hybrid3:1":  # the same layer with recompute=True: its recurrence keeps only its inputs
+    if kind != "hybrid3:1" and not getattr(args, "no_recompute", False):
+        # the same layer with recompute=True: its recurrence keeps only its inputs
         variants.append(("ours_rc", lambda w, ours=ours: ours(w, recompute=True)))
     variants += [("fla", theirs)] if (theirs is not None and have_fla) else []
     for name, make in variants:
@@ -149,6 +153,8 @@ def _run_row(kind, wname, T, args, have_fla):
             row[f"{name}_error"] = repr(e)[:300]
         finally:
             torch.cuda.empty_cache()
+        # each variant as it ends: fla's KDA layer autotunes for minutes, and a run cut short keeps what it has
+        print(json.dumps({"partial": True, **row}), flush=True)
     if "ours_ms" in row and "fla_ms" in row:
         row["speedup_vs_fla"] = row["fla_ms"] / row["ours_ms"]
     if "ours_rc_ms" in row and "fla_ms" in row:
@@ -198,6 +204,13 @@ def run(args: argparse.Namespace) -> int:
             "fla": fla_version, "python": platform.python_version(), "tokens": args.tokens,
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     rows = []
+
+    def save():  # after every row, atomically: a run cut short keeps its finished rows
+        table = _table(info, rows)
+        atomic_write_text(os.path.join(args.out, "layers.json"), json.dumps({"info": info, "rows": rows}, indent=1))
+        atomic_write_text(os.path.join(args.out, "layers.md"), table + "\n")
+        return table
+
     for kind in args.rows.split(","):
         for wname in args.widths.split(","):
             if wname not in WIDTHS:
@@ -207,12 +220,8 @@ def run(args: argparse.Namespace) -> int:
                 row = _run_row(kind, wname, T, args, have_fla)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = _table(info, rows)
-    print(table)
-    with open(os.path.join(args.out, "layers.json"), "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "layers.md"), "w") as f:
-        f.write(table + "\n")
+                save()
+    print(save())
     return 0
 
 

@@ -40,3 +40,36 @@ def test_layer_saved_bytes_script_counts_the_kernel_intermediates():
     HV, Ttot, NC = 32, 128, 128 // 64 + 1
     expect = (NC * HV * 64 * 64 * 4 + 4 * Ttot * HV * 128 * 2 + NC * HV * 128 * 128 * 2 + NC * HV * 64 * 64 * 2)
     assert abs((total() - total("--recompute")) - expect / 2**20) <= 0.1
+
+
+def test_rows_are_saved_as_they_finish(tmp_path, monkeypatch):
+    """layers.json and layers.md are rewritten (atomically) after every row, so a run cut short keeps the rows it
+    finished; --no-recompute reaches the row runner."""
+    import argparse
+    import json
+
+    import pytest
+    import torch
+
+    p = argparse.ArgumentParser()
+    layers.add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path), "--rows", "gdn,kda", "--widths", "1024", "--seq-lens", "2048",
+                         "--no-fla", "--no-recompute"])
+    seen = []
+
+    def fake_row(kind, wname, T, a, have_fla):
+        seen.append((kind, a.no_recompute))
+        if kind == "kda":
+            raise KeyboardInterrupt  # the run stops in its second row
+        return dict(layer=kind, width=wname, T=T, B=8, ours_tok_s=1.0, ours_peak_GiB=1.0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test device")
+    monkeypatch.setattr(layers, "_run_row", fake_row)
+    with pytest.raises(KeyboardInterrupt):
+        layers.run(args)
+    assert seen == [("gdn", True), ("kda", True)]
+    saved = json.loads((tmp_path / "layers.json").read_text())
+    assert [r["layer"] for r in saved["rows"]] == ["gdn"]
+    assert "| gdn | 1024 | 2048 x 8 |" in (tmp_path / "layers.md").read_text()
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".tmp-")]
