@@ -212,3 +212,14 @@ def test_settings_that_fail_on_the_h100_are_refused_on_cuda():
         assert tg.bwd_lowp(bf16_cuda) is True
     finally:
         tk.TUNE["bwd_warps"], tg.TUNE["bwd_lowp"] = old_w, old_l
+
+
+def test_whole_share_script_applies_the_kernels_bounds():
+    """scripts/kda_whole_share.py: constant log-decays 0.5, 4 and 30 a step fall in the whole-chunk, the
+    diagonal-block and the exact launch, as the kernels' marks do (test_each_chunk_goes_to_the_launch_...)."""
+    sys.path.insert(0, str(HERE.parents[1] / "scripts"))
+    from kda_whole_share import shares
+
+    for d, launch in ((0.5, "whole"), (4.0, "diag_dot"), (30.0, "exact")):
+        res = shares(torch.full((128, 2, 8), -d))
+        assert res[launch] == 1.0, (d, res)
