@@ -8,7 +8,9 @@
 # tunebwd (the GDN chunk-backward plans only, old default first, built-in forward -> tune_bwd.json),
 # tunelean (the inference-forward plans vs the training forward and fla, forward only, three shapes),
 # tunewarps (each launch's warps alone, forward and backward, two shapes), checklean (the GPU check under tunelean's best), profstages (the prep's launches timed one by one, four variants), proffwd (per-kernel CUDA times of ours, ours lean and fla, forward and forward+backward, two shapes),
-# tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128),
+# tunekda (KDA launch plans vs fla's chunk_kda, B4 T4096 H16 D128; fla's autotuning alone takes over 4 minutes),
+# tunekdainit (the same without fla, on the log-decays of a freshly initialised KDA layer: most chunks outside the
+# whole-chunk dot's bound),
 # kernels (full kernel table, with tune.json when the tune step ran), kernelsq / kdagdn (first shape only; with
 # the KDA row), layers / layersq (whole-layer table; one width and length), layerskda (the KDA layer row alone,
 # no recompute variant: fla's KDA layer autotunes for over 4 minutes; rows are saved as they finish), layersprof (the GDN layer row with
@@ -58,6 +60,8 @@ for spec in "$@"; do
                  --tune-json $OUT/lean_4_4096_16_128.json > $OUT/check\$i.part.log 2>&1 & done; wait; \
                  tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     tunekda) cmd=(python3 scripts/gpu_tune_kda.py --json "$OUT/tune_kda.json" --max-seconds $((secs - 40))) ;;
+    tunekdainit) cmd=(python3 scripts/gpu_tune_kda.py --no-fla --gates init --json "$OUT/tune_kda_init.json" \
+                      --max-seconds $((secs - 90))) ;;
     kernels) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --profile --out "$OUT/kernels" "${TUNE_ARG[@]}") ;;
     kernelsq) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --profile --out "$OUT/kernelsq" "${TUNE_ARG[@]}") ;;
     kdagdn) cmd=(python3 -m hybridlm.bench.kernels --rep 100 --quick --parts kda,gdn --profile --out "$OUT/kdagdn" "${TUNE_ARG[@]}") ;;

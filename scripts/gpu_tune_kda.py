@@ -24,12 +24,19 @@ from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error mea
 from hybridlm.ops.triton import chunk_kda, gdn, kda
 
 
-def make(B, T, H, D, seed=0):
-    """The inputs of `hybridlm bench kernels`' KDA row, bf16-representable (g stays fp32)."""
+def make(B, T, H, D, seed=0, gates="bench"):
+    """The inputs of `hybridlm bench kernels`' KDA row, bf16-representable (g stays fp32). gates "init": g as a
+    freshly initialised `KimiDeltaAttention` makes it, -A softplus(f) with A ~ U(1, 16) per head and f ~ N(0, 0.33)
+    (its f_b(f_a(x)) at x ~ N(0, 1), dt_bias 0; mean g about -5.5, most chunks outside the whole-chunk dot's bound:
+    scripts/kda_whole_share.py)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
-    g = F.logsigmoid(r(B, T, H, D) + 3.0)
+    if gates == "init":
+        A = 1.0 + 15.0 * torch.rand(1, 1, H, 1, device="cuda", generator=gen)
+        g = -A * F.softplus(0.33 * r(B, T, H, D))
+    else:
+        g = F.logsigmoid(r(B, T, H, D) + 3.0)
     beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
     return q, k, v, g, beta
 
@@ -72,11 +79,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
     ap.add_argument("--no-fla", action="store_true", help="do not time fla's chunk_kda")
+    ap.add_argument("--gates", choices=["bench", "init"], default="bench",
+                    help="log-decays: the kernel bench's mild ones (logsigmoid(N(0,1) + 3)) or those of a freshly "
+                         "initialised KDA layer (see make)")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
-    xs = make(B, T, H, D)
+    xs = make(B, T, H, D, gates=args.gates)
     do = torch.randn(B, T, H, D, device="cuda").bfloat16().float()
     base, gbase = dict(kda.TUNE), dict(gdn.TUNE)
     gdn.TUNE.update(store_fp32=True, fwd_lowp=False, bwd_lowp=False)
