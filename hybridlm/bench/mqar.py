@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..interop.files import atomic_write_text
 from ..ops import (
     causal_conv1d,
     delta_rule,
@@ -567,14 +568,6 @@ def plot(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     atomic_savefig(fig, path)
     plt.close(fig)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def atomic_savefig(fig, path: str) -> None:

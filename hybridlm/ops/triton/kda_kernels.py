@@ -156,17 +156,17 @@ def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, B
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                DIAG: tl.constexpr, MARKED: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
-    loop. Else the kernel is launched twice with a shared int32 redo [chunks, HV]: DIAG 1 takes the chunks (and
-    heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every key block,
-    i.e. every factor within e^60 (fp32, tf32 and bf16 reach e^88; the margin keeps a small y times e^-60 a normal
-    number), and marks the others; DIAG 2 takes only the marked ones (log-decays summing beyond ~-120 over 16 rows)
-    through the exact loop. DIAG 3 (the prep only, before a DIAG 2 launch) does the same with the whole chunk as
-    one block (`_whole_sums`: every row within e^60 of the middle row, log-decays summing to at most ~120 over the
-    chunk), so a chunk it takes needs neither the off-diagonal blocks' factors nor the diagonal blocks.
-    One kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the
-    backward launches). MARKED (with DIAG 1): redo already holds the marks of this call, written by an earlier
-    dot launch over the same g and key blocks (the output backward's, before the state backward): read them, do
-    not recompute them.
+    loop. Else the kernel is launched two or three times with a shared int32 redo [chunks, HV]: DIAG 1 takes the
+    chunks (and heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every
+    key block, i.e. every factor within e^60 (fp32, tf32 and bf16 reach e^88; the margin keeps a small y times
+    e^-60 a normal number), and marks the others; DIAG 2 takes only the marked ones (log-decays summing beyond
+    ~-120 over 16 rows) through the exact loop. DIAG 3 (first, before the others) does the same with the whole
+    chunk as one block (`_whole_sums`: every row within e^60 of the middle row, log-decays summing to at most ~120
+    over the chunk), so a chunk it takes needs neither the off-diagonal blocks' factors nor the diagonal blocks. One
+    kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the backward launches).
+    MARKED (with DIAG 3 and 1): redo already holds the marks of this call, written by the same launches of an
+    earlier kernel over the same g and key blocks (the output backward's, before the state backward): read them,
+    do not recompute them.
     The marks: 0 the whole chunk by dot (DIAG 3), 2 its diagonal blocks by dot (DIAG 1), 1 neither (DIAG 2). WHOLE
     (with DIAG 1): a DIAG 3 launch of this kernel came first, so the chunks it marked 0 are done. Every chunk is
     taken by exactly one launch of a sequence (3, 1, 2), (3, 2), (1, 2) or (0)."""
@@ -485,7 +485,7 @@ def _unband(band, BT: tl.constexpr):
 @triton.jit
 def _diag_band(M, BT: tl.constexpr, DIAG: tl.constexpr):
     """`_band(M)` for the exact diagonal loop of `_rows_prod_blk` / `_cols_prod_blk`, built once per program
-    before the key-block loop; the dot launch (DIAG 1) reads M itself, so it gets zeros."""
+    before the key-block loop; the dot launches (DIAG 1 and 3) read M itself, so they get zeros."""
     if DIAG == 1 or DIAG == 3:
         band = tl.zeros([BT, 16], dtype=tl.float32)
     else:
@@ -617,14 +617,7 @@ def _kda_prep_ap(
             ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
             tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
             tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
-            if DIAG == 3:
-                # the whole chunk at once: e^{b_i - b_j} = e^{s_i} e^{-s_j} through the middle row (fp32 operands;
-                # where j > i the product may overflow, and the masks below drop it)
-                s = _whole_sums(gg, gn, BT)
-                Y = kr * tl.exp(-s)
-                A += tl.where(low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
-                P += tl.where(low | diag, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
-            else:
+            if DIAG != 3:  # the off-diagonal 16-row blocks (DIAG 3 has no blocks)
                 if FACT:
                     E, Yf, Tb = _off_parts(gg, gn, BT)
                 for cb in tl.static_range(BT // 16 - 1):
@@ -635,27 +628,33 @@ def _kda_prep_ap(
                     Y = kr * ye
                     A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
                     P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
-                if DIAG == 1:
-                    s = _mid_sums(gg, gn, BT)
-                    # diagonal blocks, all four in one dot each: e^{b_i - b_j} = e^{s_i} e^{-s_j} within a block
-                    Y = kr * tl.exp(-s)
-                    A += tl.where(blk & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
-                    P += tl.where(blk & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC),
-                                  0.0)
+            if DIAG == 1 or DIAG == 3:
+                # one dot each, e^{b_i - b_j} = e^{s_i} e^{-s_j}: through the chunk's middle row for every pair (DIAG
+                # 3) or through each 16-row block's for the pairs within it (DIAG 1); fp32 operands. Where j > i
+                # the product may overflow, and the masks drop it
+                if DIAG == 3:
+                    s = _whole_sums(gg, gn, BT)
+                    mA, mP = low, low | diag
                 else:
-                    # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j
-                    # from 15 down; acc = b_i - b_j, one gathered row of g added per step
-                    acc = tl.zeros([BT, BK], dtype=tl.float32)
-                    for jj in range(16):
-                        j = 15 - jj
-                        src = rows - pos + j
-                        kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
-                        acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                                       mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-                        ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
-                        col = c16[None, :] == j
-                        Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
-                        Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
+                    s = _mid_sums(gg, gn, BT)
+                    mA, mP = blk & low, blk & (low | diag)
+                Y = kr * tl.exp(-s)
+                A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+            else:
+                # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
+                # down; acc = b_i - b_j, one gathered row of g added per step
+                acc = tl.zeros([BT, BK], dtype=tl.float32)
+                for jj in range(16):
+                    j = 15 - jj
+                    src = rows - pos + j
+                    kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
+                    acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
+                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                    ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
+                    col = c16[None, :] == j
+                    Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
+                    Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         if DIAG == 0 or DIAG == 2:  # the exact loop's diagonal blocks
             A += _unband(Da, BT)
