@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.bench.cuda_profile import print_kernel_times
+from hybridlm.interop.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
 
@@ -289,10 +290,8 @@ def run(args: argparse.Namespace) -> int:
 
     table = _table(info, rows)
     print(table)
-    with open(os.path.join(args.out, "kernels.json"), "w") as f:
-        json.dump({"info": info, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "kernels.md"), "w") as f:
-        f.write(table + "\n")
+    atomic_write_text(os.path.join(args.out, "kernels.json"), json.dumps({"info": info, "rows": rows}, indent=1))
+    atomic_write_text(os.path.join(args.out, "kernels.md"), table + "\n")
     try:
         _plot(rows, os.path.join(args.out, "kernels.png"))
     except Exception as e:  # noqa: BLE001

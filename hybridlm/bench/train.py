@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridlm.interop.files import atomic_write_text
+
 DEFAULT_OUT = os.path.join("runs", "bench-train")
 GUARD_NOTE = ("fla 0.6.0's guard against its gated chunk backward on Hopper with Triton < 3.7.1 (fla #640) was "
               "lifted for this run: fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True")
@@ -543,16 +545,14 @@ def run(args: argparse.Namespace) -> int:
     table = markdown_table(info, rows)
     print(table)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "train.json"), "w", encoding="utf-8") as f:
-        json.dump({"info": info, "configs": configs, "rows": rows, "ours_impl_log": impl_log}, f, indent=1,
-                  default=str)
-    with open(os.path.join(args.out, "train.md"), "w", encoding="utf-8") as f:
-        f.write(table + "\n")
+    atomic_write_text(os.path.join(args.out, "train.json"),
+                      json.dumps({"info": info, "configs": configs, "rows": rows, "ours_impl_log": impl_log},
+                                 indent=1, default=str))
+    atomic_write_text(os.path.join(args.out, "train.md"), table + "\n")
     prof = profile_table(rows)
     if prof:
         print(prof)
-        with open(os.path.join(args.out, "profile.md"), "w", encoding="utf-8") as f:
-            f.write(prof + "\n")
+        atomic_write_text(os.path.join(args.out, "profile.md"), prof + "\n")
     return 0
 
 
