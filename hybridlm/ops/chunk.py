@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 
-def _pairwise_decay(b: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """b: [..., C, D] cumulative log-decay (D = 1 or K). Returns exp(b_i - b_j) as [..., C, C, D] for j <= i
-    (j < i if not inclusive) and 0 elsewhere. Masking happens before exp, so no inf ever appears."""
+def _pairwise_decay(b: torch.Tensor, inclusive: bool, dtype: torch.dtype) -> torch.Tensor:
+    """b: [..., C, D] cumulative log-decay in float64 (D = 1 or K). Returns exp(b_i - b_j) in `dtype` as
+    [..., C, C, D] for j <= i (j < i if not inclusive) and 0 elsewhere. Masking happens before exp, so no inf ever
+    appears."""
     C = b.shape[-2]
-    diff = b.unsqueeze(-2) - b.unsqueeze(-3)  # [..., i, j, D]
+    diff = (b.unsqueeze(-2) - b.unsqueeze(-3)).to(dtype)  # [..., i, j, D]
     keep = torch.ones(C, C, dtype=torch.bool, device=b.device).tril(0 if inclusive else -1)
     return diff.masked_fill(~keep[..., None], float("-inf")).exp()
 
@@ -35,7 +36,8 @@ def _decayed_products(x: torch.Tensor, y: torch.Tensor, decay: torch.Tensor) -> 
 
 
 def _masked_products(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, inclusive: bool, sub: int = 16) -> torch.Tensor:
-    """sum_d x_id y_jd e^{b_id - b_jd} for j <= i (j < i if not inclusive), else 0. x, y: [..., C, K]; b: [..., C, D].
+    """sum_d x_id y_jd e^{b_id - b_jd} for j <= i (j < i if not inclusive), else 0. x, y: [..., C, K];
+    b: [..., C, D] in float64 (see step 1 of `recurrence_chunk`); the result is in x's dtype.
 
     Scalar decay (D = 1) is one matmul. Per-channel decay (D = K) would need the [C, C, K] tensor of factors; instead
     split the chunk into sub-blocks of `sub` steps: diagonal sub-blocks use the exact pairwise form, and an
@@ -43,23 +45,23 @@ def _masked_products(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, inclusiv
     r_c = b at the end of block c. Since b does not increase, both factors are <= 1: exact, no overflow, two matmuls.
     """
     if b.shape[-1] == 1:
-        return _decayed_products(x, y, _pairwise_decay(b, inclusive))
+        return _decayed_products(x, y, _pairwise_decay(b, inclusive, x.dtype))
     C, K = x.shape[-2:]
     S = min(sub, C)
     NS = C // S
     lead = x.shape[:-2]
     xs, ys, bs = (t.reshape(*lead, NS, S, K) for t in (x, y, b))
     # diagonal sub-blocks, exact pairwise: [..., NS, S, S] placed on the block diagonal
-    diag = _decayed_products(xs, ys, _pairwise_decay(bs, inclusive))
+    diag = _decayed_products(xs, ys, _pairwise_decay(bs, inclusive, x.dtype))
     eye = torch.eye(NS, dtype=x.dtype, device=x.device).view(NS, 1, NS, 1)
     out = (diag.unsqueeze(-2) * eye).reshape(*lead, C, C)
     if NS == 1:
         return out
     # off-diagonal blocks through the reference point r_c of each column block c
     r = bs[..., -1, :]  # [..., NS, K]
-    y_f = ys * (r.unsqueeze(-2) - bs).exp()  # [..., NS, S, K], factors <= 1
+    y_f = ys * (r.unsqueeze(-2) - bs).to(x.dtype).exp()  # [..., NS, S, K], factors <= 1
     later = (torch.arange(C, device=x.device) // S)[None, :] > torch.arange(NS, device=x.device)[:, None]  # [NS, C]
-    expo = (b.unsqueeze(-3) - r.unsqueeze(-2)).masked_fill(~later[..., None], float("-inf"))  # [..., NS, C, K]
+    expo = (b.unsqueeze(-3) - r.unsqueeze(-2)).to(x.dtype).masked_fill(~later[..., None], float("-inf"))
     x_f = x.unsqueeze(-3) * expo.exp()  # rows not after block c are exactly 0
     off = x_f @ y_f.transpose(-1, -2)  # [..., NS (column block), C (row), S]
     return out + off.movedim(-3, -2).reshape(*lead, C, C)
@@ -96,10 +98,14 @@ def recurrence_chunk(
     q, k, v, gc = (to_chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, g))
     bt = to_chunks(beta.unsqueeze(-1))  # [B, HV, NC, C, 1]
 
-    # 1. Cumulative log-decay inside each chunk: b_i = g_1 + ... + g_i (<= 0, non-increasing).
-    b = gc.cumsum(dim=-2)
-    eb = b.exp()  # [B, HV, NC, C, D]
+    # 1. Cumulative log-decay inside each chunk: b_i = g_1 + ... + g_i (<= 0, non-increasing). Kept in float64
+    #    whatever the dtype: every decay factor below is e^{b_i - b_j}, and a float32 difference of two long sums
+    #    keeps only |b| * 6e-8 of absolute precision, which is the factor's relative error (2e-4 after 128 steps
+    #    of -30: o was off by 3e-5 and dg by 8e-5). Each exponent is cast to the working dtype after the difference.
+    b = gc.double().cumsum(dim=-2)  # [B, HV, NC, C, D]
+    eb = b.to(dtype).exp()
     b_last = b[..., -1:, :]  # [B, HV, NC, 1, D]
+    chunk_decay = b_last.to(dtype).exp().transpose(-1, -2)  # [B, HV, NC, D, 1]: the state's decay over a chunk
 
     # 2. Intra-chunk attention of queries on keys, with the decay between the two positions (j <= i).
     P = _masked_products(q, k, b, inclusive=True)  # [B, HV, NC, C, C]
@@ -117,13 +123,13 @@ def recurrence_chunk(
 
     # 4. Sweep the chunks in order, carrying the state.
     q_dec = q * eb  # queries read the chunk-initial state through the decay since the chunk start
-    k_dec = k * (b_last - b).exp()  # keys written now are decayed until the chunk end
+    k_dec = k * (b_last - b).to(dtype).exp()  # keys written now are decayed until the chunk end
     S = state_BHKV
     outs = []
     for n in range(NC):
         U = U0[:, :, n] if W is None else U0[:, :, n] - W[:, :, n] @ S  # 4a. the writes, corrected for S0
         outs.append(q_dec[:, :, n] @ S + P[:, :, n] @ U)  # 4b. read S0 + intra-chunk contributions
-        S = S * b_last[:, :, n].exp().transpose(-1, -2) + k_dec[:, :, n].transpose(-1, -2) @ U  # 4c. next state
+        S = S * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ U  # 4c. next state
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, HV, 0, C, V)
     o = o.reshape(B, HV, NC * C, V)[:, :, :T].transpose(1, 2)
     return o, S
