@@ -37,13 +37,15 @@ def rel(a, b):
 
 
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
-          recompute=False, lean=False):
-    """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean")."""
+          recompute=False, lean=False, decay=None):
+    """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean"); decay: log-decays
+    uniform in [-decay, 0) instead of logsigmoid(N(3, 1))."""
     if lean:
         saved = _gdn.TUNE["fwd_variant"]
         _gdn.TUNE["fwd_variant"] = "lean"
         try:
-            return check(gen, name, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0, l2=l2, grads=False)
+            return check(gen, name, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0, l2=l2, grads=False,
+                         decay=decay)
         finally:
             _gdn.TUNE["fwd_variant"] = saved
     dev = "cuda"
@@ -53,6 +55,8 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     if not l2:
         q, k = q / K**0.5, k / K**0.5
     g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)  # log-decays mostly near 0, some strong
+    if decay is not None:
+        g = -decay * torch.rand(B, T, HV, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)] + [r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
@@ -204,6 +208,10 @@ def main(argv=None) -> int:
         cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+        # log-decays down to -30 a step: each exponent keeps its own precision (gdn_kernels `_cum_split`)
+        cases.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
+        cases.append(("lean T300 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0,
+                                                     lean=True)))
         # the inference forward (no autograd): the lean kernels
         for T in (1, 65, 1000):
             cases.append((f"lean T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, lean=True)))

@@ -6,8 +6,11 @@ variable must be set before triton decorates the kernels), on fresh random fp32 
 K=V=256,
 the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=True)` call (aot_eager backend:
 the custom ops' fake kernels trace, the real kernels run), and the decode step on a state pool with indices.
-Tolerance (relative RMS vs float64): 1e-5 for o and final state, 3e-5 for every gradient (measured ~1e-6 typical,
-1.2e-5 worst seen for dg at beta up to 2; PyTorch's fp32 chunk path gave 2.3e-6 on that input).
+Tolerance (relative RMS vs float64): 2e-6 for o and final state, 1e-5 (the GDN issue's fp32 bar) for every
+gradient. Worst over 4 seeds of every case (2026-11-24): o 2.5e-7, gradients 1.4e-6 (dg at K=V=256); a case with
+log-decays down to -30 a step is among them (dg 2.7e-7). Before the kernels kept their exponents and dg in their
+own precision (gdn_kernels `_cum_split`, `_row_minus_col`, `_dg_rows`) the bars were 1e-5 and 3e-5, and dg
+reached 1.2e-5 at the usual decays and 1.5e-5 at decay 30.
 Every chunk-backward launch plan (K-blocked state-first, the default; state-first with the UT dots in either
 launch; the two-phase plan) runs at 4 chunks with GVA, at varlen without l2norm, and with fp16 inputs (the 16-bit
 path; 1e-3 for o/state, 2e-3 for gradients), with the other plans' kernels blocked so a silent fallback fails; the
@@ -34,7 +37,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "triton"))
 from recompute_check import check_recompute_result  # noqa: E402
 
-TOL_OUT, TOL_GRAD = 1e-5, 3e-5
+TOL_OUT, TOL_GRAD = 2e-6, 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def interp_results():
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "K256_V256_T70", "compiled_T70",
-         "inline_output_T70", "one_launch_prep_one_by_one_T130"]
+         "inline_output_T70", "one_launch_prep_one_by_one_T130", "decay30_gva2_T130"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -288,22 +288,21 @@ def _prep_fwd(
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
         gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        gc = tl.cumsum(gg, 0)
+        gc, gcl, gL, ged = _cum_split(gg)
     if STAGE < 2:
-        gL = tl.sum(gg, 0)
         strict = rows[:, None] > rows[None, :]
         incl = rows[:, None] >= rows[None, :]
         # state-independent reads and writes of the recurrence
-        tl.store(Kd + krow, (kk * tl.exp(gL - gc)[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
+        tl.store(Kd + krow, (kk * tl.exp(ged)[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
         qq = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
         tl.store(Qg + krow, (qq * (scale * tl.exp(gc))[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
         kk_d = _op(kk, DT, LOWP)
         P = tl.dot(_op(qq, DT, LOWP), tl.trans(kk_d), input_precision=PREC) * scale
-        P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        P = tl.where(incl, P * tl.exp(_pair_exponent(gc, gcl, incl)), 0.0)
         tl.store(Pb + p_TT, P.to(Pb.dtype.element_ty))
         # the UT transform's A
         KK = tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
-        A = tl.where(strict, bb[:, None] * KK * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        A = tl.where(strict, bb[:, None] * KK * tl.exp(_pair_exponent(gc, gcl, strict)), 0.0)
         tl.store(Tbuf + p_TT, A)
     if STAGE == 0:
         tl.debug_barrier()
@@ -362,11 +361,11 @@ def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
-    gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, gL, ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     s_q = rq * scale * tl.exp(gc)  # row scales of Qg and Kd
-    s_k = rk * tl.exp(gL - gc)
+    s_k = rk * tl.exp(ged)
     b_P = tl.zeros([BT, BT], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -380,7 +379,7 @@ def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale
         b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     # decays e^{b_i - b_j} on and below the diagonal (the exponent is masked above it, where it could overflow)
     incl = rows[:, None] >= rows[None, :]
-    D = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+    D = tl.exp(_pair_exponent(gc, gcl, incl))
     b_P = tl.where(incl, b_P * D * (rq * scale)[:, None] * rk[None, :], 0.0)
     b_A = tl.where(rows[:, None] > rows[None, :], b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
     p_TT = blk * BT * BT + rows[:, None] * BT + rows[None, :]
@@ -397,7 +396,7 @@ def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
-    gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, _gL, _ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     Tm = tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :])
     _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP)
@@ -470,7 +469,7 @@ def _prep_lean(
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    gc, _gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, _gL, _ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
     if STAGE < 2:
         rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
@@ -480,7 +479,7 @@ def _prep_lean(
             b_k = _load_raw(k, r64, rmask, H * K, ih * K, k0 + tl.arange(0, BK))
             b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
         strict = rows[:, None] > rows[None, :]
-        D = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+        D = tl.exp(_pair_exponent(gc, gcl, strict))
         b_A = tl.where(strict, b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
         if STAGE == 1 or DOUBLING != 1:  # the block solve reads A's rows from memory
             tl.store(p_T + rows[:, None] * BT + rows[None, :], b_A)
@@ -498,7 +497,7 @@ def _prep_lean(
 
 
 @triton.jit
-def _q_raw_scaled(q, b_k, rk, gc, bos, Tn, t0, col0, stride, scale, K: tl.constexpr, BT: tl.constexpr,
+def _q_raw_scaled(q, b_k, rk, gc, gcl, bos, Tn, t0, col0, stride, scale, K: tl.constexpr, BT: tl.constexpr,
                   L2: tl.constexpr, PREC: tl.constexpr):
     """Of one chunk, from the raw q rows and the raw k tile b_k [BT, K]: (Q raw, its row scales qs = scale rq e^b, and
     P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} for j <= i, [BT, BT] fp32). Q S is then (Q_raw S) * qs: the raw
@@ -511,7 +510,7 @@ def _q_raw_scaled(q, b_k, rk, gc, bos, Tn, t0, col0, stride, scale, K: tl.conste
         rq = tl.full([BT], 1.0, tl.float32) * scale
     incl = rows[:, None] >= rows[None, :]
     P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-    P = tl.where(incl, P * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * rq[:, None] * rk[None, :], 0.0)
+    P = tl.where(incl, P * tl.exp(_pair_exponent(gc, gcl, incl)) * rq[:, None] * rk[None, :], 0.0)
     return b_q, rq * tl.exp(gc), P
 
 
@@ -529,10 +528,10 @@ def _out_fwd_raw(
     ihv = tl.program_id(2)
     ih = ihv // (HV // H)
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    gc = tl.cumsum(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32), 0)
+    gc, gcl, _gL, _ged = _cum_split(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32))
     rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
     b_k = _seq_load(k, bos, nval, 0, ih * K, H * K, BT, K)
-    b_q, qs, P = _q_raw_scaled(q, b_k, rk, gc, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
+    b_q, qs, P = _q_raw_scaled(q, b_k, rk, gc, gcl, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
     S = tl.load(hbuf + (ic * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :])
@@ -625,9 +624,9 @@ def _recur_fwd(
         W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
         if RAWK:  # raw keys: their scales rk e^{bL - b} go onto Vn's rows in the state update instead
             ih = ihv // (HV // H)
-            gc = tl.cumsum(gs, 0)
+            gc, gcl, _gL, ged = _cum_split(gs)
             rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
-            sk = rk * tl.exp(tl.sum(gs, 0) - gc)
+            sk = rk * tl.exp(ged)
         kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
@@ -637,7 +636,7 @@ def _recur_fwd(
             _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if OUT:
             if RAWK:
-                b_q, qs, P = _q_raw_scaled(Qg, kd, rk, gc, bos, Tn, t0, ih * K, H * K, scale, K, BT, L2, PREC)
+                b_q, qs, P = _q_raw_scaled(Qg, kd, rk, gc, gcl, bos, Tn, t0, ih * K, H * K, scale, K, BT, L2, PREC)
                 oo = tl.dot(_op(b_q, DT, LOWP), S_d, input_precision=PREC) * qs[:, None]
             else:
                 qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
@@ -809,8 +808,7 @@ def _chunk_bwd(
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    gc = tl.cumsum(gg, 0)
-    gL = tl.sum(gg, 0)
+    gc, gcl, gL, ged = _cum_split(gg)
     gam = tl.exp(gc)
     incl = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
@@ -829,12 +827,12 @@ def _chunk_bwd(
         qq_d = _op(qq, DT, LOWP)
         dqn = dQS * (scale * gam)[:, None]
         dgc = tl.sum(qq * dqn, 1)
-        Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+        Gi = tl.exp(_pair_exponent(gc, gcl, incl))
         QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
         R = tl.where(incl, dP * QK * Gi * scale, 0.0)
         dPg_d = _op(tl.where(incl, dP * Gi * scale, 0.0), DT, LOWP)
         dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
-        dgc += tl.sum(R, 1) - tl.sum(R, 0)
+        dgc += _row_minus_col(R, rows)
         if L2:
             dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
         tl.store(dq + krow, dqn, mask=rmask[:, None])
@@ -849,13 +847,12 @@ def _chunk_bwd(
         Tm_d = _op(tl.load(Tbuf + ((ic * HV + ihv) * BT + rows[:, None]) * BT + rows[None, :]), DT, LOWP)
         dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
                                                K, V, BT, BV, PREC, LOWP)
-        ed = tl.exp(gL - gc)
+        ed = tl.exp(ged)
         if PHASE == 0:
             tl.debug_barrier()  # dkp was stored above by this program's other threads (one-launch plan)
         dkn = tl.load(dkp + krow, mask=rmask[:, None], other=0.0) + dKd * ed[:, None]
         r = tl.sum(kk * dKd, 1) * ed
-        dgc -= r
-        dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+        c = tl.exp(gL) * tl.sum(dSS, 0)
         # W = T Kb with Kb = diag(beta gamma) K
         bg = bb * gam
         dW_d = _op(dW, DT, LOWP)
@@ -868,7 +865,7 @@ def _chunk_bwd(
         # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
         dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
                      input_precision=PREC)
-        Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+        Gs = tl.exp(_pair_exponent(gc, gcl, strict))
         dAG = tl.where(strict, dA * Gs, 0.0)
         dKK_d = _op(dAG * bb[:, None], DT, LOWP)
         dkn += tl.dot(dKK_d, kk_d, input_precision=PREC) + tl.dot(tl.trans(dKK_d), kk_d, input_precision=PREC)
@@ -876,9 +873,7 @@ def _chunk_bwd(
         db += tl.sum(RA, 1)
         RA = RA * bb[:, None]
         dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
-        dgc += tl.where(rows == nval - 1, dgL, 0.0)
-        dgc = tl.where(rmask, dgc, 0.0)
-        dgg = tl.cumsum(dgc, 0, reverse=True)
+        dgg = _dg_rows(tl.where(rmask, dgc, 0.0), r, c)
         if L2:
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
             rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
@@ -949,8 +944,7 @@ def _chunk_bwd_onephase(
         qq = qr
         kk = kr
     gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    gc = tl.cumsum(gg, 0)
-    gL = tl.sum(gg, 0)
+    gc, gcl, gL, ged = _cum_split(gg)
     gam = tl.exp(gc)
     # output through the chunk-initial state: O += diag(scale gamma) Q S
     qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
@@ -958,19 +952,18 @@ def _chunk_bwd_onephase(
     dgc = tl.sum(qq * dqn, 1)
     # intra-chunk attention P = scale (Q K^T) * e^{b_i - b_j}, j <= i
     incl = rows[:, None] >= rows[None, :]
-    Gi = tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0))
+    Gi = tl.exp(_pair_exponent(gc, gcl, incl))
     QK = tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
     R = tl.where(incl, dP * QK * Gi * scale, 0.0)
     dPg = tl.where(incl, dP * Gi * scale, 0.0)
     dqn += tl.dot(_op(dPg, DT, LOWP), kk_d, input_precision=PREC)
     dkn = tl.dot(tl.trans(_op(dPg, DT, LOWP)), qq_d, input_precision=PREC)
-    dgc += tl.sum(R, 1) - tl.sum(R, 0)
+    dgc += _row_minus_col(R, rows)
     # state write S' = e^{bL} S + (K e^{bL - b})^T Vn
-    ed = tl.exp(gL - gc)
+    ed = tl.exp(ged)
     dkn += dKd * ed[:, None]
     r = tl.sum(kk * dKd, 1) * ed
-    dgc -= r
-    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
+    c = tl.exp(gL) * tl.sum(dSS, 0)
     # W = T Kb with Kb = diag(beta gamma) K
     bg = bb * gam
     kb = kk * bg[:, None]
@@ -985,7 +978,7 @@ def _chunk_bwd_onephase(
     dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
                  input_precision=PREC)
     strict = rows[:, None] > rows[None, :]
-    Gs = tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0))
+    Gs = tl.exp(_pair_exponent(gc, gcl, strict))
     KK = tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
     dAG = tl.where(strict, dA * Gs, 0.0)
     dKK = dAG * bb[:, None]
@@ -995,9 +988,7 @@ def _chunk_bwd_onephase(
     db += tl.sum(RA, 1)
     RA = RA * bb[:, None]
     dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
-    dgc += tl.where(rows == nval - 1, dgL, 0.0)
-    dgc = tl.where(rmask, dgc, 0.0)
-    dgg = tl.cumsum(dgc, 0, reverse=True)
+    dgg = _dg_rows(tl.where(rmask, dgc, 0.0), r, c)
     if L2:
         dqn = (dqn - qq * tl.sum(qq * dqn, 1)[:, None]) * rq[:, None]
         dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
@@ -1010,10 +1001,52 @@ def _chunk_bwd_onephase(
 
 @triton.jit
 def _chunk_gates(g, beta, r64, rmask, ihv, HV):
-    """Of one chunk: the in-chunk cumulative log-decay b [BT], its total bL, and beta [BT] (fp32; 0 past nval)."""
+    """Of one chunk: `_cum_split` of its log-decays (b, b_lo, bL, bL - b) and beta [BT] (fp32; 0 past nval)."""
     gg = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
     bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-    return tl.cumsum(gg, 0), tl.sum(gg, 0), bb
+    gc, gcl, gL, ged = _cum_split(gg)
+    return gc, gcl, gL, ged, bb
+
+
+@triton.jit
+def _cum_split(gg):
+    """gg: [BT] fp32 log-decays of one chunk. Returns the cumulative log-decay b as fp32 hi (b itself) and lo parts
+    [BT], its total bL and bL - b [BT] (fp32), all summed in fp64.
+
+    Why: every decay factor is e^{b_i - b_j} or e^{bL - b_j}, and a difference of two fp32 running sums keeps only
+    |b| * 6e-8 of absolute precision, which becomes the factor's relative error (after a strongly decaying stretch,
+    -30 a step, fp32 dg was off by 1.5e-5). The [BT] vectors are cheap in fp64; the [BT, BT] exponents stay fp32 as
+    (hi_i - hi_j) + (lo_i - lo_j) (`_pair_exponent`)."""
+    b = tl.cumsum(gg.to(tl.float64), 0)
+    tot = tl.sum(gg.to(tl.float64), 0)
+    hi = b.to(tl.float32)
+    return hi, (b - hi.to(tl.float64)).to(tl.float32), tot.to(tl.float32), (tot - b).to(tl.float32)
+
+
+@triton.jit
+def _dg_rows(dgc, r, c):
+    """dg [BT] of one chunk from the three ways g_i reaches the loss: through b_s for s >= i (dgc: reverse cumsum),
+    through the state write's decays e^{bL - b_s} for s < i (r: exclusive cumsum) and through bL (c: every row).
+    Summing r through bL onto the last row and taking it back in the reverse cumsum (the algebra's shortest form)
+    leaves each early row of a strongly decaying chunk a difference of two fp32 sums of ~|r| (dg off by 6e-6)."""
+    r64 = r.to(tl.float64)
+    return tl.cumsum(dgc, 0, reverse=True) + (tl.cumsum(r64, 0) - r64).to(tl.float32) + c
+
+
+@triton.jit
+def _row_minus_col(R, rows):
+    """sum_j R_ij - sum_j R_ji over j != i, R [BT, BT]: dg's part from a product with the decays e^{b_i - b_j}. The
+    diagonal (exponent b_i - b_i, no g in it) cancels between the two sums, but in fp32 only to eps |R_ii|, which in
+    a strongly decaying chunk is more than the off-diagonal part; so it is left out."""
+    off = tl.where(rows[:, None] != rows[None, :], R, 0.0)
+    return tl.sum(off, 1) - tl.sum(off, 0)
+
+
+@triton.jit
+def _pair_exponent(gc, gcl, mask):
+    """[BT, BT] exponent b_i - b_j where mask (j <= i or j < i), 0 elsewhere so its exp never overflows; from the
+    hi (gc) and lo (gcl) parts of `_cum_split`."""
+    return tl.where(mask, (gc[:, None] - gc[None, :]) + (gcl[:, None] - gcl[None, :]), 0.0)
 
 
 @triton.jit
@@ -1039,7 +1072,7 @@ def _chunk_bwd_state(
     through the state write S' = e^{bL} S + Kd^T Vn and through Vn = U - W S, W = T diag(beta gamma) K,
     U = T diag(beta) V, T = (I + A)^{-1}. k is read only after the V loop, so the loop holds just its own
     accumulators. Non-standard outputs, finished by `_chunk_bwd_out`: dv and dbeta are final; dk's part goes to
-    dkp (fp32), dg's per-row part (before the reverse cumsum, with dbL on the last row) to dg. The UT transform's
+    dkp (fp32), dg's part of these paths, finished (`_dg_rows`), to dg. The UT transform's
     dKK = strict(dA e^{b_i - b_j}) beta [BT, BT] enters dk through two [BT, BT] x [BT, K] dots: here (UT_DOTS),
     or parked in dKKbuf (dot operand dtype) for the second launch."""
     DT: tl.constexpr = hbuf.dtype.element_ty
@@ -1049,18 +1082,17 @@ def _chunk_bwd_state(
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
-    gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, gL, ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     Tm_d = _op(tl.load(Tbuf + p_TT), DT, LOWP)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     dKd, dW, dT, db, dSS = _bwd_state_loop(hbuf, dhbuf, vnbuf, dvnbuf, v, dv, Tm_d, bb, hb, r64, rmask, ihv, HV,
                                            K, V, BT, BV, PREC, LOWP)
     kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
     # the state write: Kd = K e^{bL - b}, and S' decays by e^{bL}
-    ed = tl.exp(gL - gc)
+    ed = tl.exp(ged)
     b_dk = dKd * ed[:, None]
     r = tl.sum(kk * dKd, 1) * ed
-    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dSS, 0)
-    dgc = tl.where(rows == nval - 1, dgL, 0.0) - r
+    c = tl.exp(gL) * tl.sum(dSS, 0)
     # W = T Kb with Kb = diag(beta gamma) K
     gam = tl.exp(gc)
     bg = bb * gam
@@ -1070,12 +1102,12 @@ def _chunk_bwd_state(
     b_dk += dKb * bg[:, None]
     t = tl.sum(kk * dKb, 1)
     db += t * gam
-    dgc += t * bg
+    dgc = t * bg
     # T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K K^T e^{b_i - b_j})
     dA = -tl.dot(_op(tl.dot(tl.trans(Tm_d), _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), tl.trans(Tm_d),
                  input_precision=PREC)
     strict = rows[:, None] > rows[None, :]
-    dAG = tl.where(strict, dA * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    dAG = tl.where(strict, dA * tl.exp(_pair_exponent(gc, gcl, strict)), 0.0)
     kk_d = _op(kk, DT, LOWP)
     RA = dAG * tl.dot(kk_d, tl.trans(kk_d), input_precision=PREC)
     db += tl.sum(RA, 1)
@@ -1088,7 +1120,7 @@ def _chunk_bwd_state(
         tl.store(dKKbuf + p_TT, dKK_d.to(dKKbuf.dtype.element_ty))
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
     tl.store(dkp + krow, b_dk, mask=rmask[:, None])
-    tl.store(dg + r64 * HV + ihv, dgc, mask=rmask)
+    tl.store(dg + r64 * HV + ihv, _dg_rows(tl.where(rmask, dgc, 0.0), r, c), mask=rmask)
     tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
 
 
@@ -1102,7 +1134,8 @@ def _chunk_bwd_out(
 ):
     """Second launch of the state-first chunk backward: the output's paths O = diag(scale gamma) Q S + P Vn,
     P = scale (Q K^T) e^{b_i - b_j} (j <= i), then it finishes what `_chunk_bwd_state` left: dk = its part (dkp)
-    + this one (+ dKK K + dKK^T K from dKKbuf unless UT_DOTS), the reverse cumsum of dg, the l2norm backward.
+    + this one (+ dKK K + dKK^T K from dKKbuf unless UT_DOTS), dg = the reverse cumsum of this launch's per-row
+    part + the state launch's finished part, the l2norm backward.
     q and k are read after the V loop."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
@@ -1112,7 +1145,8 @@ def _chunk_bwd_out(
     offs_k = tl.arange(0, K)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
     dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
-    gc, _gL, _bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)  # (beta is not needed here: its load is dropped)
+    # (beta is not needed here: its load is dropped)
+    gc, gcl, _gL, _ged, _bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     qq, rq = _load_unit_rows(q, r64, rmask, H * K, ih * K, offs_k, L2)
     kk, rk = _load_unit_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
     qq_d, kk_d = _op(qq, DT, LOWP), _op(kk, DT, LOWP)
@@ -1120,9 +1154,9 @@ def _chunk_bwd_out(
     dqn = dQS * (scale * tl.exp(gc))[:, None]
     dgc = tl.sum(qq * dqn, 1)
     incl = rows[:, None] >= rows[None, :]
-    dPg = tl.where(incl, dP * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * scale, 0.0)
+    dPg = tl.where(incl, dP * tl.exp(_pair_exponent(gc, gcl, incl)) * scale, 0.0)
     R = dPg * tl.dot(qq_d, tl.trans(kk_d), input_precision=PREC)
-    dgc += tl.sum(R, 1) - tl.sum(R, 0)
+    dgc += _row_minus_col(R, rows)
     dPg_d = _op(dPg, DT, LOWP)
     dqn += tl.dot(dPg_d, kk_d, input_precision=PREC)
     if L2:
@@ -1138,9 +1172,9 @@ def _chunk_bwd_out(
     if L2:
         b_dk = (b_dk - kk * tl.sum(kk * b_dk, 1)[:, None]) * rk[:, None]
     tl.store(dk + krow, b_dk.to(dk.dtype.element_ty), mask=rmask[:, None])
-    dgc += tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)
     dgc = tl.where(rmask, dgc, 0.0)
-    tl.store(dg + r64 * HV + ihv, tl.cumsum(dgc, 0, reverse=True), mask=rmask)
+    dg_state = tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)  # finished by the state launch (`_dg_rows`)
+    tl.store(dg + r64 * HV + ihv, tl.cumsum(dgc, 0, reverse=True) + dg_state, mask=rmask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1256,8 +1290,9 @@ def _chunk_bwd_state_blk(
     """The K-blocked `_chunk_bwd_state` (same paths: the state write S' = e^{bL} S + Kd^T Vn, Vn = U - W S,
     W = T diag(beta gamma) K^, U = T diag(beta) V, T = (I + A)^{-1}), in three parts: 1. over V blocks, through U
     (dv, dT, beta); 2. per K block (each with its V loop for dKd, dW): dk's parts through Kd and W to dkp (fp32),
-    dT += dW Kb^T, K K^T summed raw; 3. dA = -T^T dT T^T: dbeta final, dg's per-row part (dbL on the last row) to
-    dg, dKK + dKK^T parked in dKKbuf and, with L2, this launch's share of sum_d k^_id dk^_id in dsk [tokens, HV]."""
+    dT += dW Kb^T, K K^T summed raw; 3. dA = -T^T dT T^T: dbeta final, dg's part of these paths finished
+    (`_dg_rows`) in dg, dKK + dKK^T parked in dKKbuf and, with L2, this launch's share of sum_d k^_id dk^_id in dsk
+    [tokens, HV]."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
@@ -1265,14 +1300,14 @@ def _chunk_bwd_state_blk(
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     blk = (ic * HV + ihv).to(tl.int64)
     hb = blk * K * V
-    gc, gL, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, gL, ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     # T enters every dot transposed: loaded as T^T (a plain operand, no transposed copy held through the loops)
     Tt_d = _op(tl.load(Tbuf + blk * BT * BT + rows[None, :] * BT + rows[:, None]), DT, LOWP)
     # 1. U = T diag(beta) V
     dT, db = _bwd_u_blk(v, dvnbuf, dv, Tt_d, bb, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
     # 2a. per K block, Kd = K^ e^{bL - b} and S's decay e^{bL}: dk's part to dkp
-    ed = tl.exp(gL - gc)
+    ed = tl.exp(ged)
     r = tl.zeros([BT], dtype=tl.float32)
     dss = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -1300,14 +1335,14 @@ def _chunk_bwd_state_blk(
         p_dk = dkp + (r64[:, None] * HV + ihv) * K + offs[None, :]
         tl.store(p_dk, tl.load(p_dk, mask=rmask[:, None], other=0.0) + dKb * bg[:, None], mask=rmask[:, None])
     r = r * ed
-    dgL = tl.sum(r, 0) + tl.exp(gL) * tl.sum(dss, 0)
+    c = tl.exp(gL) * tl.sum(dss, 0)
     db += t * gam
-    dgc = tl.where(rows == nval - 1, dgL, 0.0) - r + t * bg
+    dgc = t * bg
     # 3. T = (I + A)^{-1}: dA = -T^T dT T^T on the strict lower part; A = strict(diag(beta) K^ K^^T e^{b_i - b_j}),
     # K K^T summed over K blocks on the raw rows (after the loops, which then hold no [BT, BT] sum of their own)
     dA = -tl.dot(_op(tl.dot(Tt_d, _op(dT, DT, LOWP), input_precision=PREC), DT, LOWP), Tt_d, input_precision=PREC)
     strict = rows[:, None] > rows[None, :]
-    dAG = tl.where(strict, dA * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    dAG = tl.where(strict, dA * tl.exp(_pair_exponent(gc, gcl, strict)), 0.0)
     KK = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, K, BK):
         b_k = _load_raw(k, r64, rmask, H * K, ih * K, k0 + tl.arange(0, BK))
@@ -1321,7 +1356,7 @@ def _chunk_bwd_state_blk(
     dgc += tl.sum(RA, 1) - tl.sum(RA, 0)
     if L2:  # sum_d k^_id dk^_id of this launch's parts (Kd, W, A), for the l2 norm's backward in the output launch
         tl.store(dsk + r64 * HV + ihv, r + t * bg + tl.sum(RA, 1) + tl.sum(RA, 0), mask=rmask)
-    tl.store(dg + r64 * HV + ihv, dgc, mask=rmask)
+    tl.store(dg + r64 * HV + ihv, _dg_rows(tl.where(rmask, dgc, 0.0), r, c), mask=rmask)
     tl.store(dbeta + r64 * HV + ihv, db, mask=rmask)
 
 
@@ -1334,16 +1369,16 @@ def _chunk_bwd_out_blk(
 ):
     """The K-blocked `_chunk_bwd_out`: the output's paths O = diag(scale gamma) Q^ S + P Vn,
     P = scale (Q^ K^^T) e^{b_i - b_j} (j <= i), and the finish of `_chunk_bwd_state_blk`'s dk (dkp, dKK + dKK^T,
-    the l2 norm's backward) and dg (reverse cumsum). Pass 1 over K blocks sums Q K^T (raw) and q . dQS per row
-    (dQS = dO S^T per K block); with dP = dO Vn^T (over V blocks) they give R = dPg * Q^K^^T and the l2 norms' row
-    sums; pass 2 computes dQS again and writes dq and dk per K block."""
+    the l2 norm's backward) and dg (its own part's reverse cumsum added). Pass 1 over K blocks sums Q K^T (raw)
+    and q . dQS per row (dQS = dO S^T per K block); with dP = dO Vn^T (over V blocks) they give R = dPg * Q^K^^T
+    and the l2 norms' row sums; pass 2 computes dQS again and writes dq and dk per K block."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     hb = (ic * HV + ihv).to(tl.int64) * K * V
-    gc = tl.cumsum(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32), 0)
+    gc, gcl, _gL, _ged = _cum_split(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32))
     s_q = scale * tl.exp(gc)  # row scale of the state read: O += diag(scale gamma) Q^ S
     rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
@@ -1361,12 +1396,16 @@ def _chunk_bwd_out_blk(
     a = a * rq * s_q  # sum_d q^_id dq^_id through the state read
     # dP = dO Vn^T, after pass 1 (which then holds one [BT, BT] sum, not two)
     dP = _bwd_dp(vnbuf, do, r64, rmask, ihv, HV, V, BT, BV, PREC, LOWP)
-    dPg = tl.where(incl, dP * tl.exp(tl.where(incl, gc[:, None] - gc[None, :], 0.0)) * scale, 0.0)
+    dPg = tl.where(incl, dP * tl.exp(_pair_exponent(gc, gcl, incl)) * scale, 0.0)
     R = dPg * QK * rq[:, None] * rk[None, :]
-    sq = a + tl.sum(R, 1)  # sum_d q^_id dq^_id
-    dgc = sq - tl.sum(R, 0)
+    if L2:  # R's diagonal, for the l2 norms' row sums below; dg leaves it out (`_row_minus_col`)
+        rd = tl.sum(tl.where(rows[:, None] == rows[None, :], R, 0.0), 1)
+    R = tl.where(rows[:, None] != rows[None, :], R, 0.0)
+    rs, cs = tl.sum(R, 1), tl.sum(R, 0)
+    dgc = a + rs - cs
     if L2:
-        sk = tl.load(dsk + r64 * HV + ihv, mask=rmask, other=0.0) + tl.sum(R, 0)
+        sq = a + rs + rd  # sum_d q^_id dq^_id
+        sk = tl.load(dsk + r64 * HV + ihv, mask=rmask, other=0.0) + cs + rd
     # [BT, BT] operands with the norms as scales, so the dots take raw rows: dq^ += dPg K^ = (dPg diag(rk)) K,
     # dk^ += dPg^T Q^ = (diag(rq) dPg)^T Q and (dKK + dKK^T) K^ = ((dKK + dKK^T) diag(rk)) K
     dPk_d = _op(dPg * rk[None, :], DT, LOWP)
@@ -1390,9 +1429,9 @@ def _chunk_bwd_out_blk(
         if L2:
             b_dk = (b_dk - b_k.to(tl.float32) * (rk * sk)[:, None]) * rk[:, None]
         tl.store(dk + krow, b_dk.to(dk.dtype.element_ty), mask=rmask[:, None])
-    dgc += tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)
     dgc = tl.where(rmask, dgc, 0.0)
-    tl.store(dg + r64 * HV + ihv, tl.cumsum(dgc, 0, reverse=True), mask=rmask)
+    dg_state = tl.load(dg + r64 * HV + ihv, mask=rmask, other=0.0)  # finished by the state launch (`_dg_rows`)
+    tl.store(dg + r64 * HV + ihv, tl.cumsum(dgc, 0, reverse=True) + dg_state, mask=rmask)
 
 
 @triton.jit

@@ -35,21 +35,22 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def inputs(gen, B, T, H, HV, K, V, N, l2, dtype):
+def inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay=1.5):
     r = lambda *s: torch.randn(*s, generator=gen)
     q, k = r(B, T, H, K), r(B, T, H, K)
     if not l2:  # keep ||k|| ~ 1 so the recurrence stays bounded without the in-kernel norm
         q, k = q / K**0.5, k / K**0.5
     v = r(B, T, HV, V)
-    g = -1.5 * torch.rand(B, T, HV, generator=gen)
+    g = -decay * torch.rand(B, T, HV, generator=gen)  # log-decays in [-decay, 0)
     beta = 2.0 * torch.rand(B, T, HV, generator=gen)  # up to 2
     h0 = r(N, HV, K, V)
     return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
 
 
-def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False, compiled=False):
+def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False, compiled=False,
+             decay=1.5):
     N = B if cu is None else len(cu) - 1
-    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype)
+    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     leaf = [x.clone().requires_grad_() for x in xs]
     kw = dict(g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
@@ -196,6 +197,8 @@ def main() -> int:
     res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
     _gdn.TUNE.update(prep_split=True, solve_interleave=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    # log-decays down to -30 a step: every exponent must keep its own precision, not |b|'s (`_cum_split`)
+    res["decay30_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=30.0)
     # the chunk-backward launch plans, each at several chunks (GVA 2, l2norm, V 128) and varlen (no GVA: dk's fp32
     # partial sum then waits in its own scratch buffer, not in dk; no l2norm), with the other plans' kernels blocked.
     # K-blocked (the default) at key blocks of 32 and V blocks of 32: two and four per head at K 64, V 128 (key blocks
