@@ -12,9 +12,10 @@ versions=("$@")
 VERDICT='
 import json, sys
 d = json.load(sys.stdin)
-worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged"))
-         for c, r in d.items() if isinstance(r, dict) and not c.startswith("recompute")}
-bar = lambda c: 2e-3 if "fp16" in c else 3e-5
+# errors only: flags, counts and the launch-marks case (lists) are checked by the pytest tests
+worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged") and isinstance(x, float))
+         for c, r in d.items() if isinstance(r, dict) and not c.startswith(("recompute", "launch_marks"))}
+bar = lambda c: 2e-3 if "fp16" in c else 1e-5
 bad = {c: w for c, w in worst.items() if w > bar(c)}
 fp32_worst = max(w for c, w in worst.items() if "fp16" not in c)
 print("triton", sys.argv[1], sys.argv[2], "PASS" if not bad else f"FAIL {bad}", "worst rel err (fp32 cases)",
