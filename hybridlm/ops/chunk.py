@@ -101,7 +101,9 @@ def recurrence_chunk(
     # 1. Cumulative log-decay inside each chunk: b_i = g_1 + ... + g_i (<= 0, non-increasing). Kept in float64
     #    whatever the dtype: every decay factor below is e^{b_i - b_j}, and a float32 difference of two long sums
     #    keeps only |b| * 6e-8 of absolute precision, which is the factor's relative error (2e-4 after 128 steps
-    #    of -30: o was off by 3e-5 and dg by 8e-5). Each exponent is cast to the working dtype after the difference.
+    #    of -30: o was off by 3e-5 and dg by 8e-5). Each exponent is cast to the working dtype after the difference,
+    #    so autograd also sums its gradient into b (rows minus columns) in float64; an fp32 (hi, lo) pair, as the
+    #    Triton kernels use, gave the same forward but dg off by 2e-5 here (and KDA only 7% faster on the CPU).
     b = gc.double().cumsum(dim=-2)  # [B, HV, NC, C, D]
     eb = b.to(dtype).exp()
     b_last = b[..., -1:, :]  # [B, HV, NC, 1, D]
