@@ -79,6 +79,7 @@ for spec in "$@"; do
                  for d in prep,bwd_out prep none; do echo diag \$d; grep -E 'FAIL|passed' $OUT/diag_\$d.log; done; \
                  python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
     glue) cmd=(python3 scripts/gpu_check_glue.py) ;;
+    precision) cmd=(python3 scripts/gpu_precision_vs_fla.py --json "$OUT/precision.json") ;;  # ours and fla vs float64
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results*.json "$OUT/mqar/" 2>/dev/null
           # MQAR_SHARDS processes (default 6) share the GPU, each small model leaving it idle between launches;

@@ -39,7 +39,8 @@ def rel(a, b):
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
           recompute=False, lean=False, decay=None):
     """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean"); decay: log-decays
-    uniform in [-decay, 0) instead of logsigmoid(N(3, 1))."""
+    uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of [-30, 0)
+    then 32 of [-0.05, 0)."""
     if lean:
         saved = _gdn.TUNE["fwd_variant"]
         _gdn.TUNE["fwd_variant"] = "lean"
@@ -55,6 +56,8 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     if not l2:
         q, k = q / K**0.5, k / K**0.5
     g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)  # log-decays mostly near 0, some strong
+    if decay == "cliff":
+        decay = torch.where(torch.arange(T, device=dev) % 64 < 32, 30.0, 0.05)[:, None]  # [T, 1]
     if decay is not None:
         g = -decay * torch.rand(B, T, HV, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
@@ -212,6 +215,8 @@ def main(argv=None) -> int:
         cases.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
         cases.append(("lean T300 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0,
                                                      lean=True)))
+        cases.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
+                                                        decay="cliff")))
         # the inference forward (no autograd): the lean kernels
         for T in (1, 65, 1000):
             cases.append((f"lean T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, lean=True)))

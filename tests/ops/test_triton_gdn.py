@@ -51,7 +51,8 @@ def interp_results():
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "K256_V256_T70", "compiled_T70",
-         "inline_output_T70", "one_launch_prep_one_by_one_T130", "decay30_gva2_T130"]
+         "inline_output_T70", "one_launch_prep_one_by_one_T130", "decay30_gva2_T130",
+         "decay_cliff_gva2_T130"]
 
 
 @pytest.mark.parametrize("case", CASES)
