@@ -14,6 +14,7 @@ registers and spills (sm_90, K=V=128 bf16, 8 warps: `_chunk_bwd` phase 2 2048 B 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -224,6 +225,16 @@ def main(argv=None) -> int:
                                             hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
                                             dbeta="fp32", redo=i32),
                 dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1), 1, cap)
+        # the backward's exact launch over 4-row sub-blocks (kda.TUNE exact_sub 4)
+        jobs[f"_kda_bwd_out_blk({tag}, exact rest, sub 4)"] = (
+            kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
+                                      dq="fp32", dk="fp32", dg="fp32", redo=i32),
+            dict(scale="fp32", H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp, DIAG=2, SUB=4), 1, cap)
+        jobs[f"_kda_bwd_state_blk({tag}, exact rest, sub 4)"] = (
+            kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32",
+                                        hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
+                                        dbeta="fp32", redo=i32),
+            dict(H=i32, HV=i32), dict(kc, BV=min(64, args.v), LOWP=lowp, DIAG=2, SUB=4), 1, cap)
         # the whole chunk as one dot where the decay allows (kda.TUNE whole_dot; then the launches above)
         jobs[f"_kda_prep_ap({tag}, whole chunk)"] = (
             kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
@@ -253,6 +264,7 @@ def main(argv=None) -> int:
             continue
         for w in (int(x) for x in args.warps.split(",")):
             names = fn.arg_names
+            defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()}
             sig = {}
             consts = {n: cx[n] for n in names if n in cx}
             div16 = []
@@ -268,6 +280,8 @@ def main(argv=None) -> int:
                     div16 += [n] if n in heads and heads[n] % 16 == 0 else []
                 else:
                     sig[n] = "constexpr"
+                    if n not in consts and defaults[n] is not inspect.Parameter.empty:
+                        consts[n] = defaults[n]  # as the launcher does when the call leaves it out
             try:
                 r = compile_one(fn, sig, consts, w, stages, div16, *cap)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""

@@ -8,9 +8,10 @@ the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=Tr
 the custom ops' fake kernels trace, the real kernels run), and the decode step on a state pool with indices.
 Tolerance (relative RMS vs float64): 2e-6 for o and final state, 1e-5 (the GDN issue's fp32 bar) for every
 gradient. Worst over 4 seeds of every case (2026-11-24): o 2.5e-7, gradients 1.4e-6 (dg at K=V=256); a case with
-log-decays down to -30 a step is among them (dg 2.7e-7). Before the kernels kept their exponents and dg in their
-own precision (gdn_kernels `_cum_split`, `_row_minus_col`, `_dg_rows`) the bars were 1e-5 and 3e-5, and dg
-reached 1.2e-5 at the usual decays and 1.5e-5 at decay 30.
+log-decays down to -30 a step is among them (dg 2.7e-7), and a decay cliff (in every chunk 32 steps down to -30,
+then 32 mild; the kernels before had o 3-5e-5 and dg up to 7e-5 off there, now ~2e-7 / 4e-7). Before the kernels
+kept their exponents and dg in their own precision (gdn_kernels `_cum_split`, `_row_minus_col`, `_dg_rows`) the
+bars were 1e-5 and 3e-5, and dg reached 1.2e-5 at the usual decays and 1.5e-5 at decay 30.
 Every chunk-backward launch plan (K-blocked state-first, the default; state-first with the UT dots in either
 launch; the two-phase plan) runs at 4 chunks with GVA, at varlen without l2norm, and with fp16 inputs (the 16-bit
 path; 1e-3 for o/state, 2e-3 for gradients), with the other plans' kernels blocked so a silent fallback fails; the
