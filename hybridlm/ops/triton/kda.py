@@ -53,9 +53,9 @@ KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot t
 
 
 def _exact_sub() -> int:
-    """TUNE["exact_sub"]: the backward's exact diagonal loop over all 16 rows of each diagonal block (16, the GPU-timed
-    default) or over its 4-row sub-blocks, the rest of the block by three masked dots (4; for chunks whose decay is
-    too fast for the diagonal dot: CPU-tested, not yet timed)."""
+    """TUNE["exact_sub"]: the exact diagonal loop of the prep and the backward over all 16 rows of each diagonal block
+    (16, the GPU-timed default) or over its 4-row sub-blocks, the rest of the block by three masked dots (4; for
+    chunks whose decay is too fast for the diagonal dot: CPU-tested, not yet timed)."""
     sub = TUNE["exact_sub"]
     if sub not in (4, 16):
         raise ValueError(f"kda.TUNE['exact_sub']: expected 4 or 16, got {sub!r}")
@@ -177,7 +177,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"], WHOLE=3 in modes,
-                              num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
+                              SUB=_exact_sub(), num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
     kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),

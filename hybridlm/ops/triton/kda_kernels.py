@@ -641,14 +641,15 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False,
+    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False, SUB: tl.constexpr = 16,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
     FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
-    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
+    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others. SUB 4: the
+    exact way over the 4-row sub-blocks on the diagonal only (as in `_rows_prod_blk`)."""
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
@@ -701,19 +702,26 @@ def _kda_prep_ap(
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             else:
-                # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
-                # down; acc = b_i - b_j, one gathered row of g added per step
+                if SUB == 4:  # rows and columns in different 4-row sub-blocks of one 16-row block (`_sub_factors`)
+                    for sb in tl.static_range(3):
+                        xe, ye = _sub_factors(gg, gn, sb, BT)
+                        Y = kr * ye
+                        A += tl.where(blk, tl.dot(kr * xe, tl.trans(Y), input_precision=PREC), 0.0)
+                        P += tl.where(blk, tl.dot(qr * xe, tl.trans(Y), input_precision=PREC), 0.0)
+                # exactly: in-block column j of every block (or 4-row sub-block) at once, j from SUB - 1 down; row i
+                # pairs with the row at column j of its block; acc = b_i - b_j, one gathered row of g added per step
+                ps = rows % SUB
                 acc = tl.zeros([BT, BK], dtype=tl.float32)
-                for jj in range(16):
-                    j = 15 - jj
-                    src = rows - pos + j
+                for jj in range(SUB):
+                    j = SUB - 1 - jj
+                    src = rows - ps + j
                     kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
                     acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-                    ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
-                    col = c16[None, :] == j
-                    Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
-                    Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
+                                   mask=((ps > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                    ke = kj * tl.exp(tl.where((ps >= j)[:, None], acc, float("-inf")))
+                    col = c16[None, :] == (pos - ps + j)[:, None]
+                    Da += tl.where(col & (ps > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
+                    Dp += tl.where(col & (ps >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         if DIAG == 0 or DIAG == 2:  # the exact loop's diagonal blocks
             A += _unband(Da, BT)
