@@ -452,10 +452,9 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
 
 
-def _shape_notes(shape: Shape, device: torch.device) -> list[str]:
-    from hybridlm.layers.conv import tswiglu  # None without triton
-
-    fused = device.type == "cuda" and tswiglu is not None and tswiglu.AUTO  # what SwiGLU(impl="auto") runs
+def _shape_notes(shape: Shape, impl_log: list[str]) -> list[str]:
+    """impl_log: our run's `hybridlm` log lines, where SwiGLU(impl="auto") says which silu(gate) * up it ran."""
+    fused = any("layers.SwiGLU:" in m and "fused Triton" in m for m in impl_log)
     swiglu = "as one fused Triton kernel" if fused else "in PyTorch"
     extra = len(shape.attention_layers) * (shape.hidden_size * shape.attn_heads * shape.attn_head_dim
                                            + 2 * shape.attn_head_dim)
@@ -523,13 +522,13 @@ def run(args: argparse.Namespace) -> int:
             "precision": "bf16 autocast" if spec.bf16 else "fp32", "seq_len": spec.seq_len,
             "batch_size": spec.batch_size, "steps": spec.steps, "warmup": spec.warmup, "grad_ckpt": spec.grad_ckpt,
             "recompute_linear": spec.recompute_linear,
-            "compile": spec.compile, "shape": asdict(shape),
-            "notes": _shape_notes(shape, dev) + fla_notes}
+            "compile": spec.compile, "shape": asdict(shape)}
     print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
           f"{spec.warmup} + {spec.steps} steps", flush=True)
     with _collect_logs() as impl_log:
         ours, ours_cfg = measure("ours", functools.partial(build_ours, recompute_linear=spec.recompute_linear),
                                  shape, spec)
+    info["notes"] = _shape_notes(shape, impl_log) + fla_notes
     ours["label"] = "ours (hybridlm, impl=auto" + (", linear_recompute)" if spec.recompute_linear else ")")
     rows, configs = [ours], {"ours": ours_cfg, "fla": None}
     print(json.dumps({k: v for k, v in ours.items() if k != "step_ms_all"}), flush=True)

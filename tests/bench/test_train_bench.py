@@ -39,6 +39,10 @@ def test_tiny_cpu_run_writes_json_and_table(tmp_path, one_thread):
     assert abs(ours["loss_first"] - math.log(256)) < 0.5  # random init: about log(vocab)
     assert fla["model"] == "fla" and "CUDA" in fla["skipped"]
     assert any("hybridlm.layers" in m or "impl" in m for m in rec["ours_impl_log"]), rec["ours_impl_log"]
+    # the note says which SwiGLU ran, from the layer's own log line: on a CPU always the PyTorch one
+    assert any("hybridlm.layers.SwiGLU: impl='auto' picked the PyTorch reference glue on cpu" in m
+               for m in rec["ours_impl_log"]), rec["ours_impl_log"]
+    assert any("SwiGLU in PyTorch" in n for n in info["notes"]), info["notes"]
     table = (tmp_path / "train.md").read_text()
     assert "| model | params | tokens/s | ours/fla | step ms | peak GiB |" in table
     assert f"| ours (hybridlm, impl=auto) | {expected:,} |" in table
