@@ -38,6 +38,7 @@ from .gdn_kernels import (
     _bwd_u_blk,
     _bwd_w_blk,
     _chunk_rows,
+    _dg_rows,
     _load_rows,
     _op,
     _row_inv_norms,
@@ -523,23 +524,6 @@ def _sub_factors(gg, gn, s: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _excl_combine(e1, v1, e2, v2):
-    """Combine of an exclusive prefix sum as an associative scan over (sum before the last element, last element)."""
-    return e1 + v1 + e2, v2
-
-
-@triton.jit
-def _dg_rows(db, t, c):
-    """dg [BT, BK] of one chunk from the three ways b's channel reaches the loss: through b_i at rows s >= i (db:
-    reverse cumsum), through the state write's decays e^{bL - b_s} at rows s < i (t: exclusive cumsum, summed from
-    the terms before i alone) and through bL (c [BK]: every row). Routing t through bL onto the last row and back
-    through the reverse cumsum, as the algebra does, left each early row of a strongly decaying chunk a difference
-    of two fp32 sums of ~|t| (dg off by up to 5e-6 at decay 30 a step)."""
-    before, _last = tl.associative_scan((tl.zeros_like(t), t), 0, _excl_combine)
-    return tl.cumsum(db, 0, reverse=True) + before + c[None, :]
-
-
-@triton.jit
 def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                    LOWP: tl.constexpr, DIAG: tl.constexpr, SUB: tl.constexpr = 16):
@@ -884,7 +868,8 @@ def _kda_bwd_state_blk(
             dbeta_ += tl.sum(dKb * kk * eb, 1)
             db += dKb * kb
             tl.store(dk + krow, dkn, mask=rmask[:, None])
-            tl.store(dg + krow, _dg_rows(tl.where(rmask[:, None], db, 0.0), t, tl.exp(bL) * dSS), mask=rmask[:, None])
+            tl.store(dg + krow, _dg_rows(tl.where(rmask[:, None], db, 0.0), t, (tl.exp(bL) * dSS)[None, :]),
+                     mask=rmask[:, None])
         # 3. T = (I + A)^{-1}; A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i). Its K walk reads back the dk
         # and dg rows pass 2 stored, in other layouts: a barrier first makes other threads' stores visible
         tl.debug_barrier()
