@@ -146,9 +146,8 @@ def main() -> int:
         res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                            cu=[0, 1, 16, 80, 150], decay=30.0)
     # the exact diagonal loop of the prep and the backward over 4-row sub-blocks, the rest of each 16-row block by
-    # masked dots
-    # (kda.TUNE exact_sub 4): a decay cliff (in every chunk 32 steps of up to -30, then 32 of up to -0.05; both
-    # kinds of chunk in one call) and varlen chunks that end early at decay 30 (every chunk exact)
+    # masked dots (kda.TUNE exact_sub 4): a decay cliff (in every chunk 32 steps of up to -30, then 32 of up to
+    # -0.05; both kinds of chunk in one call) and varlen chunks that end early at decay 30 (every chunk exact)
     with launch_plan(exact_sub=4):
         cliff = torch.where(torch.arange(150) % 64 < 32, 30.0, 0.05)[:, None, None]  # [T, 1, 1]
         res["exact_sub4_cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
