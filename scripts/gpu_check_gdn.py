@@ -36,6 +36,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def cliff_bounds(T: int, device="cuda") -> torch.Tensor:
+    """[T, 1] bounds of a "decay cliff": in every chunk of 64 steps, log-decays down to -30 for 32 steps, then down
+    to -0.05 for 32, so the later rows' exponents are small differences of a cumulative sum near -500."""
+    return torch.where(torch.arange(T, device=device) % 64 < 32, 30.0, 0.05)[:, None]
+
+
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
           recompute=False, lean=False, decay=None):
     """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean"); decay: log-decays
@@ -57,7 +63,7 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
         q, k = q / K**0.5, k / K**0.5
     g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)  # log-decays mostly near 0, some strong
     if decay == "cliff":
-        decay = torch.where(torch.arange(T, device=dev) % 64 < 32, 30.0, 0.05)[:, None]  # [T, 1]
+        decay = cliff_bounds(T, dev)
     if decay is not None:
         g = -decay * torch.rand(B, T, HV, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)

@@ -35,6 +35,12 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def cliff_bounds(T: int) -> torch.Tensor:
+    """[T, 1] bounds of a "decay cliff": in every chunk of 64 steps, log-decays down to -30 for 32 steps, then down
+    to -0.05 for 32, so the later rows' exponents are small differences of a cumulative sum near -500."""
+    return torch.where(torch.arange(T) % 64 < 32, 30.0, 0.05)[:, None]
+
+
 def inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay=1.5):
     """decay: a number, or a [T, 1] tensor of per-step bounds; log-decays are uniform in [-decay, 0)."""
     r = lambda *s: torch.randn(*s, generator=gen)
@@ -203,8 +209,8 @@ def main() -> int:
     # a decay cliff: in every chunk 32 steps of log-decay down to -30, then 32 of at most -0.05, so the later rows'
     # exponents are small differences of a cumulative sum near -500 (o was off by 3-5e-5 and dg by up to 7e-5
     # before `_cum_split`, `_row_minus_col` and `_dg_rows`; now ~2e-7 and ~4e-7)
-    cliff = torch.where(torch.arange(130) % 64 < 32, 30.0, 0.05)[:, None]  # [T, 1], scales log-decays [B, T, HV]
-    res["decay_cliff_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=cliff)
+    res["decay_cliff_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                            decay=cliff_bounds(130))
     # the chunk-backward launch plans, each at several chunks (GVA 2, l2norm, V 128) and varlen (no GVA: dk's fp32
     # partial sum then waits in its own scratch buffer, not in dk; no l2norm), with the other plans' kernels blocked.
     # K-blocked (the default) at key blocks of 32 and V blocks of 32: two and four per head at K 64, V 128 (key blocks
