@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                                 use_qk_l2norm=True, impl="chunk")
 
     rows = []
-    for kind in ("usual", "decay30", "cliff"):
-        for dtype in (torch.float32, torch.bfloat16):
+    header = "| gates | dtype | kernel | " + " | ".join(NAMES) + " |"
+    print(header + "\n" + "|---" * (3 + len(NAMES)) + "|", flush=True)
+    # dtype outermost: fla autotunes its kernels once per dtype (minutes each), so every fp32 row comes first
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in ("usual", "decay30", "cliff"):
             r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
             q, k, v = (r(B, T, H, D).to(dtype) for _ in range(3))
             beta = torch.rand(B, T, H, device="cuda", generator=gen).to(dtype)
@@ -100,16 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the table, not the end of it
                     errs = {n: float("nan") for n in NAMES}
                     print(f"{name} {kind} {dtype}: {e!r}", file=sys.stderr)
-                rows.append({"gates": kind, "dtype": str(dtype).replace("torch.", ""), "kernel": name, **errs})
-    print("| gates | dtype | kernel | " + " | ".join(NAMES) + " |")
-    print("|---" * (3 + len(NAMES)) + "|")
-    for row in rows:
-        print(f"| {row['gates']} | {row['dtype']} | {row['kernel']} | "
-              + " | ".join(f"{row[n]:.2e}" for n in NAMES) + " |")
-    if args.json:
-        from hybridlm.interop.files import atomic_write_text
+                row = {"gates": kind, "dtype": str(dtype).replace("torch.", ""), "kernel": name, **errs}
+                rows.append(row)
+                # each row as it ends: fla autotunes every kernel per dtype first, which can outlast a time limit
+                print(f"| {kind} | {row['dtype']} | {name} | " + " | ".join(f"{errs[n]:.2e}" for n in NAMES) + " |",
+                      flush=True)
+                if args.json:
+                    from hybridlm.interop.files import atomic_write_text
 
-        atomic_write_text(args.json, json.dumps({"seed": seed, "rows": rows}, indent=1))
+                    atomic_write_text(args.json, json.dumps({"seed": seed, "rows": rows}, indent=1))
     return 0
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton.testing
 from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error measure (same folder)
 
+from hybridlm.bench.cuda_profile import print_kernel_times
 from hybridlm.ops.triton import chunk_kda, gdn, kda
 
 
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gates", choices=["bench", "init"], default="bench",
                     help="log-decays: the kernel bench's mild ones (logsigmoid(N(0,1) + 3)) or those of a freshly "
                          "initialised KDA layer (see make)")
+    ap.add_argument("--profile", action="store_true",
+                    help="first print the per-kernel CUDA times of 3 forward+backward steps of the default setting")
     args = ap.parse_args(argv)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
     gdn.TUNE.clear()
     gdn.TUNE.update(gbase)
     fla = None if args.no_fla else fla_times(xs, do, args.rep)
+    if args.profile:
+        print_kernel_times(f"kda.TUNE defaults, gates {args.gates}", lambda: run(xs, torch.bfloat16, True, do))
     if fla:
         print(f"fla chunk_kda: fwd {fla['fwd']:.3f} ms, fwd+bwd {fla['fwdbwd']:.3f} ms", flush=True)
 
