@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gates", choices=["bench", "init"], default="bench",
                     help="log-decays: the kernel bench's mild ones (logsigmoid(N(0,1) + 3)) or those of a freshly "
                          "initialised KDA layer (see make)")
+    ap.add_argument("--grid", default=None,
+                    help="JSON list of kda.TUNE settings to sweep instead of the built-in grid, each merged over "
+                         "the K-blocked default plan (for example '[{}, {\"bk\": 16}]')")
     ap.add_argument("--profile", action="store_true",
                     help="first print the per-kernel CUDA times of 3 forward+backward steps of the default setting")
     args = ap.parse_args(argv)
@@ -135,6 +138,8 @@ def main(argv=None) -> int:
             dict(kb, bk=16, maxnreg=128), dict(kb, bk=64), dict(kb, bk=16), dict(kb, split_o=False),
             dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True),
             dict(kb, prep_warps=4, bwd_warps=4)]
+    if args.grid is not None:
+        grid = [dict(kb, **s) for s in json.loads(args.grid)]
     rows, best = [], None
     for s in grid:
         if time.time() - t_start > args.max_seconds:
