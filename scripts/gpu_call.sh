@@ -37,9 +37,10 @@ fi
 TUNE_ARG=()
 n_cmd=0
 for spec in "$@"; do
-  step=${spec%%:*}
-  secs=${spec#*:}
-  [ "$secs" = "$spec" ] && secs=300
+  # the limit is what follows the last colon when that is a number, so a command may hold colons (JSON, URLs)
+  step=$spec
+  secs=300
+  if [[ $spec =~ ^(.*):([0-9]+)$ ]]; then step=${BASH_REMATCH[1]}; secs=${BASH_REMATCH[2]}; fi
   echo "=== $step (limit ${secs}s) $(date -u +%H:%M:%S)"
   case $step in
     info) cmd=(bash -c "nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; python3 -m pip show fla-core 2>/dev/null | head -2") ;;
