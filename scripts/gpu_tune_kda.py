@@ -130,11 +130,8 @@ def main(argv=None) -> int:
               whole_dot=("prep", "bwd_out", "bwd_state"))
     # bwd_warps 4 stops with an illegal memory access on the H100 (2026-11-24), which ends the process's CUDA
     # context: it goes last
-    # exact_sub 4 next: it only changes the chunks too fast for the diagonal dot, most of them with --gates init (the
-    # prep compiles to 688 B of stack with it at 4 warps, none at 8)
-    grid = [kb, dict(kb, exact_sub=4), dict(kb, exact_sub=4, prep_warps=8), dict(kb, whole_dot=("prep",)),
-            dict(kb, diag_dot=()), dict(kb, whole_dot=()), dict(kb, bk=64), dict(kb, prep_warps=8),
-            dict(kb, maxnreg=128),
+    grid = [kb, dict(kb, whole_dot=("prep",)), dict(kb, diag_dot=()), dict(kb, whole_dot=()), dict(kb, bk=64),
+            dict(kb, prep_warps=8), dict(kb, maxnreg=128),
             dict(kb, bk=16, maxnreg=128), dict(kb, bk=64), dict(kb, bk=16), dict(kb, split_o=False),
             dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True),
             dict(kb, prep_warps=4, bwd_warps=4)]

@@ -48,18 +48,8 @@ from . import kda_kernels as kk
 #   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "whole_dot": ("prep", "bwd_out", "bwd_state"), "exact_sub": 16}
+        "whole_dot": ("prep", "bwd_out", "bwd_state")}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
-
-
-def _exact_sub() -> int:
-    """TUNE["exact_sub"]: the exact diagonal loop of the prep and the backward over all 16 rows of each diagonal block
-    (16, the GPU-timed default) or over its 4-row sub-blocks, the rest of the block by three masked dots (4; for
-    chunks whose decay is too fast for the diagonal dot: CPU-tested, not yet timed)."""
-    sub = TUNE["exact_sub"]
-    if sub not in (4, 16):
-        raise ValueError(f"kda.TUNE['exact_sub']: expected 4 or 16, got {sub!r}")
-    return sub
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
@@ -177,7 +167,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"], WHOLE=3 in modes,
-                              SUB=_exact_sub(), num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
+                              num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
     kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
@@ -265,14 +255,14 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 num_warps=8, num_stages=1,
             )
     elif nc > 0:
-        BK, bw, sub = _bk(K), _bwd_warps(dev), _exact_sub()
+        BK, bw = _bk(K), _bwd_warps(dev)
         redo = _redo(nc, HV, dev)
         out_modes, state_modes = _diag_modes("bwd_out"), _diag_modes("bwd_state")  # as in the prep
         for mode in out_modes:
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
-                SUB=sub, num_warps=bw, num_stages=1, **_cap(),
+                num_warps=bw, num_stages=1, **_cap(),
             )
         # the same launches as the output backward's have written redo's marks (same g, same key blocks): the state
         # backward reads them instead of recomputing them
@@ -281,7 +271,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
-                WHOLE=3 in state_modes, SUB=sub, num_warps=bw, num_stages=1, **_cap(),
+                WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

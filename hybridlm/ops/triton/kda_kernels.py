@@ -501,39 +501,15 @@ def _band_col(band, j):
 
 
 @triton.jit
-def _band_at(band, col):
-    """band[i, col_i] of a [BT, 16] band, for a per-row column index col [BT]."""
-    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == col[:, None], band, 0.0), 1)
-
-
-@triton.jit
-def _sub_factors(gg, gn, s: tl.constexpr, BT: tl.constexpr):
-    """Factors of the pairs of one 16-row block whose column lies in its 4-row sub-block s and whose row lies in a
-    later sub-block of the same block, through r = b at the end of sub-block s: xe_i = e^{b_i - r} for rows at
-    block positions >= 4 (s + 1), ye_j = e^{r - b_j} for rows at positions 4 s .. 4 s + 3, 0 elsewhere. Both <= 1;
-    exponents summed from g, by scans over the tile seen as [BT // 16, 16, BK] and [BT // 4, 4, BK]."""
-    BK: tl.constexpr = gg.shape[1]
-    pos = (tl.arange(0, BT) % 16)[:, None]
-    later = pos >= 4 * (s + 1)
-    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(later, gg, 0.0), [BT // 16, 16, BK]), 1), [BT, BK])
-    xe = tl.exp(tl.where(later, up, float("-inf")))
-    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos % 4 < 3, gn, 0.0), [BT // 4, 4, BK]), 1, reverse=True),
-                    [BT, BK])  # g of rows j+1 .. the end of j's sub-block
-    ye = tl.exp(tl.where(pos // 4 == s, dn, float("-inf")))
-    return xe, ye
-
-
-@triton.jit
 def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, SUB: tl.constexpr = 16):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
     M [BT, BT] is zero outside that range, band = `_diag_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
     column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
     (both factors <= 1, `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1,
     `_mid_sums`) or exactly, one in-block column at a time (the launch for log-decays too strong for the dot,
-    `_diag_pass`); exponents summed from g. SUB 4 (`kda.TUNE["exact_sub"]`): the exact way takes only the 4-row
-    sub-blocks on the diagonal, the rest of each 16-row block by one masked dot per sub-block (`_sub_factors`)."""
+    `_diag_pass`); exponents summed from g."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     if DIAG == 3:  # the whole chunk through its middle row (`_whole_sums`), fp32 operands as the diagonal dot's
@@ -550,15 +526,10 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
         out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     else:
-        if SUB == 4:  # rows and columns in different 4-row sub-blocks of one 16-row block; fp32 operands as above
-            Md = tl.where(_same_block(BT), M, 0.0)
-            for sb in tl.static_range(3):
-                xe, ye = _sub_factors(gg, gn, sb, BT)
-                out += tl.dot(Md, yr * ye, input_precision=PREC) * xe
-        pos = rows % SUB
-        acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from SUB-1 down)
-        for jj in range(SUB):
-            j = SUB - 1 - jj
+        pos = rows % 16
+        acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
+        for jj in range(16):
+            j = 15 - jj
             src = rows - pos + j
             ys = _load_rows(y, bos + src, src < nval, stride, col0, offs, False)
             acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + k0 + offs[None, :],
@@ -567,18 +538,14 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
                 keep = pos > j
             else:
                 keep = pos >= j
-            if SUB == 16:
-                m_col = _band_col(band, j)
-            else:
-                m_col = _band_at(band, rows % 16 - pos + j)
-            out += m_col[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
+            out += _band_col(band, j)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
 @triton.jit
 def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, SUB: tl.constexpr = 16):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
     transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks; bandT =
     `_diag_band(M^T)`)."""
@@ -596,14 +563,9 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         Md = tl.where(_same_block(BT), M, 0.0)
         out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
     else:
-        if SUB == 4:  # as in `_rows_prod_blk`, transposed
-            Md = tl.where(_same_block(BT), M, 0.0)
-            for sb in tl.static_range(3):
-                xe, ye = _sub_factors(gg, gn, sb, BT)
-                out += tl.dot(tl.trans(Md), yr * xe, input_precision=PREC) * ye
-        pos = rows % SUB
+        pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
-        for p in range(SUB):
+        for p in range(16):
             src = rows - pos + p
             smask = src < nval
             ys = _load_rows(y, bos + src, smask, stride, col0, offs, False)
@@ -613,11 +575,7 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
                 keep = p > pos
             else:
                 keep = p >= pos
-            if SUB == 16:
-                m_col = _band_col(bandT, p)
-            else:
-                m_col = _band_at(bandT, rows % 16 - pos + p)
-            out += m_col[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
+            out += _band_col(bandT, p)[:, None] * ys * tl.exp(tl.where(keep[:, None], acc, float("-inf")))
     return out
 
 
@@ -625,15 +583,14 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False, SUB: tl.constexpr = 16,
+    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
     FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
-    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others. SUB 4: the
-    exact way over the 4-row sub-blocks on the diagonal only (as in `_rows_prod_blk`)."""
+    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
@@ -686,26 +643,19 @@ def _kda_prep_ap(
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             else:
-                if SUB == 4:  # rows and columns in different 4-row sub-blocks of one 16-row block (`_sub_factors`)
-                    for sb in tl.static_range(3):
-                        xe, ye = _sub_factors(gg, gn, sb, BT)
-                        Y = kr * ye
-                        A += tl.where(blk, tl.dot(kr * xe, tl.trans(Y), input_precision=PREC), 0.0)
-                        P += tl.where(blk, tl.dot(qr * xe, tl.trans(Y), input_precision=PREC), 0.0)
-                # exactly: in-block column j of every block (or 4-row sub-block) at once, j from SUB - 1 down; row i
-                # pairs with the row at column j of its block; acc = b_i - b_j, one gathered row of g added per step
-                ps = rows % SUB
+                # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
+                # down; acc = b_i - b_j, one gathered row of g added per step
                 acc = tl.zeros([BT, BK], dtype=tl.float32)
-                for jj in range(SUB):
-                    j = SUB - 1 - jj
-                    src = rows - ps + j
+                for jj in range(16):
+                    j = 15 - jj
+                    src = rows - pos + j
                     kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
                     acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                                   mask=((ps > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
-                    ke = kj * tl.exp(tl.where((ps >= j)[:, None], acc, float("-inf")))
-                    col = c16[None, :] == (pos - ps + j)[:, None]
-                    Da += tl.where(col & (ps > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
-                    Dp += tl.where(col & (ps >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
+                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                    ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
+                    col = c16[None, :] == j
+                    Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
+                    Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
         if DIAG == 0 or DIAG == 2:  # the exact loop's diagonal blocks
             A += _unband(Da, BT)
@@ -768,7 +718,6 @@ def _kda_bwd_out_blk(
     q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
-    SUB: tl.constexpr = 16,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
@@ -802,9 +751,9 @@ def _kda_bwd_out_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             qq = qr * rq[:, None]
             Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, SUB)
+                                True, PREC, DT, LOWP, DIAG)
             Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, SUB)
+                                True, PREC, DT, LOWP, DIAG)
             kk = kr * rk[:, None]
             dqn = dQS * eb * scale + Y1 + nd[:, None] * kk
             db = dQS * qq * eb * scale + qq * Y1 - kk * Y2
@@ -821,7 +770,7 @@ def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
-    WHOLE: tl.constexpr = False, SUB: tl.constexpr = 16,
+    WHOLE: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -888,11 +837,11 @@ def _kda_bwd_state_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             kk = kr * rk[:, None]
             X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, SUB)
+                                True, PREC, DT, LOWP, DIAG)
             dbeta_ += tl.sum(kk * X1, 1)
             X1 = X1 * bb[:, None]
             X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, SUB)
+                                True, PREC, DT, LOWP, DIAG)
             dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
             db = tl.where(rmask[:, None], kk * (X1 - X2), 0.0)
             sk += tl.sum(kk * dkn, 1)
