@@ -20,6 +20,7 @@ from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interp_gdn import cliff_bounds  # noqa: E402
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -145,6 +146,11 @@ def main() -> int:
                                                             decay=mixed)
         res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                            cu=[0, 1, 16, 80, 150], decay=30.0)
+    # a decay cliff with the default launches (in every chunk 32 steps of up to -30, then 32 of up to -0.05): the
+    # later rows' exponents are small differences of a cumulative sum near -500 (the strong half keeps every chunk
+    # off both dots: the exact launches)
+    cliff = cliff_bounds(150)[:, :, None]  # [T, 1, 1]: the same bound for every channel
+    res["cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=cliff)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
