@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this text (no decode cases)")
     ap.add_argument("--kda-diag", default=None, help="comma-separated K-blocked KDA kernels whose diagonal blocks go "
                     "by dot (kda.TUNE diag_dot: prep, bwd_out, bwd_state; 'none' for the exact loop everywhere)")
+    ap.add_argument("--kda-tune", default=None, help="JSON object merged into kda.TUNE before the cases run (for "
+                    "example '{\"bwd_factored\": true}')")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     args = ap.parse_args(argv)
     if args.merge:
@@ -202,6 +204,12 @@ def main(argv=None) -> int:
             _gdn.TUNE.update(json.load(f)["best"])
     if args.kda_diag is not None:
         _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
+    if args.kda_tune is not None:
+        extra = json.loads(args.kda_tune)
+        unknown = set(extra) - set(_kda.TUNE)
+        if unknown:
+            raise SystemExit(f"--kda-tune: unknown keys {sorted(unknown)}; expected among {sorted(_kda.TUNE)}")
+        _kda.TUNE.update(extra)
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -38,6 +38,10 @@ from . import kda_kernels as kk
 #   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
 #   scans and 6 exponentials at BT 64). H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py, 2026-11-24 06:11):
 #   forward 3.213 -> 3.060 ms at 8 prep warps, 2.827 at 4 (forward+backward 9.022 -> 8.741), same errors
+# bwd_factored: the backward's decay products (`kda_kernels._rows_prod_blk` / `_cols_prod_blk`) take their
+#   off-diagonal blocks' exponentials from `_off_parts` once per product, as the prep does with prep_factored (2
+#   block-wise scans and 2 exponentials over the tile instead of 6 masked whole-tile scans and 6 exponentials at BT
+#   64). Only chunks outside the whole-chunk dot have off-diagonal blocks: most of a freshly initialised layer's
 # whole_dot: the K-blocked kernels that take each chunk (and head) whose log-decays stay within e^60 of its middle
 #   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
 #   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
@@ -48,7 +52,7 @@ from . import kda_kernels as kk
 #   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "whole_dot": ("prep", "bwd_out", "bwd_state")}
+        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": False}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 
@@ -262,7 +266,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
-                num_warps=bw, num_stages=1, **_cap(),
+                FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
             )
         # the same launches as the output backward's have written redo's marks (same g, same key blocks): the state
         # backward reads them instead of recomputing them
@@ -271,7 +275,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
-                WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
+                WHOLE=3 in state_modes, FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

@@ -503,7 +503,7 @@ def _band_col(band, j):
 @triton.jit
 def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
     M [BT, BT] is zero outside that range, band = `_diag_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
     column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
@@ -516,8 +516,13 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         s = _whole_sums(gg, gn, BT)
         return tl.dot(M, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
+    if FACT:  # the off-diagonal factors of every column block from one set of parts (as the prep's FACT)
+        E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        xe, ye = _off_exps(gg, gn, cb, BT)
+        if FACT:
+            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+        else:
+            xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(_op(M, DT, LOWP), _op(yr * ye, DT, LOWP), input_precision=PREC) * xe
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
@@ -545,7 +550,7 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
 @triton.jit
 def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
     transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks; bandT =
     `_diag_band(M^T)`)."""
@@ -555,8 +560,13 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         s = _whole_sums(gg, gn, BT)
         return tl.dot(tl.trans(M), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
+    if FACT:  # as in `_rows_prod_blk`
+        E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        xe, ye = _off_exps(gg, gn, cb, BT)
+        if FACT:
+            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+        else:
+            xe, ye = _off_exps(gg, gn, cb, BT)
         out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yr * xe, DT, LOWP), input_precision=PREC) * ye
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
@@ -718,6 +728,7 @@ def _kda_bwd_out_blk(
     q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
+    FACT: tl.constexpr = False,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
@@ -751,9 +762,9 @@ def _kda_bwd_out_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             qq = qr * rq[:, None]
             Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             kk = kr * rk[:, None]
             dqn = dQS * eb * scale + Y1 + nd[:, None] * kk
             db = dQS * qq * eb * scale + qq * Y1 - kk * Y2
@@ -770,7 +781,7 @@ def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
-    WHOLE: tl.constexpr = False,
+    WHOLE: tl.constexpr = False, FACT: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -837,11 +848,11 @@ def _kda_bwd_state_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             kk = kr * rk[:, None]
             X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             dbeta_ += tl.sum(kk * X1, 1)
             X1 = X1 * bb[:, None]
             X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
             db = tl.where(rmask[:, None], kk * (X1 - X2), 0.0)
             sk += tl.sum(kk * dkn, 1)
