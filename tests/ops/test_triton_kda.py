@@ -53,7 +53,7 @@ CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_publi
          "prep_unfactored_mixed_decay_T70",
          "prep_unfactored_varlen_decay30", "T1", "K256_V256_T70",
          "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70", "cliff_gva2_T150",
-         "bwd_factored_cliff_gva2_T150", "bwd_factored_varlen_decay3.75"]
+         "bwd_unfactored_cliff_gva2_T150", "bwd_unfactored_varlen_decay3.75"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):

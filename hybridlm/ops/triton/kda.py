@@ -41,7 +41,10 @@ from . import kda_kernels as kk
 # bwd_factored: the backward's decay products (`kda_kernels._rows_prod_blk` / `_cols_prod_blk`) take their
 #   off-diagonal blocks' exponentials from `_off_parts` once per product, as the prep does with prep_factored (2
 #   block-wise scans and 2 exponentials over the tile instead of 6 masked whole-tile scans and 6 exponentials at BT
-#   64). Only chunks outside the whole-chunk dot have off-diagonal blocks: most of a freshly initialised layer's
+#   64). Only chunks outside the whole-chunk dot have off-diagonal blocks: most of a freshly initialised layer's.
+#   H100, B4 T4096 H16 D128 bf16, the gates of a freshly initialised layer (scripts/gpu_kda_bwd_factored.sh,
+#   2026-11-24 11:46-11:55 UTC, two draws): forward+backward 12.852 -> 12.064 and 12.753 -> 12.181 ms (-4.5 to -6.1%),
+#   forward unchanged; on the bench's mild gates 6.118 -> 6.079 (every chunk one dot); same errors
 # whole_dot: the K-blocked kernels that take each chunk (and head) whose log-decays stay within e^60 of its middle
 #   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
 #   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
@@ -52,7 +55,7 @@ from . import kda_kernels as kk
 #   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": False}
+        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": True}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 

@@ -151,13 +151,14 @@ def main() -> int:
     # off both dots: the exact launches)
     cliff = cliff_bounds(150)[:, :, None]  # [T, 1, 1]: the same bound for every channel
     res["cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=cliff)
-    # the backward's off-diagonal factors once per product (kda.TUNE bwd_factored): the cliff gates (exact
-    # launches), and log-decays near the whole-chunk bound over varlen chunks (whole-chunk and diagonal-dot launches)
-    with launch_plan(bwd_factored=True):
-        res["bwd_factored_cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                         decay=cliff)
-        res["bwd_factored_varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True,
-                                                          h0=True, cu=[0, 1, 16, 80, 150], decay=3.75)
+    # the backward's off-diagonal factors per column block (kda.TUNE bwd_factored off; on by default, once per
+    # product): the cliff gates (exact launches), and log-decays near the whole-chunk bound over varlen chunks
+    # (whole-chunk and diagonal-dot launches)
+    with launch_plan(bwd_factored=False):
+        res["bwd_unfactored_cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                           decay=cliff)
+        res["bwd_unfactored_varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True,
+                                                            h0=True, cu=[0, 1, 16, 80, 150], decay=3.75)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
