@@ -17,27 +17,21 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error measure (same folder)
 
 from hybridlm.bench.cuda_profile import print_kernel_times
+from hybridlm.bench.kernels import kda_bench_gates
 from hybridlm.ops.triton import chunk_kda, gdn, kda
 
 
 def make(B, T, H, D, seed=0, gates="bench"):
-    """The inputs of `hybridlm bench kernels`' KDA row, bf16-representable (g stays fp32). gates "init": g as a
-    freshly initialised `KimiDeltaAttention` makes it, -A softplus(f) with A ~ U(1, 16) per head and f ~ N(0, 0.33)
-    (its f_b(f_a(x)) at x ~ N(0, 1), dt_bias 0; mean g about -5.5, most chunks outside the whole-chunk dot's bound:
-    scripts/kda_whole_share.py)."""
+    """The inputs of `hybridlm bench kernels`' KDA rows, bf16-representable (g stays fp32; gates "bench" or "init":
+    `hybridlm.bench.kernels.kda_bench_gates`)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
-    if gates == "init":
-        A = 1.0 + 15.0 * torch.rand(1, 1, H, 1, device="cuda", generator=gen)
-        g = -A * F.softplus(0.33 * r(B, T, H, D))
-    else:
-        g = F.logsigmoid(r(B, T, H, D) + 3.0)
+    g = kda_bench_gates(gates, B, T, H, D, "cuda", gen)
     beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
     return q, k, v, g, beta
 

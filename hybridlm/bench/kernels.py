@@ -4,7 +4,10 @@
 
 Median ms (triton.testing.do_bench, return_mode="median") of forward and forward+backward at
 B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 (bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
-and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each).
+and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each). KDA
+(chunk_kda against fla's) at the first shape, on two kinds of log-decays (`kda_bench_gates`): mild ones, where our
+kernels take one dot per chunk, and those of a freshly initialised layer, where most chunks take the slower 16-row
+block path; fla does the same work on both.
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and a bf16
 8192^3 matmul. TFLOP/s use a nominal flop count of the chunked algorithm (the same count for ours and fla,
 see `flops_gdn`), forward+backward counted as 3x forward; SDPA uses 2*B*H*T^2*D (causal fwd), 3.5x for fwd+bwd.
@@ -43,8 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step), kda (first shape), "
                         "gdn (the chunked shapes)")
+    parser.add_argument("--kda-gates", default="bench,init",
+                        help="comma-separated KDA rows by log-decays: bench (logsigmoid(N(0,1) + 3), about -0.05 a "
+                        "step: every chunk within the whole-chunk dot) and init (those of a freshly initialised "
+                        "KDA layer, about -5.5 a step: most chunks through the 16-row blocks); see kda_bench_gates")
     parser.add_argument("--profile", action="store_true",
-                        help="per-kernel CUDA times of ours: GDN at the first shape, and the KDA row")
+                        help="per-kernel CUDA times of ours: GDN at the first shape, and each KDA row")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
 
@@ -97,7 +104,7 @@ def ceilings(dev):
 
 def _profile_once(args, part: str, fn) -> bool:
     """With --profile, print the per-kernel CUDA times of 3 calls of fn (after one warm-up), once per part (the
-    first shape of GDN, the KDA row); True when it printed."""
+    first shape of GDN, each KDA row); True when it printed."""
     done = getattr(args, "_profiled", set())
     if not getattr(args, "profile", False) or part in done:
         return False
@@ -167,22 +174,41 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     return res
 
 
-def _bench_kda(B, T, H, D, dev, gen, args):
+KDA_GATES = ("bench", "init")
+
+
+def kda_bench_gates(kind: str, B: int, T: int, H: int, D: int, device, gen: torch.Generator) -> torch.Tensor:
+    """g [B, T, H, D] fp32 log-decays for the KDA rows. "bench": logsigmoid(N(0, 1) + 3), about -0.05 a step, so
+    every chunk takes the kernels' whole-chunk dot. "init": as a freshly initialised `KimiDeltaAttention` makes
+    them, -A softplus(f) with A ~ U(1, 16) per head (A_log's init) and f ~ N(0, 0.33) (its low-rank gate f_b(f_a(x))
+    at x ~ N(0, 1), dt_bias 0): about -5.5 a step, so most chunks go through the 16-row blocks
+    (scripts/kda_whole_share.py). fla's chunk_kda does the same work on either."""
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    if kind == "bench":
+        return F.logsigmoid(r(B, T, H, D) + 3.0)
+    if kind == "init":
+        A = 1.0 + 15.0 * torch.rand(1, 1, H, 1, device=device, generator=gen)
+        return -A * F.softplus(0.33 * r(B, T, H, D))
+    raise ValueError(f"kda gates: expected one of {', '.join(KDA_GATES)}, got {kind!r}")
+
+
+def _bench_kda(B, T, H, D, dev, gen, args, gates="bench"):
     from hybridlm.ops.triton import chunk_kda
 
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
-    g = F.logsigmoid(r(B, T, H, D) + 3.0)
+    g = kda_bench_gates(gates, B, T, H, D, dev, gen)
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
     do = r(B, T, H, D).to(torch.bfloat16)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    res = {"shape": f"KDA B{B} T{T} H{H} D{D}", "kda": True}
+    res = {"shape": f"KDA B{B} T{T} H{H} D{D}" + ("" if gates == "bench" else f" {gates} gates"), "kda": True,
+           "gates": gates}
 
     def ours_fb():
         o = chunk_kda(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm=True)[0]
         return torch.autograd.grad(o, leaves, do)
 
-    _profile_once(args, "kda", ours_fb)
+    _profile_once(args, f"kda {gates}", ours_fb)
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(lambda: chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True), args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
@@ -227,7 +253,20 @@ def _bench_decode(dev, gen, fla, args):
     return dec
 
 
+def _rows_asked(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """--parts and --kda-gates as lists, checked before anything runs."""
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = set(parts) - {"decode", "kda", "gdn"}
+    if unknown:
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; expected a subset of decode,kda,gdn")
+    kda_gates = [x.strip() for x in args.kda_gates.split(",") if x.strip()]
+    if not kda_gates or set(kda_gates) - set(KDA_GATES):
+        raise SystemExit(f"--kda-gates: expected a subset of {','.join(KDA_GATES)}, got {args.kda_gates!r}")
+    return parts, kda_gates
+
+
 def run(args: argparse.Namespace) -> int:
+    parts, kda_gates = _rows_asked(args)
     if not torch.cuda.is_available():
         print("hybridlm bench kernels: needs a CUDA device", file=sys.stderr)
         return 2
@@ -267,19 +306,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['device']}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = set(parts) - {"decode", "kda", "gdn"}
-    if unknown:
-        raise SystemExit(f"--parts: unknown {sorted(unknown)}; expected a subset of decode,kda,gdn")
     for part in parts:  # in the order given; the default puts KDA last: fla's chunk_kda autotunes for minutes
         if part == "decode":
             rows.append(_bench_decode(dev, gen, fla, args))
         elif part == "kda":
-            try:
-                rows.append(_bench_kda(*SHAPES[0], dev, gen, args))
-            except Exception as e:  # noqa: BLE001
-                print(f"kda row skipped: {e!r}", file=sys.stderr)
-                continue
+            for gates in kda_gates:  # fla autotunes on the first row only (same shapes)
+                try:
+                    rows.append(_bench_kda(*SHAPES[0], dev, gen, args, gates))
+                except Exception as e:  # noqa: BLE001
+                    print(f"kda row ({gates} gates) skipped: {e!r}", file=sys.stderr)
+                    continue
+                print(json.dumps(rows[-1]), flush=True)
+            continue
         else:
             for B, T, H, D in _shapes(args):
                 rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args))

@@ -1,0 +1,49 @@
+"""hybridlm bench kernels on the CPU: the KDA rows' log-decays and the checks of the rows asked for (the timings
+themselves need CUDA)."""
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.bench import kernels
+
+
+def _args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    kernels.add_arguments(p)
+    ns = p.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_kda_init_gates_are_a_fresh_layers():
+    """"init": one decay rate A in [1, 16] per head times softplus(0.33 N(0, 1)); fast, about -5.5 a step."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 512, 16, 64
+    g = kernels.kda_bench_gates("init", B, T, H, D, "cpu", gen)
+    assert g.shape == (B, T, H, D) and g.dtype == torch.float32
+    assert bool((g < 0).all())
+    sp_mean = F.softplus(0.33 * torch.randn(10**6, generator=torch.Generator().manual_seed(1))).mean()
+    A = -g.mean(dim=(0, 1, 3)) / sp_mean  # [H]
+    assert bool(((A > 0.97) & (A < 16.3)).all()), A
+    assert A.max() - A.min() > 5.0  # heads differ
+    assert -8.0 < g.mean().item() < -3.0
+
+
+def test_kda_bench_gates_are_mild():
+    gen = torch.Generator().manual_seed(0)
+    g = kernels.kda_bench_gates("bench", 2, 256, 4, 64, "cpu", gen)
+    assert -0.1 < g.mean().item() < -0.02 and bool((g < 0).all())
+
+
+def test_bad_gates_and_rows_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="kda gates: expected one of bench, init, got 'trained'"):
+        kernels.kda_bench_gates("trained", 1, 8, 1, 8, "cpu", torch.Generator())
+    with pytest.raises(SystemExit, match="--kda-gates: expected a subset of bench,init, got 'bench,fast'"):
+        kernels.run(_args(kda_gates="bench,fast"))
+    with pytest.raises(SystemExit, match=r"--parts: unknown \['kdaa'\]"):
+        kernels.run(_args(parts="gdn,kdaa"))
+    assert kernels._rows_asked(_args()) == (["decode", "gdn", "kda"], ["bench", "init"])
