@@ -509,7 +509,8 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
     column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
     (both factors <= 1, `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1,
     `_mid_sums`) or exactly, one in-block column at a time (the launch for log-decays too strong for the dot,
-    `_diag_pass`); exponents summed from g."""
+    `_diag_pass`); exponents summed from g. FACT (`kda.TUNE["bwd_factored"]`): the off-diagonal factors of every
+    column block from one `_off_parts` (2 exponential tiles), not per column block (`_off_exps`, 6)."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     if DIAG == 3:  # the whole chunk through its middle row (`_whole_sums`), fp32 operands as the diagonal dot's
