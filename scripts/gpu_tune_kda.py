@@ -21,7 +21,7 @@ import triton.testing
 from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error measure (same folder)
 
 from hybridlm.bench.cuda_profile import print_kernel_times
-from hybridlm.bench.kernels import kda_bench_gates
+from hybridlm.bench.kernels import KDA_GATES, kda_bench_gates
 from hybridlm.ops.triton import chunk_kda, gdn, kda
 
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0, help="stop sweeping after this long")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep in ms")
     ap.add_argument("--no-fla", action="store_true", help="do not time fla's chunk_kda")
-    ap.add_argument("--gates", choices=["bench", "init"], default="bench",
+    ap.add_argument("--gates", choices=KDA_GATES, default="bench",
                     help="log-decays: the kernel bench's mild ones (logsigmoid(N(0,1) + 3)) or those of a freshly "
                          "initialised KDA layer (see make)")
     ap.add_argument("--grid", default=None,
