@@ -17,7 +17,7 @@ done
 wait
 tail -n 2 "$OUT"/check_kda?.log
 python3 scripts/gpu_check_gdn.py --merge "$OUT"/check_kda?.json
-timeout 190 python3 scripts/gpu_tune_kda.py --no-fla --gates init --max-seconds 165 --json "$OUT/init.json" \
+timeout 190 python3 scripts/gpu_tune_kda.py --no-fla --gates init --profile --max-seconds 165 --json "$OUT/init.json" \
   --grid '[{"rowblock": false}, {}, {"rowblock": false}, {}, {"prep_warps": 8}]'
 timeout 100 python3 scripts/gpu_tune_kda.py --no-fla --gates bench --max-seconds 70 --json "$OUT/bench.json" \
   --grid '[{"rowblock": false}, {}]'
