@@ -236,21 +236,6 @@ def main(argv=None) -> int:
                                                 dg="fp32", dbeta="fp32", redo=i32),
                     dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1, FACT=True), 1,
                     cap)
-        for mode in (1, 2):  # the off-diagonal blocks of every row block in one batched dot (kda.TUNE rowblock)
-            dtag = f"{tag}, {('exact', 'dot', 'exact rest')[mode]}, rowblock"
-            kd = dict(kc, DIAG=mode, FACT=True, ROWB=True)
-            jobs[f"_kda_prep_ap({dtag})"] = (
-                kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
-                                      BL="fp32", redo=i32), prep_ints, dict(kd, WHOLE=True), 1, cap)
-            jobs[f"_kda_bwd_out_blk({dtag})"] = (
-                kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
-                                          dq="fp32", dk="fp32", dg="fp32", redo=i32),
-                dict(scale="fp32", H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, WHOLE=True), 1, cap)
-            jobs[f"_kda_bwd_state_blk({dtag})"] = (
-                kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32",
-                                            hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
-                                            dbeta="fp32", redo=i32),
-                dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=True, WHOLE=True), 1, cap)
         # the whole chunk as one dot where the decay allows (kda.TUNE whole_dot; then the launches above)
         jobs[f"_kda_prep_ap({tag}, whole chunk)"] = (
             kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,

@@ -55,7 +55,7 @@ from . import kda_kernels as kk
 #   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": True, "rowblock": True}
+        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": True}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 
@@ -174,7 +174,6 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"], WHOLE=3 in modes,
-                              ROWB=TUNE["rowblock"],
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
@@ -270,7 +269,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
-                FACT=TUNE["bwd_factored"], ROWB=TUNE["rowblock"], num_warps=bw, num_stages=1, **_cap(),
+                FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
             )
         # the same launches as the output backward's have written redo's marks (same g, same key blocks): the state
         # backward reads them instead of recomputing them
@@ -279,8 +278,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
-                WHOLE=3 in state_modes, FACT=TUNE["bwd_factored"], ROWB=TUNE["rowblock"], num_warps=bw, num_stages=1,
-                **_cap(),
+                WHOLE=3 in state_modes, FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

@@ -112,58 +112,6 @@ def _off_exps_from(E, Y, Tb, cb: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _between(Tb, BT: tl.constexpr):
-    """F[I, c] = e^{Tb_{c+1} + ... + Tb_{I-1}} for column block c before row block I, else 0: [NB, NB, BK] from the
-    block totals Tb [NB, BK] of `_off_parts` (g summed over the blocks strictly between the two; a direct sum of g,
-    <= 0). With E and Y of `_off_parts`, e^{b_i - b_j} = E_i F[I(i), c(j)] Y_j for j in an earlier block than i:
-    three factors, each <= 1."""
-    NB: tl.constexpr = BT // 16
-    blk = tl.arange(0, NB)
-    inside = (blk[None, None, :] > blk[None, :, None]) & (blk[None, None, :] < blk[:, None, None])  # [I, c, m]
-    S = tl.sum(tl.where(inside[:, :, :, None], Tb[None, None, :, :], 0.0), 2)
-    return tl.where((blk[None, :] < blk[:, None])[:, :, None], tl.exp(S), 0.0)
-
-
-@triton.jit
-def _spread(x, F, BT: tl.constexpr):
-    """[NB, BT, BK]: out[a, j] = x_j F[a, j // 16] (x [BT, BK], F [NB, NB, BK]): one right-hand side per batch a of
-    a batched dot, the rows of x scaled by their block's factor in that batch."""
-    NB: tl.constexpr = BT // 16
-    BK: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.reshape(x, [1, NB, 16, BK]) * F[:, :, None, :], [NB, BT, BK])
-
-
-@triton.jit
-def _diag_blocks(M, BT: tl.constexpr):
-    """The diagonal 16x16 blocks of M [BT, BT] as [NB, 16, 16] (reshaped to [BT, 16], the band of `_band`)."""
-    NB: tl.constexpr = BT // 16
-    blk = tl.arange(0, NB)
-    M4 = tl.reshape(M, [NB, 16, NB, 16])
-    return tl.sum(tl.where((blk[:, None] == blk[None, :])[:, None, :, None], M4, 0.0), 2)
-
-
-@triton.jit
-def _row_blocks_prod(M, x, F, BT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr, LOWP: tl.constexpr):
-    """sum_j M_ij x_j F[I(i), c(j)] for every row i: one batched dot over the row blocks I, [NB, 16, BT] rows of M
-    against `_spread(x, F)`: [BT, BK]. The off-diagonal blocks of a decay product (with F of `_between`) at a quarter
-    of the multiply-adds of one [BT, BT] dot per column block, and with one dot instead of NB - 1."""
-    NB: tl.constexpr = BT // 16
-    BK: tl.constexpr = x.shape[1]
-    out = tl.dot(_op(tl.reshape(M, [NB, 16, BT]), DT, LOWP), _op(_spread(x, F, BT), DT, LOWP),
-                 input_precision=PREC)
-    return tl.reshape(out, [BT, BK])
-
-
-@triton.jit
-def _diag_blocks_prod(Md, x, BT: tl.constexpr, PREC: tl.constexpr):
-    """sum_j M_ij x_j over j in row i's own 16-row block: Md = `_diag_blocks(M)`, one batched [NB, 16, 16] dot with
-    fp32 operands: [BT, BK]."""
-    NB: tl.constexpr = BT // 16
-    BK: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.dot(Md, tl.reshape(x, [NB, 16, BK]), input_precision=PREC), [BT, BK])
-
-
-@triton.jit
 def _mid_sums(gg, gn, BT: tl.constexpr):
     """s_i = b_i - b_m, m = 16 (i // 16) + 7 the middle row of row i's 16-row block, summed from g ([BT, BK]):
     within a block e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the
@@ -511,13 +459,21 @@ def _kda_chunk_bwd(
 
 @triton.jit
 def _band(M, BT: tl.constexpr):
-    """The diagonal 16x16 blocks of M [BT, BT] as a [BT, 16] band: band[i, j] = M[i, 16 (i // 16) + j]."""
-    return tl.reshape(_diag_blocks(M, BT), [BT, 16])
+    """The diagonal 16x16 blocks of M [BT, BT] as a [BT, 16] band: band[i, j] = M[i, 16 (i // 16) + j]. By one
+    reshape to [NB, 16, NB, 16] and a masked sum over the column blocks, not a 16-step loop of masked [BT, BT] row sums
+    (H100, B4 T4096 H16 D128 bf16 on a fresh layer's gates, half of whose chunks take the exact launches: forward +
+    backward 12.06-12.18 ms with the loop at 11:46-11:55 UTC, 10.62 with the reshape at 12:48; same script and seed,
+    two runs; BENCHMARKS.md)."""
+    NB: tl.constexpr = BT // 16
+    blk = tl.arange(0, NB)
+    M4 = tl.reshape(M, [NB, 16, NB, 16])
+    return tl.reshape(tl.sum(tl.where((blk[:, None] == blk[None, :])[:, None, :, None], M4, 0.0), 2), [BT, 16])
 
 
 @triton.jit
 def _unband(band, BT: tl.constexpr):
-    """The [BT, BT] matrix that is `band` on its diagonal 16x16 blocks and 0 elsewhere (inverse of `_band`)."""
+    """The [BT, BT] matrix that is `band` on its diagonal 16x16 blocks and 0 elsewhere (inverse of `_band`, by the
+    same reshape)."""
     NB: tl.constexpr = BT // 16
     blk = tl.arange(0, NB)
     b4 = tl.reshape(band, [NB, 16, 1, 16])
@@ -544,8 +500,7 @@ def _band_col(band, j):
 @triton.jit
 def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False,
-                   ROWB: tl.constexpr = False):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
     M [BT, BT] is zero outside that range, band = `_diag_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
     column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
@@ -558,28 +513,21 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
     if DIAG == 3:  # the whole chunk through its middle row (`_whole_sums`), fp32 operands as the diagonal dot's
         s = _whole_sums(gg, gn, BT)
         return tl.dot(M, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
-    if ROWB:  # the off-diagonal blocks of every row block I at once: E_i sum_j M_ij y_j Y_j F[I, c(j)]
+    out = tl.zeros([BT, BK], dtype=tl.float32)
+    if FACT:  # the off-diagonal factors of every column block from one set of parts (as the prep's FACT)
         E, Yf, Tb = _off_parts(gg, gn, BT)
-        out = _row_blocks_prod(M, yr * Yf, _between(Tb, BT), BT, PREC, DT, LOWP) * E
-    else:
-        out = tl.zeros([BT, BK], dtype=tl.float32)
-        if FACT:  # the off-diagonal factors of every column block from one set of parts (as the prep's FACT)
-            E, Yf, Tb = _off_parts(gg, gn, BT)
-        for cb in tl.static_range(BT // 16 - 1):
-            if FACT:
-                xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-            else:
-                xe, ye = _off_exps(gg, gn, cb, BT)
-            out += tl.dot(_op(M, DT, LOWP), _op(yr * ye, DT, LOWP), input_precision=PREC) * xe
+    for cb in tl.static_range(BT // 16 - 1):
+        if FACT:
+            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+        else:
+            xe, ye = _off_exps(gg, gn, cb, BT)
+        out += tl.dot(_op(M, DT, LOWP), _op(yr * ye, DT, LOWP), input_precision=PREC) * xe
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
+        Md = tl.where(_same_block(BT), M, 0.0)
         # fp32 operands (tf32 dots for 16-bit inputs): these blocks carry the least-decayed, largest terms, and
         # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
-        if ROWB:
-            out += _diag_blocks_prod(_diag_blocks(M, BT), yr * tl.exp(-s), BT, PREC) * tl.exp(s)
-        else:
-            Md = tl.where(_same_block(BT), M, 0.0)
-            out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
+        out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     else:
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
@@ -600,8 +548,7 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
 @triton.jit
 def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False,
-                   ROWB: tl.constexpr = False):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
     transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks; bandT =
     `_diag_band(M^T)`)."""
@@ -610,27 +557,19 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
     if DIAG == 3:  # as in `_rows_prod_blk`
         s = _whole_sums(gg, gn, BT)
         return tl.dot(tl.trans(M), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
-    if ROWB:  # per column block C at once: Y_j sum_i M_ij y_i E_i F[I(i), C] (F transposed: batch C, inner I)
+    out = tl.zeros([BT, BK], dtype=tl.float32)
+    if FACT:  # as in `_rows_prod_blk`
         E, Yf, Tb = _off_parts(gg, gn, BT)
-        Mt = tl.trans(M)
-        out = _row_blocks_prod(Mt, yr * E, tl.permute(_between(Tb, BT), (1, 0, 2)), BT, PREC, DT, LOWP) * Yf
-    else:
-        out = tl.zeros([BT, BK], dtype=tl.float32)
-        if FACT:  # as in `_rows_prod_blk`
-            E, Yf, Tb = _off_parts(gg, gn, BT)
-        for cb in tl.static_range(BT // 16 - 1):
-            if FACT:
-                xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-            else:
-                xe, ye = _off_exps(gg, gn, cb, BT)
-            out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yr * xe, DT, LOWP), input_precision=PREC) * ye
+    for cb in tl.static_range(BT // 16 - 1):
+        if FACT:
+            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
+        else:
+            xe, ye = _off_exps(gg, gn, cb, BT)
+        out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yr * xe, DT, LOWP), input_precision=PREC) * ye
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
-        if ROWB:  # fp32 operands as above
-            out += _diag_blocks_prod(_diag_blocks(tl.trans(M), BT), yr * tl.exp(s), BT, PREC) * tl.exp(-s)
-        else:
-            Md = tl.where(_same_block(BT), M, 0.0)
-            out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
+        Md = tl.where(_same_block(BT), M, 0.0)
+        out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
     else:
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
@@ -652,7 +591,7 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False, ROWB: tl.constexpr = False,
+    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
@@ -667,7 +606,6 @@ def _kda_prep_ap(
         n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
         pos = rows % 16
         c16 = tl.arange(0, 16)
-        NB: tl.constexpr = BT // 16
         rq = _row_inv_norms(q, r64, rmask, H * K, ih * K, K, BK, BT, L2)
         rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
         A = tl.zeros([BT, BT], dtype=tl.float32)
@@ -688,12 +626,7 @@ def _kda_prep_ap(
             ed = tl.exp(tl.cumsum(gn, 0, reverse=True))  # e^{bL - b}, summed from g
             tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
             tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
-            if DIAG != 3 and ROWB:  # the off-diagonal 16-row blocks of every row block at once (`_between`)
-                E, Yf, Tb = _off_parts(gg, gn, BT)
-                Yt = tl.permute(_spread(kr * Yf, _between(Tb, BT), BT), (0, 2, 1))  # [NB, BK, BT]
-                A += tl.reshape(tl.dot(tl.reshape(kr * E, [NB, 16, BK]), Yt, input_precision=PREC), [BT, BT])
-                P += tl.reshape(tl.dot(tl.reshape(qr * E, [NB, 16, BK]), Yt, input_precision=PREC), [BT, BT])
-            elif DIAG != 3:  # the off-diagonal 16-row blocks (DIAG 3 has no blocks)
+            if DIAG != 3:  # the off-diagonal 16-row blocks (DIAG 3 has no blocks)
                 if FACT:
                     E, Yf, Tb = _off_parts(gg, gn, BT)
                 for cb in tl.static_range(BT // 16 - 1):
@@ -704,14 +637,7 @@ def _kda_prep_ap(
                     Y = kr * ye
                     A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
                     P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
-            if DIAG == 1 and ROWB:  # the diagonal blocks by one batched [NB, 16, 16] dot each (fp32 operands)
-                s = _mid_sums(gg, gn, BT)
-                Yd = tl.permute(tl.reshape(kr * tl.exp(-s), [NB, 16, BK]), (0, 2, 1))
-                Da += tl.where(c16[None, :] < pos[:, None], tl.reshape(tl.dot(
-                    tl.reshape(kr * tl.exp(s), [NB, 16, BK]), Yd, input_precision=PREC), [BT, 16]), 0.0)
-                Dp += tl.where(c16[None, :] <= pos[:, None], tl.reshape(tl.dot(
-                    tl.reshape(qr * tl.exp(s), [NB, 16, BK]), Yd, input_precision=PREC), [BT, 16]), 0.0)
-            elif DIAG == 1 or DIAG == 3:
+            if DIAG == 1 or DIAG == 3:
                 # one dot each, e^{b_i - b_j} = e^{s_i} e^{-s_j}: through the chunk's middle row for every pair (DIAG
                 # 3) or through each 16-row block's for the pairs within it (DIAG 1); fp32 operands. Where j > i
                 # the product may overflow, and the masks drop it
@@ -739,7 +665,7 @@ def _kda_prep_ap(
                     Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
                     Dp += tl.where(col & (pos >= j)[:, None], tl.sum(qr * ke, 1)[:, None], 0.0)
         bb = tl.load(beta + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        if DIAG == 0 or DIAG == 2 or (DIAG == 1 and ROWB):  # the diagonal blocks, as bands
+        if DIAG == 0 or DIAG == 2:  # the exact loop's diagonal blocks
             A += _unband(Da, BT)
             P += _unband(Dp, BT)
         A = A * (bb * rk)[:, None] * rk[None, :]
@@ -800,7 +726,7 @@ def _kda_bwd_out_blk(
     q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
-    FACT: tl.constexpr = False, ROWB: tl.constexpr = False,
+    FACT: tl.constexpr = False,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
@@ -834,9 +760,9 @@ def _kda_bwd_out_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             qq = qr * rq[:, None]
             Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT, ROWB)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT, ROWB)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             kk = kr * rk[:, None]
             dqn = dQS * eb * scale + Y1 + nd[:, None] * kk
             db = dQS * qq * eb * scale + qq * Y1 - kk * Y2
@@ -853,7 +779,7 @@ def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
-    WHOLE: tl.constexpr = False, FACT: tl.constexpr = False, ROWB: tl.constexpr = False,
+    WHOLE: tl.constexpr = False, FACT: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -920,11 +846,11 @@ def _kda_bwd_state_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             kk = kr * rk[:, None]
             X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT, ROWB)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             dbeta_ += tl.sum(kk * X1, 1)
             X1 = X1 * bb[:, None]
             X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT, ROWB)
+                                True, PREC, DT, LOWP, DIAG, FACT)
             dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
             db = tl.where(rmask[:, None], kk * (X1 - X2), 0.0)
             sk += tl.sum(kk * dkn, 1)

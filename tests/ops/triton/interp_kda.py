@@ -140,13 +140,8 @@ def main() -> int:
     with launch_plan(whole_dot=()):
         res["prep_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                         decay=mixed)
-    # the off-diagonal blocks one column block at a time (kda.TUNE rowblock off; by default every row block at once
-    # in one batched dot), factors once per key block
-    with launch_plan(whole_dot=(), rowblock=False):
-        res["colblock_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                     decay=mixed)
     # ... per column block, mixed decay and varlen chunks that end early, at 8 prep warps (the default is 4)
-    with launch_plan(whole_dot=(), prep_factored=False, prep_warps=8, rowblock=False):
+    with launch_plan(whole_dot=(), prep_factored=False, prep_warps=8):
         res["prep_unfactored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                             decay=mixed)
         res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
@@ -159,7 +154,7 @@ def main() -> int:
     # the backward's off-diagonal factors per column block (kda.TUNE bwd_factored off; on by default, once per
     # product): the cliff gates (exact launches), and log-decays near the whole-chunk bound over varlen chunks
     # (whole-chunk and diagonal-dot launches)
-    with launch_plan(bwd_factored=False, rowblock=False):
+    with launch_plan(bwd_factored=False):
         res["bwd_unfactored_cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=cliff)
         res["bwd_unfactored_varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True,
