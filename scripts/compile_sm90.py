@@ -212,10 +212,6 @@ def main(argv=None) -> int:
             jobs[f"_kda_prep_ap({dtag})"] = (
                 kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
                                       BL="fp32", redo=i32), prep_ints, kd, 1, cap)
-            if mode != 1:  # the off-diagonal factors once per key block (kda.TUNE prep_factored)
-                jobs[f"_kda_prep_ap({dtag}, factored)"] = (
-                    kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd,
-                                          Pb=sd, BL="fp32", redo=i32), prep_ints, dict(kd, FACT=True), 1, cap)
             jobs[f"_kda_bwd_out_blk({dtag})"] = (
                 kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
                                           dq="fp32", dk="fp32", dg="fp32", redo=i32),
@@ -225,21 +221,10 @@ def main(argv=None) -> int:
                                             hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32", dg="fp32",
                                             dbeta="fp32", redo=i32),
                 dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1), 1, cap)
-            if mode != 0:  # the backward's off-diagonal factors once per product (kda.TUNE bwd_factored)
-                jobs[f"_kda_bwd_out_blk({dtag}, factored)"] = (
-                    kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
-                                              dq="fp32", dk="fp32", dg="fp32", redo=i32),
-                    dict(scale="fp32", H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, FACT=True), 1, cap)
-                jobs[f"_kda_bwd_state_blk({dtag}, factored)"] = (
-                    kk._kda_bwd_state_blk, dict(chunk_ptrs, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", BL="fp32",
-                                                hbuf=sd, dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk="fp32", dv="fp32",
-                                                dg="fp32", dbeta="fp32", redo=i32),
-                    dict(H=i32, HV=i32), dict(kd, BV=min(64, args.v), LOWP=lowp, MARKED=mode == 1, FACT=True), 1,
-                    cap)
         # the whole chunk as one dot where the decay allows (kda.TUNE whole_dot; then the launches above)
         jobs[f"_kda_prep_ap({tag}, whole chunk)"] = (
             kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
-                                  BL="fp32", redo=i32), prep_ints, dict(kc, DIAG=3, FACT=True), 1, cap)
+                                  BL="fp32", redo=i32), prep_ints, dict(kc, DIAG=3), 1, cap)
         jobs[f"_kda_bwd_out_blk({tag}, whole chunk)"] = (
             kk._kda_bwd_out_blk, dict(chunk_ptrs, q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt,
                                       dq="fp32", dk="fp32", dg="fp32", redo=i32),

@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-diag", default=None, help="comma-separated K-blocked KDA kernels whose diagonal blocks go "
                     "by dot (kda.TUNE diag_dot: prep, bwd_out, bwd_state; 'none' for the exact loop everywhere)")
     ap.add_argument("--kda-tune", default=None, help="JSON object merged into kda.TUNE before the cases run (for "
-                    "example '{\"bwd_factored\": true}')")
+                    "example '{\"bk\": 16}')")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     args = ap.parse_args(argv)
     if args.merge:

@@ -34,17 +34,11 @@ from . import kda_kernels as kk
 #   `_kda_bwd_state_blk` 6.60 -> 3.07, `_kda_prep_ap` 2.11 -> 2.04 (two launches; not worth it). With 16-bit
 #   operands in the diagonal dot the state backward gave wrong bf16 gradients (02:05, 8-5240 relative); with fp32
 #   operands (tf32 dots) its bf16 gradients equal the exact launch's to 3 digits (03:52, scripts/gpu_kda_state_dot.py)
-# prep_factored: `_kda_prep_ap` takes its off-diagonal blocks' exponentials from `kda_kernels._off_parts` once per
-#   key block (2 block-wise scans and 2 exponentials over the tile) instead of per column block (6 masked whole-tile
-#   scans and 6 exponentials at BT 64). H100, B4 T4096 H16 D128 bf16 (scripts/gpu_tune_kda.py, 2026-11-24 06:11):
-#   forward 3.213 -> 3.060 ms at 8 prep warps, 2.827 at 4 (forward+backward 9.022 -> 8.741), same errors
-# bwd_factored: the backward's decay products (`kda_kernels._rows_prod_blk` / `_cols_prod_blk`) take their
-#   off-diagonal blocks' exponentials from `_off_parts` once per product, as the prep does with prep_factored (2
-#   block-wise scans and 2 exponentials over the tile instead of 6 masked whole-tile scans and 6 exponentials at BT
-#   64). Only chunks outside the whole-chunk dot have off-diagonal blocks: most of a freshly initialised layer's.
-#   H100, B4 T4096 H16 D128 bf16, the gates of a freshly initialised layer (scripts/gpu_kda_bwd_factored.sh,
-#   2026-11-24 11:46-11:55 UTC, two draws): forward+backward 12.852 -> 12.064 and 12.753 -> 12.181 ms (-4.5 to -6.1%),
-#   forward unchanged; on the bench's mild gates 6.118 -> 6.079 (every chunk one dot); same errors
+# (the off-diagonal blocks' exponentials come from `kda_kernels._off_parts` once per key block in the prep and once
+#   per decay product in the backward: 2 block-wise scans and 2 exponentials instead of 6 masked whole-tile scans
+#   and 6 exponentials at BT 64. H100, B4 T4096 H16 D128 bf16: forward 3.213 -> 3.060 ms (06:11), forward+backward
+#   on a fresh layer's gates 12.85 -> 12.06-12.18 ms (11:46-11:55, scripts/gpu_kda_bwd_factored.sh at commit
+#   1b16668); the per-column-block form and its flags prep_factored / bwd_factored are gone since 2026-11-24 13:10)
 # whole_dot: the K-blocked kernels that take each chunk (and head) whose log-decays stay within e^60 of its middle
 #   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
 #   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
@@ -54,8 +48,8 @@ from . import kda_kernels as kk
 #   bf16 error 4.81e-3 (dg) -> 3.56e-3 (o). Kernel bench at 07:16: forward 1.469 ms (fla 1.195), forward+backward
 #   5.954 (fla 5.580)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
-        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"), "prep_factored": True,
-        "whole_dot": ("prep", "bwd_out", "bwd_state"), "bwd_factored": True}
+        "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
+        "whole_dot": ("prep", "bwd_out", "bwd_state")}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 
@@ -173,7 +167,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     modes = _diag_modes("prep")  # the whole chunk by dot where the decay allows, ...; the rest exactly
     for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
-                              BK=BK, L2=l2, PREC=prec, DIAG=mode, FACT=TUNE["prep_factored"], WHOLE=3 in modes,
+                              BK=BK, L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
@@ -269,7 +263,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_out_blk[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
-                FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
+                num_warps=bw, num_stages=1, **_cap(),
             )
         # the same launches as the output backward's have written redo's marks (same g, same key blocks): the state
         # backward reads them instead of recomputing them
@@ -278,7 +272,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
                 BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
-                WHOLE=3 in state_modes, FACT=TUNE["bwd_factored"], num_warps=bw, num_stages=1, **_cap(),
+                WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)

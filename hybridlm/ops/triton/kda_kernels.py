@@ -18,7 +18,7 @@ takes the whole [BT, BT] product as one masked dot per key block, e^{b_i - b_j} 
 and their marks are in `_diag_pass`.
 
 Every exponent b_i - b_j (and bL - b_i) is summed directly from the g's between the two rows (`_g_tiles`,
-`_off_exps`, running sums in the diagonal loops), never taken as a difference of the cumulative b: under strong
+`_off_parts`, running sums in the diagonal loops), never taken as a difference of the cumulative b: under strong
 decay |b| reaches ~1e3 within a chunk, where an fp32 ulp is ~6e-5, so a difference of two cumulative sums carries
 an absolute error of that size and e^{b_i - b_j} a relative one (measured: fp32 dg 1.4e-5 relative RMS vs float64
 at decay 30 a step, 1e-6 with direct sums).
@@ -66,25 +66,12 @@ def _g_blk(g, r64, nval, ihv, HV, K: tl.constexpr, k0, BK: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _off_exps(gg, gn, cb: tl.constexpr, BT: tl.constexpr):
-    """Factors of the off-diagonal blocks of column block cb (r_c = b at its last row): xe_i = e^{b_i - r_c}
-    for rows after the block, ye_j = e^{r_c - b_j} for rows in it, 0 elsewhere; exponents summed from g."""
-    rows = tl.arange(0, BT)
-    last = cb * 16 + 15
-    after = (rows > last)[:, None]
-    xe = tl.exp(tl.where(after, tl.cumsum(tl.where(after, gg, 0.0), 0), float("-inf")))
-    inb = ((rows >= cb * 16) & (rows <= last))[:, None]
-    ysum = tl.cumsum(tl.where(((rows >= cb * 16) & (rows < last))[:, None], gn, 0.0), 0, reverse=True)
-    ye = tl.exp(tl.where(inb, ysum, float("-inf")))
-    return xe, ye
-
-
-@triton.jit
 def _off_parts(gg, gn, BT: tl.constexpr):
-    """The factors of `_off_exps` for every column block at once: E_i = e^{sum of g over row i's 16-row block from
-    its first row to i}, Y_i = e^{sum of g over rows i+1 .. the last row of i's block} (ye of the block holding i),
-    and the block totals Tb [BT // 16, BK] of g. Two scans over the tile seen as [BT // 16, 16, BK] and two
-    exponentials, instead of two masked whole-tile scans and two exponentials per column block."""
+    """The factors of the off-diagonal blocks of every column block at once (`_off_exps_from` picks one column
+    block's): E_i = e^{sum of g over row i's 16-row block from its first row to i}, Y_i = e^{sum of g over rows
+    i+1 .. the last row of i's block}, and the block totals Tb [BT // 16, BK] of g. Two scans over the tile seen as
+    [BT // 16, 16, BK] and two exponentials, instead of two masked whole-tile scans and two exponentials per column
+    block (the form before 2026-11-24: 5% slower in the prep and in the backward on the H100)."""
     BK: tl.constexpr = gg.shape[1]
     pos = (tl.arange(0, BT) % 16)[:, None]
     g3 = tl.reshape(gg, [BT // 16, 16, BK])
@@ -96,9 +83,10 @@ def _off_parts(gg, gn, BT: tl.constexpr):
 
 @triton.jit
 def _off_exps_from(E, Y, Tb, cb: tl.constexpr, BT: tl.constexpr):
-    """`_off_exps(gg, gn, cb)` from `_off_parts`: ye = Y on column block cb's rows; for a row i in a later block j,
-    xe_i = E_i e^{Tb_{cb+1} + ... + Tb_{j-1}} (g summed from the row after block cb to i, in two parts, each a
-    direct sum of g: no difference of cumulative sums; both factors <= 1)."""
+    """The factors of column block cb's off-diagonal blocks (r_c = b at its last row) from `_off_parts`: xe_i =
+    e^{b_i - r_c} for rows after the block, ye_j = e^{r_c - b_j} for rows in it, 0 elsewhere. ye = Y on cb's rows;
+    for a row i in a later block j, xe_i = E_i e^{Tb_{cb+1} + ... + Tb_{j-1}} (g summed from the row after block cb
+    to i, in two parts, each a direct sum of g: no difference of cumulative sums; both factors <= 1)."""
     BK: tl.constexpr = E.shape[1]
     NB: tl.constexpr = BT // 16
     rows = tl.arange(0, BT)
@@ -235,8 +223,9 @@ def _kda_prep_fwd(
     # off-diagonal 16-row blocks, one column block c at a time, through r_c = b at its last row
     A = tl.zeros([BT, BT], dtype=tl.float32)
     P = tl.zeros([BT, BT], dtype=tl.float32)
+    E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        xe, ye = _off_exps(gg, gn, cb, BT)
+        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
         Y = kk * ye
         A += tl.dot(kk * xe, tl.trans(Y), input_precision=PREC)
         P += tl.dot(qq * xe, tl.trans(Y), input_precision=PREC)
@@ -281,8 +270,9 @@ def _rows_prod(M, yy, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.cons
     rows = tl.arange(0, BT)
     offs_k = tl.arange(0, K)
     out = tl.zeros([BT, K], dtype=tl.float32)
+    E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        xe, ye = _off_exps(gg, gn, cb, BT)
+        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
         out += tl.dot(_op(M, DT, LOWP), _op(yy * ye, DT, LOWP), input_precision=PREC) * xe
     pos = rows % 16
     acc = tl.zeros([BT, K], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
@@ -310,8 +300,9 @@ def _cols_prod(M, yy, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.cons
     rows = tl.arange(0, BT)
     offs_k = tl.arange(0, K)
     out = tl.zeros([BT, K], dtype=tl.float32)
+    E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        xe, ye = _off_exps(gg, gn, cb, BT)
+        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
         out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yy * xe, DT, LOWP), input_precision=PREC) * ye
     pos = rows % 16
     acc = tl.zeros([BT, K], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
@@ -500,27 +491,23 @@ def _band_col(band, j):
 @triton.jit
 def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_i = sum_j M_ij y_j e^{b_i - b_j} over j < i (STRICT) or j <= i, for channels k0..k0+BK: [BT, BK].
     M [BT, BT] is zero outside that range, band = `_diag_band(M)`; yr [BT, BK] the raw rows of y (y in memory at
     column col0, gathered again by the exact diagonal loop); gg, gn = `_g_blk`. Off-diagonal blocks through r_c
-    (both factors <= 1, `_off_exps`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1,
+    (both factors <= 1, `_off_exps_from`); diagonal blocks by one masked dot through the blocks' middle rows (DIAG 1,
     `_mid_sums`) or exactly, one in-block column at a time (the launch for log-decays too strong for the dot,
-    `_diag_pass`); exponents summed from g. FACT (`kda.TUNE["bwd_factored"]`): the off-diagonal factors of every
-    column block from one `_off_parts` (2 exponential tiles), not per column block (`_off_exps`, 6)."""
+    `_diag_pass`); exponents summed from g. The off-diagonal factors of every column block come from one
+    `_off_parts` (2 exponential tiles; per column block, 6 made the init-gate backward 5% slower)."""
     rows = tl.arange(0, BT)
     offs = tl.arange(0, BK)
     if DIAG == 3:  # the whole chunk through its middle row (`_whole_sums`), fp32 operands as the diagonal dot's
         s = _whole_sums(gg, gn, BT)
         return tl.dot(M, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
-    if FACT:  # the off-diagonal factors of every column block from one set of parts (as the prep's FACT)
-        E, Yf, Tb = _off_parts(gg, gn, BT)
+    E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        if FACT:
-            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-        else:
-            xe, ye = _off_exps(gg, gn, cb, BT)
+        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
         out += tl.dot(_op(M, DT, LOWP), _op(yr * ye, DT, LOWP), input_precision=PREC) * xe
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
@@ -548,7 +535,7 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
 @triton.jit
 def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, K: tl.constexpr, k0,
                    BK: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-                   LOWP: tl.constexpr, DIAG: tl.constexpr, FACT: tl.constexpr = False):
+                   LOWP: tl.constexpr, DIAG: tl.constexpr):
     """out_j = sum_i M_ij y_i e^{b_i - b_j} over i > j (STRICT) or i >= j, channels k0..k0+BK: [BT, BK] (the
     transpose partner of `_rows_prod_blk`, with the same two ways through the diagonal blocks; bandT =
     `_diag_band(M^T)`)."""
@@ -558,13 +545,9 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         s = _whole_sums(gg, gn, BT)
         return tl.dot(tl.trans(M), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
     out = tl.zeros([BT, BK], dtype=tl.float32)
-    if FACT:  # as in `_rows_prod_blk`
-        E, Yf, Tb = _off_parts(gg, gn, BT)
+    E, Yf, Tb = _off_parts(gg, gn, BT)
     for cb in tl.static_range(BT // 16 - 1):
-        if FACT:
-            xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-        else:
-            xe, ye = _off_exps(gg, gn, cb, BT)
+        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
         out += tl.dot(tl.trans(_op(M, DT, LOWP)), _op(yr * xe, DT, LOWP), input_precision=PREC) * ye
     if DIAG == 1:
         s = _mid_sums(gg, gn, BT)
@@ -591,12 +574,12 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, FACT: tl.constexpr = False, WHOLE: tl.constexpr = False,
+    DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
-    FACT: the off-diagonal blocks' factors from `_off_parts` once per key block, not per column block. DIAG 3: the
+    The off-diagonal blocks' factors come from `_off_parts` once per key block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
     the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
@@ -627,13 +610,9 @@ def _kda_prep_ap(
             tl.store(Kd + krow, (kr * rk[:, None] * ed).to(Kd.dtype.element_ty), mask=rmask[:, None])
             tl.store(Qg + krow, (qr * (rq * scale)[:, None] * tl.exp(b)).to(Qg.dtype.element_ty), mask=rmask[:, None])
             if DIAG != 3:  # the off-diagonal 16-row blocks (DIAG 3 has no blocks)
-                if FACT:
-                    E, Yf, Tb = _off_parts(gg, gn, BT)
+                E, Yf, Tb = _off_parts(gg, gn, BT)
                 for cb in tl.static_range(BT // 16 - 1):
-                    if FACT:
-                        xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
-                    else:
-                        xe, ye = _off_exps(gg, gn, cb, BT)
+                    xe, ye = _off_exps_from(E, Yf, Tb, cb, BT)
                     Y = kr * ye
                     A += tl.dot(kr * xe, tl.trans(Y), input_precision=PREC)
                     P += tl.dot(qr * xe, tl.trans(Y), input_precision=PREC)
@@ -726,7 +705,6 @@ def _kda_bwd_out_blk(
     q, k, g, hbuf, vnbuf, do, dq, dk, dg, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
-    FACT: tl.constexpr = False,
 ):
     """Backward phase 1, through O = (scale Q^ e^b) S + P Vn: dP = dO Vn^T once, then per K block dQS = dO S^T,
     and the decay products of P's gradient. Stores dq (final), dk's part (through P) and db's part (dg buffer);
@@ -760,9 +738,9 @@ def _kda_bwd_out_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             qq = qr * rq[:, None]
             Y1 = _rows_prod_blk(Nr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT)
+                                True, PREC, DT, LOWP, DIAG)
             Y2 = _cols_prod_blk(Nc, bandC, qr, gg, gn, q, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT)
+                                True, PREC, DT, LOWP, DIAG)
             kk = kr * rk[:, None]
             dqn = dQS * eb * scale + Y1 + nd[:, None] * kk
             db = dQS * qq * eb * scale + qq * Y1 - kk * Y2
@@ -779,7 +757,7 @@ def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
-    WHOLE: tl.constexpr = False, FACT: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -846,11 +824,11 @@ def _kda_bwd_state_blk(
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs, False)
             kk = kr * rk[:, None]
             X1 = _rows_prod_blk(Mr, bandR, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT)
+                                True, PREC, DT, LOWP, DIAG)
             dbeta_ += tl.sum(kk * X1, 1)
             X1 = X1 * bb[:, None]
             X2 = _cols_prod_blk(Mc, bandC, kr, gg, gn, k, g, bos, nval, ihv, H * K, ih * K + k0, HV, K, k0, BK, BT,
-                                True, PREC, DT, LOWP, DIAG, FACT)
+                                True, PREC, DT, LOWP, DIAG)
             dkn = tl.load(dk + krow, mask=rmask[:, None], other=0.0) + X1 + X2
             db = tl.where(rmask[:, None], kk * (X1 - X2), 0.0)
             sk += tl.sum(kk * dkn, 1)

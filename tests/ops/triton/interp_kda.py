@@ -136,29 +136,22 @@ def main() -> int:
     res["whole_chunk_bound_decay3.75_T150"] = chunk_case(gen, B=2, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                          decay=3.75)
     # every kernel through 16-row blocks for every chunk (kda.TUNE whole_dot empty; by default the mild-decay chunks
-    # are one dot each), off-diagonal exponentials factored once per key block (the default) or per column block
+    # are one dot each)
     with launch_plan(whole_dot=()):
         res["prep_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                         decay=mixed)
-    # ... per column block, mixed decay and varlen chunks that end early, at 8 prep warps (the default is 4)
-    with launch_plan(whole_dot=(), prep_factored=False, prep_warps=8):
-        res["prep_unfactored_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                            decay=mixed)
-        res["prep_unfactored_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                           cu=[0, 1, 16, 80, 150], decay=30.0)
+    # varlen chunks that end early, every chunk through the 16-row blocks at decay 30, at 8 prep warps (default 4)
+    with launch_plan(whole_dot=(), prep_warps=8):
+        res["prep_blocks_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                       cu=[0, 1, 16, 80, 150], decay=30.0)
     # a decay cliff with the default launches (in every chunk 32 steps of up to -30, then 32 of up to -0.05): the
     # later rows' exponents are small differences of a cumulative sum near -500 (the strong half keeps every chunk
     # off both dots: the exact launches)
     cliff = cliff_bounds(150)[:, :, None]  # [T, 1, 1]: the same bound for every channel
     res["cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=cliff)
-    # the backward's off-diagonal factors per column block (kda.TUNE bwd_factored off; on by default, once per
-    # product): the cliff gates (exact launches), and log-decays near the whole-chunk bound over varlen chunks
-    # (whole-chunk and diagonal-dot launches)
-    with launch_plan(bwd_factored=False):
-        res["bwd_unfactored_cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                           decay=cliff)
-        res["bwd_unfactored_varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True,
-                                                            h0=True, cu=[0, 1, 16, 80, 150], decay=3.75)
+    # log-decays near the whole-chunk bound over varlen chunks (whole-chunk and diagonal-dot launches)
+    res["varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                         cu=[0, 1, 16, 80, 150], decay=3.75)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
