@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None,
                     help="JSON list of kda.TUNE settings to sweep instead of the built-in grid, each merged over "
                          "the K-blocked default plan (for example '[{}, {\"bk\": 16}]')")
+    ap.add_argument("--gdn-tune", default=None,
+                    help="JSON object merged into gdn.TUNE for every timed setting (for example "
+                         "'{\"store_fp32\": true}': fp32 intermediates; the reference run keeps its own)")
     ap.add_argument("--profile", action="store_true",
                     help="first print the per-kernel CUDA times of 3 forward+backward steps of the default setting")
     args = ap.parse_args(argv)
@@ -93,6 +96,12 @@ def main(argv=None) -> int:
     o_ref, g_ref = run(xs, torch.float32, True, do)
     gdn.TUNE.clear()
     gdn.TUNE.update(gbase)
+    if args.gdn_tune:
+        extra = json.loads(args.gdn_tune)
+        unknown = set(extra) - set(gdn.TUNE)
+        if unknown:
+            raise SystemExit(f"--gdn-tune: unknown keys {sorted(unknown)}; expected among {sorted(gdn.TUNE)}")
+        gdn.TUNE.update(extra)
     fla = None if args.no_fla else fla_times(xs, do, args.rep)
     if args.profile:
         print_kernel_times(f"kda.TUNE defaults, gates {args.gates}", lambda: run(xs, torch.bfloat16, True, do))
