@@ -449,6 +449,21 @@ def _kda_chunk_bwd(
 
 
 @triton.jit
+def _block_row(ptr, row0, nrow, p, stride, col0, offs, BT: tl.constexpr):
+    """[BT, BK] fp32 whose row i is x[row0 + 16 (i // 16) + p, col0 + offs] (0 where 16 (i // 16) + p >= nrow): the
+    row p of every 16-row block, as the exact diagonal loops pair it with each row of its block. Loads the NB rows
+    once and broadcasts them over their blocks, instead of gathering BT rows (16x the addresses and the L1
+    requests: Nsight Compute on the H100, 2026-11-24, found the exact launches limited by integer (address) work and
+    latency, at a third of the issue rate)."""
+    NB: tl.constexpr = BT // 16
+    BK: tl.constexpr = offs.shape[0]
+    src = tl.arange(0, NB) * 16 + p
+    x = tl.load(ptr + (row0 + src).to(tl.int64)[:, None] * stride + col0 + offs[None, :], mask=(src < nrow)[:, None],
+                other=0.0)
+    return tl.reshape(tl.broadcast_to(x.to(tl.float32)[:, None, :], [NB, 16, BK]), [BT, BK])
+
+
+@triton.jit
 def _band(M, BT: tl.constexpr):
     """The diagonal 16x16 blocks of M [BT, BT] as a [BT, 16] band: band[i, j] = M[i, 16 (i // 16) + j]. By one
     reshape to [NB, 16, NB, 16] and a masked sum over the column blocks, not a 16-step loop of masked [BT, BT] row sums
@@ -520,10 +535,9 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
         for jj in range(16):
             j = 15 - jj
-            src = rows - pos + j
-            ys = _load_rows(y, bos + src, src < nval, stride, col0, offs, False)
-            acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + k0 + offs[None, :],
-                           mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+            ys = _block_row(y, bos, nval, j, stride, col0, offs, BT)
+            gs = _block_row(g, bos + 1, nval - 1, j, HV * K, ihv * K + k0, offs, BT)  # g of row src + 1
+            acc += tl.where((pos > j)[:, None], gs, 0.0)
             if STRICT:
                 keep = pos > j
             else:
@@ -557,11 +571,8 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
         for p in range(16):
-            src = rows - pos + p
-            smask = src < nval
-            ys = _load_rows(y, bos + src, smask, stride, col0, offs, False)
-            acc += tl.load(g + ((bos + src)[:, None] * HV + ihv) * K + k0 + offs[None, :],
-                           mask=((pos < p) & smask)[:, None], other=0.0).to(tl.float32)
+            ys = _block_row(y, bos, nval, p, stride, col0, offs, BT)
+            acc += tl.where((pos < p)[:, None], _block_row(g, bos, nval, p, HV * K, ihv * K + k0, offs, BT), 0.0)
             if STRICT:
                 keep = p > pos
             else:
@@ -635,10 +646,9 @@ def _kda_prep_ap(
                 acc = tl.zeros([BT, BK], dtype=tl.float32)
                 for jj in range(16):
                     j = 15 - jj
-                    src = rows - pos + j
-                    kj = _load_rows(k, bos + src, src < nval, H * K, ih * K, offs, False)
-                    acc += tl.load(g + ((bos + src + 1)[:, None] * HV + ihv) * K + offs[None, :],
-                                   mask=((pos > j) & (src + 1 < nval))[:, None], other=0.0).to(tl.float32)
+                    kj = _block_row(k, bos, nval, j, H * K, ih * K, offs, BT)
+                    acc += tl.where((pos > j)[:, None], _block_row(g, bos + 1, nval - 1, j, HV * K, ihv * K, offs, BT),
+                                    0.0)
                     ke = kj * tl.exp(tl.where((pos >= j)[:, None], acc, float("-inf")))
                     col = c16[None, :] == j
                     Da += tl.where(col & (pos > j)[:, None], tl.sum(kr * ke, 1)[:, None], 0.0)
