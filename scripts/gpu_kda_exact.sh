@@ -4,7 +4,10 @@
 # the exact launches) and on the bench's mild gates (none do), then the Nsight Compute sections of the backward
 # launches (scripts/gpu_ncu_kda.sh).
 #
-#   OUT=dir bash scripts/gpu_kda_exact.sh      (results under $OUT)
+#   OUT=dir [INIT_GRID='[{}, {"sub_dot": []}]'] bash scripts/gpu_kda_exact.sh      (results under $OUT)
+#
+# INIT_GRID: the kda.TUNE settings timed on the init gates (scripts/gpu_tune_kda.py --grid; default the built-in
+# plan twice).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -16,6 +19,7 @@ done
 wait
 tail -n 2 "$OUT"/check_kda?.log
 python3 scripts/gpu_check_gdn.py --merge "$OUT"/check_kda?.json
-timeout 150 python3 scripts/gpu_tune_kda.py --no-fla --gates init --profile --grid '[{}, {}]' --json "$OUT/init.json"
+timeout 150 python3 scripts/gpu_tune_kda.py --no-fla --gates init --profile --grid "${INIT_GRID:-[{}, {}]}" \
+  --json "$OUT/init.json"
 timeout 90 python3 scripts/gpu_tune_kda.py --no-fla --gates bench --grid '[{}]' --json "$OUT/bench.json"
 OUT=$OUT/ncu timeout 120 bash scripts/gpu_ncu_kda.sh | grep -E "_kda_bwd|Duration|ncu exit"

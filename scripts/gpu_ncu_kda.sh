@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the K-blocked KDA backward at B4 T4096 H16 D128 bf16, on the gates of a freshly initialised layer:
-# the second forward+backward step's six launches of `_kda_bwd_out_blk` and `_kda_bwd_state_blk` (DIAG 3 whole
-# chunk, 1 diagonal-block dot, 2 exact, for each kernel), with throughput, occupancy, launch and warp-stall sections,
+# the second forward+backward step's launches of `_kda_bwd_out_blk` and `_kda_bwd_state_blk` (DIAG 3 whole chunk,
+# 1 diagonal-block dot, 4 half-block dots, 2 exact, for each kernel: LAUNCHES=8 per step), with throughput,
+# occupancy, launch and warp-stall sections,
 # so that the next change to the block launches aims at what they wait on.
 #
 #   OUT=dir bash scripts/gpu_ncu_kda.sh      (the report as text in $OUT/ncu_kda.txt)
@@ -12,7 +13,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -z "$NCU" ]; then echo "no ncu on this machine"; exit 1; fi
 "$NCU" --version | tail -n 1
-"$NCU" --kernel-name regex:"_kda_bwd_(out|state)_blk" --launch-skip 6 --launch-count 6 \
+"$NCU" --kernel-name regex:"_kda_bwd_(out|state)_blk" --launch-skip "${LAUNCHES:-8}" --launch-count "${LAUNCHES:-8}" \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   python3 -c "

@@ -50,7 +50,7 @@ CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_publi
          "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_blocks_mixed_decay_T70",
          "whole_dot_state_only_T70", "whole_chunk_bound_decay3.75_T150", "prep_blocks_varlen_decay30", "T1",
          "K256_V256_T70", "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70", "cliff_gva2_T150",
-         "varlen_decay3.75"]
+         "varlen_decay3.75", "half_blocks_decay20_gva2_T150", "no_half_blocks_varlen_decay20"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):
@@ -147,13 +147,14 @@ def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
 
 
 def test_diagonal_dot_settings_are_checked():
-    """kda.TUNE["diag_dot"]: unknown kernel names are a clear error naming them; the listed kernels get their
-    two launches (dot, then exact), the others one exact launch."""
+    """kda.TUNE["diag_dot"] / ["whole_dot"] / ["sub_dot"]: unknown kernel names are a clear error naming them; the
+    listed kernels get their launches in order (whole chunk, diagonal-block dot, half-block dots, exact; a half-block
+    launch brings the diagonal-block one whose marks it reads), the others one exact launch."""
     from hybridlm.ops.triton import kda as tk
 
-    old, old_w = tk.TUNE["diag_dot"], tk.TUNE["whole_dot"]
+    old, old_w, old_s = tk.TUNE["diag_dot"], tk.TUNE["whole_dot"], tk.TUNE["sub_dot"]
     try:
-        tk.TUNE["whole_dot"] = ()
+        tk.TUNE["whole_dot"], tk.TUNE["sub_dot"] = (), ()
         tk.TUNE["diag_dot"] = ("bwd_state",)
         assert tk._diag_modes("bwd_state") == (1, 2)
         assert tk._diag_modes("prep") == (0,)
@@ -161,6 +162,13 @@ def test_diagonal_dot_settings_are_checked():
         assert tk._diag_modes("bwd_state") == (3, 1, 2)
         assert tk._diag_modes("prep") == (3, 2)
         assert tk._diag_modes("bwd_out") == (0,)
+        tk.TUNE["sub_dot"] = ("prep", "bwd_out")
+        assert tk._diag_modes("prep") == (3, 1, 4, 2)
+        assert tk._diag_modes("bwd_out") == (1, 4, 2)
+        tk.TUNE["sub_dot"] = ("bwd_outt",)
+        with pytest.raises(ValueError, match=r"sub_dot'\]: expected names among .* got \['bwd_outt'\]"):
+            tk._diag_modes("prep")
+        tk.TUNE["sub_dot"] = ()
         tk.TUNE["diag_dot"] = ("prep", "bwd_sate")
         with pytest.raises(ValueError, match=r"diag_dot'\]: expected names among .* got \['bwd_sate'\]"):
             tk._diag_modes("prep")
@@ -168,16 +176,17 @@ def test_diagonal_dot_settings_are_checked():
         with pytest.raises(ValueError, match=r"whole_dot'\]: expected names among .* got \['pre'\]"):
             tk._diag_modes("prep")
     finally:
+        tk.TUNE["sub_dot"] = old_s
         tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = old, old_w
 
 
 def test_each_chunk_goes_to_the_launch_its_decay_allows(interp_results):
-    """Chunks of log-decay 0.5, 4 and 30 a step: the prep takes the first as one dot and leaves the others to its
-    exact launch (marks 0, 1, 1); the backward takes them whole, by diagonal-block dot and exactly (0, 2, 1)."""
+    """Chunks of log-decay 0.5, 4, 12 and 30 a step: the prep and the backward take them whole, by diagonal-block
+    dot, by 8-row half-block dots and exactly (marks 0, 2, 3, 1)."""
     res = interp_results["launch_marks"]
     assert res["buffers"] == 2, res
-    assert res["prep"] == [0, 1, 1], res
-    assert res["bwd"] == [0, 2, 1], res
+    assert res["prep"] == [0, 2, 3, 1], res
+    assert res["bwd"] == [0, 2, 3, 1], res
 
 
 def test_settings_that_fail_on_the_h100_are_refused_on_cuda():

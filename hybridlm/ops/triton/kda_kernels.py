@@ -126,18 +126,57 @@ def _whole_sums(gg, gn, BT: tl.constexpr):
 
 
 @triton.jit
+def _mid8_sums(gg, gn, BT: tl.constexpr):
+    """s_i = b_i - b_m, m = 8 (i // 8) + 3 the middle row of row i's 8-row half-block, summed from g ([BT, BK]), as
+    `_mid_sums` does for the 16-row blocks: within a half-block e^{b_i - b_j} = e^{s_i} e^{-s_j} (DIAG 4)."""
+    BK: tl.constexpr = gg.shape[1]
+    pos = (tl.arange(0, BT) % 8)[:, None]
+    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > 3, gg, 0.0), [BT // 8, 8, BK]), 1), [BT, BK])
+    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 3, gn, 0.0), [BT // 8, 8, BK]), 1, reverse=True),
+                    [BT, BK])
+    return tl.where(pos > 3, up, 0.0) - tl.where(pos < 3, dn, 0.0)
+
+
+@triton.jit
+def _half_parts(gg, gn, BT: tl.constexpr):
+    """E_i = e^{sum of g from the first row of i's 8-row half-block to i}, Y_j = e^{sum of g over rows j+1 .. the
+    last row of j's half-block} ([BT, BK]): for i in the second half of a 16-row block and j in its first half,
+    e^{b_i - b_j} = E_i Y_j, both factors <= 1 (DIAG 4's pairs across the two halves)."""
+    BK: tl.constexpr = gg.shape[1]
+    pos = (tl.arange(0, BT) % 8)[:, None]
+    E = tl.exp(tl.reshape(tl.cumsum(tl.reshape(gg, [BT // 8, 8, BK]), 1), [BT, BK]))
+    Y = tl.exp(tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 7, gn, 0.0), [BT // 8, 8, BK]), 1, reverse=True),
+                          [BT, BK]))
+    return E, Y
+
+
+@triton.jit
+def _half_masks(BT: tl.constexpr):
+    """[BT, BT] masks of DIAG 4: the pairs within one 8-row half-block, and the pairs (i in the second half of a
+    16-row block, j in its first half)."""
+    rows = tl.arange(0, BT)
+    same8 = (rows[:, None] // 8) == (rows[None, :] // 8)
+    cross = ((rows[:, None] // 16) == (rows[None, :] // 16)) & ((rows[:, None] % 16) >= 8) \
+        & ((rows[None, :] % 16) < 8)
+    return same8, cross
+
+
+@triton.jit
 def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                  WHOLE: tl.constexpr):
-    """Whether every factor of chunk ic's dot stays within e^60 in every key channel: the whole chunk's
-    (`_whole_sums`, WHOLE) or its diagonal 16-row blocks' (`_mid_sums`)."""
+                  SPAN: tl.constexpr):
+    """Whether every factor of chunk ic's dot stays within e^60 in every key channel: through the middle row of the
+    whole chunk (SPAN 64: `_whole_sums`), of each 16-row block (16: `_mid_sums`) or of each 8-row half-block (8:
+    `_mid8_sums`)."""
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     worst = tl.zeros([BT, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        if WHOLE:
+        if SPAN == 64:
             worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
-        else:
+        elif SPAN == 16:
             worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
+        else:
+            worst = tl.maximum(worst, tl.abs(_mid8_sums(gg, gn, BT)))
     return tl.max(tl.max(worst, 1), 0) <= 60.0
 
 
@@ -153,19 +192,24 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     chunk as one block (`_whole_sums`: every row within e^60 of the middle row, log-decays summing to at most ~120
     over the chunk), so a chunk it takes needs neither the off-diagonal blocks' factors nor the diagonal blocks. One
     kernel holding both ways spills (sm_90: 8-24 -> 670-1460 B per thread in the backward launches).
-    MARKED (with DIAG 3 and 1): redo already holds the marks of this call, written by the same launches of an
+    MARKED (with DIAG 3, 1 and 4): redo already holds the marks of this call, written by the same launches of an
     earlier kernel over the same g and key blocks (the output backward's, before the state backward): read them,
     do not recompute them.
-    The marks: 0 the whole chunk by dot (DIAG 3), 2 its diagonal blocks by dot (DIAG 1), 1 neither (DIAG 2). WHOLE
-    (with DIAG 1): a DIAG 3 launch of this kernel came first, so the chunks it marked 0 are done. Every chunk is
-    taken by exactly one launch of a sequence (3, 1, 2), (3, 2), (1, 2) or (0)."""
+    DIAG 4 (after DIAG 1, before DIAG 2): of the chunks DIAG 1 left, those whose 8-row half-blocks stay within the
+    bound (`_mid8_sums`: log-decays up to ~15 a step) take their diagonal 16-row blocks as two masked dots, one for
+    the pairs within a half-block (through its middle row) and one for the pairs across the two halves
+    (`_half_parts`, both factors <= 1); the exact loop keeps only what is left.
+    The marks: 0 the whole chunk by dot (DIAG 3), 2 its diagonal blocks by dot (DIAG 1), 3 by half-block dots (DIAG
+    4), 1 none of these (DIAG 2). WHOLE (with DIAG 1): a DIAG 3 launch of this kernel came first, so the chunks it
+    marked 0 are done. Every chunk is taken by exactly one launch of a sequence (3, 1, 4, 2), (3, 1, 2), (3, 2),
+    (1, 4, 2), (1, 2) or (0)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     p = redo + ic * HV + ihv
     if DIAG == 3 and MARKED:
         go = tl.load(p) == 0
     elif DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
-        go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, True)
+        go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 64)
         tl.store(p, tl.where(go, 0, 1).to(tl.int32))
     elif DIAG == 1 and MARKED:
         go = tl.load(p) == 2
@@ -176,8 +220,15 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
         else:
             todo = ic >= 0
         if todo:
-            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, False)
+            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 16)
             tl.store(p, tl.where(go, 2, 1).to(tl.int32))
+    elif DIAG == 4 and MARKED:
+        go = tl.load(p) == 3
+    elif DIAG == 4:  # after a DIAG 1 launch: of the chunks it left (mark 1), those whose 8-row halves allow the dot
+        go = ic < 0
+        if tl.load(p) == 1:
+            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 8)
+            tl.store(p, tl.where(go, 3, 1).to(tl.int32))
     elif DIAG == 2:
         go = tl.load(p) == 1
     else:
@@ -490,7 +541,7 @@ def _unband(band, BT: tl.constexpr):
 def _diag_band(M, BT: tl.constexpr, DIAG: tl.constexpr):
     """`_band(M)` for the exact diagonal loop of `_rows_prod_blk` / `_cols_prod_blk`, built once per program
     before the key-block loop; the dot launches (DIAG 1 and 3) read M itself, so they get zeros."""
-    if DIAG == 1 or DIAG == 3:
+    if DIAG == 1 or DIAG == 3 or DIAG == 4:
         band = tl.zeros([BT, 16], dtype=tl.float32)
     else:
         band = _band(M, BT)
@@ -530,6 +581,12 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         # fp32 operands (tf32 dots for 16-bit inputs): these blocks carry the least-decayed, largest terms, and
         # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
         out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
+    elif DIAG == 4:  # the diagonal blocks by their 8-row halves: within a half, then across the two (fp32 operands)
+        s = _mid8_sums(gg, gn, BT)
+        same8, cross = _half_masks(BT)
+        out += tl.dot(tl.where(same8, M, 0.0), yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
+        Eh, Yh = _half_parts(gg, gn, BT)
+        out += tl.dot(tl.where(cross, M, 0.0), yr * Yh, input_precision=PREC) * Eh
     else:
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_i - b_src = sum of g over rows src+1..i (j from 15 down)
@@ -567,6 +624,12 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         s = _mid_sums(gg, gn, BT)
         Md = tl.where(_same_block(BT), M, 0.0)
         out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
+    elif DIAG == 4:  # as in `_rows_prod_blk`
+        s = _mid8_sums(gg, gn, BT)
+        same8, cross = _half_masks(BT)
+        out += tl.dot(tl.trans(tl.where(same8, M, 0.0)), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
+        Eh, Yh = _half_parts(gg, gn, BT)
+        out += tl.dot(tl.trans(tl.where(cross, M, 0.0)), yr * Eh, input_precision=PREC) * Yh
     else:
         pos = rows % 16
         acc = tl.zeros([BT, BK], dtype=tl.float32)  # b_src - b_j = sum of g over rows j+1..src (p upwards)
@@ -640,6 +703,16 @@ def _kda_prep_ap(
                 Y = kr * tl.exp(-s)
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+            elif DIAG == 4:  # the diagonal blocks by their 8-row halves (`_diag_pass`), fp32 operands
+                s = _mid8_sums(gg, gn, BT)
+                same8, cross = _half_masks(BT)
+                Y = kr * tl.exp(-s)
+                A += tl.where(same8 & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                P += tl.where(same8 & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
+                Eh, Yh = _half_parts(gg, gn, BT)
+                Y = kr * Yh
+                A += tl.where(cross, tl.dot(kr * Eh, tl.trans(Y), input_precision=PREC), 0.0)
+                P += tl.where(cross, tl.dot(qr * Eh, tl.trans(Y), input_precision=PREC), 0.0)
             else:
                 # exactly: in-block column j of every block at once (row i pairs with row 16 (i // 16) + j), j from 15
                 # down; acc = b_i - b_j, one gathered row of g added per step

@@ -152,6 +152,13 @@ def main() -> int:
     # log-decays near the whole-chunk bound over varlen chunks (whole-chunk and diagonal-dot launches)
     res["varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                          cu=[0, 1, 16, 80, 150], decay=3.75)
+    # log-decays uniform in [-20, 0): beyond the diagonal-block dot's bound, within the 8-row halves' for most
+    # chunks (DIAG 4), exact for the rest; and the plan without the half-block launches (kda.TUNE sub_dot empty)
+    res["half_blocks_decay20_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                      decay=20.0)
+    with launch_plan(sub_dot=()):
+        res["no_half_blocks_varlen_decay20"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                          cu=[0, 1, 16, 80, 150], decay=20.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
@@ -181,12 +188,13 @@ def main() -> int:
 
 
 def marks_case(gen) -> dict:
-    """The marks that route each chunk to one launch (`kda_kernels._diag_pass`), default plan: three chunks of
-    constant log-decay 0.5, 4 and 30 a step (|b_i - b_m| over 32 rows: 16, 128, 960; over 8 rows within a 16-row
-    block: 4, 32, 240). The prep (launches 3, 2): 0, 1, 1. The backward (3, 1, 2), after both of its kernels: 0
-    (whole chunk), 2 (diagonal blocks by dot), 1 (exact)."""
-    T, K = 192, 64
-    g = torch.cat([torch.full((1, 64, 1, K), -d) for d in (0.5, 4.0, 30.0)], 1)
+    """The marks that route each chunk to one launch (`kda_kernels._diag_pass`), default plan: four chunks of
+    constant log-decay 0.5, 4, 12 and 30 a step (|b_i - b_m| over 32 rows: 16, 128, 384, 960; over 8 rows within a
+    16-row block: 4, 32, 96, 240; over 4 rows within an 8-row half: 2, 16, 48, 120). The prep and the backward
+    (launches 3, 1, 4, 2), after both backward kernels: 0 (whole chunk), 2 (diagonal blocks by dot), 3 (by 8-row
+    halves), 1 (exact)."""
+    T, K = 256, 64
+    g = torch.cat([torch.full((1, 64, 1, K), -d) for d in (0.5, 4.0, 12.0, 30.0)], 1)
     q, k, v = (torch.randn(1, T, 1, K, generator=gen).requires_grad_() for _ in range(3))
     beta = torch.rand(1, T, 1, generator=gen)
     bufs, make = [], _kda._redo
