@@ -206,8 +206,8 @@ def main(argv=None) -> int:
         kc = dict(common, BK=bk)
         tag = f"bk {bk}{f', maxnreg {cap}' if cap else ''}"
         chunk_ptrs = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
-        for mode in (1, 2, 0):  # launched twice (diagonal blocks by dot, then the exact loop) or once, exactly
-            dtag = f"{tag}, {('exact', 'dot', 'exact rest')[mode]}"
+        for mode in (1, 4, 2, 0):  # the diagonal blocks by dot, by half-block dots, the exact rest; or all exactly
+            dtag = f"{tag}, {('exact', 'dot', 'exact rest', '', 'half-block dots')[mode]}"
             kd = dict(kc, DIAG=mode)
             jobs[f"_kda_prep_ap({dtag})"] = (
                 kk._kda_prep_ap, dict(chunk_ptrs, q=dt, k=dt, g="fp32", beta=dt, Tbuf="fp32", Qg=sd, Kd=sd, Pb=sd,
