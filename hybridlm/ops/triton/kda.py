@@ -51,7 +51,11 @@ from . import kda_kernels as kk
 #   blocks as two masked dots over 8-row halves where those allow (DIAG 4: log-decays up to ~15 a step; a launch
 #   between diag_dot's and the exact one, which it brings with it) instead of the exact loop. Nsight Compute (H100,
 #   2026-11-24 13:20, B4 T4096 H16 D128 bf16, a fresh layer's gates): the exact launches took 2.86 + 3.81 ms of the
-#   backward's 9.0 ms, the diagonal-dot launches 0.81 + 0.95 for as many chunks
+#   backward's 9.0 ms, the diagonal-dot launches 0.81 + 0.95 for as many chunks. With sub_dot (13:53, same run,
+#   scripts/gpu_tune_kda.py --no-fla --gates init): forward 2.785 -> 2.484-2.549 ms, forward+backward 10.120 ->
+#   8.836-8.935 (-12%); on the bench's mild gates (no chunk gets there; the prep's two extra launches only read
+#   marks) 6.067 -> 6.144 (13:45). The half-block launches still cost ~2x the diagonal-dot ones (ncu 13:40: 1.81 and
+#   2.26 ms; sm_90 stack 360 / 120 B at 8 warps against 112 / 72)
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state")}
