@@ -10,8 +10,10 @@ into 16-row blocks: an off-diagonal block (rows after column block c) factors e^
 e^{b_i - r_c} e^{r_c - b_j} through r_c = b at the last row of block c, both factors <= 1 (one masked dot per
 column block). The diagonal blocks factor through each block's middle row m (e^{b_i - b_m} e^{b_m - b_j}, one
 masked dot for all four blocks) when every such factor is within e^60 (`_diag_pass`, per chunk and head, all
-key blocks); under stronger decay they take the exact pairwise form, one in-block column at a time (16 steps of
-gathered rows, every block at once). Nothing overflows for any decay, and nothing is divided by a decay.
+key blocks); under stronger decay, by their two 8-row halves where those stay within the bound (two masked dots:
+within a half through its middle row, across the halves through the row between them, `kda.TUNE["sub_dot"]`),
+and else in the exact pairwise form, one in-block column at a time (16 steps, every block at once). Nothing
+overflows for any decay, and nothing is divided by a decay.
 First of all (`kda.TUNE["whole_dot"]`), a chunk whose every row is within e^60 of its middle row m in every channel
 takes the whole [BT, BT] product as one masked dot per key block, e^{b_i - b_j} = e^{b_i - b_m} e^{b_m - b_j}
 (`_whole_sums`), as GDN's kernels do; where j > i that product may overflow, and the mask drops it. The launches
@@ -165,13 +167,13 @@ def _half_masks(BT: tl.constexpr):
 def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                   SPAN: tl.constexpr):
     """Whether every factor of chunk ic's dot stays within e^60 in every key channel: through the middle row of the
-    whole chunk (SPAN 64: `_whole_sums`), of each 16-row block (16: `_mid_sums`) or of each 8-row half-block (8:
+    whole chunk (SPAN 0: `_whole_sums`), of each 16-row block (16: `_mid_sums`) or of each 8-row half-block (8:
     `_mid8_sums`)."""
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     worst = tl.zeros([BT, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
-        if SPAN == 64:
+        if SPAN == 0:
             worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
         elif SPAN == 16:
             worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
@@ -209,7 +211,7 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     if DIAG == 3 and MARKED:
         go = tl.load(p) == 0
     elif DIAG == 3:  # the whole chunk by one dot per key block (`_whole_sums` within the bound), the rest marked
-        go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 64)
+        go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 0)
         tl.store(p, tl.where(go, 0, 1).to(tl.int32))
     elif DIAG == 1 and MARKED:
         go = tl.load(p) == 2
