@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     # context: it goes last
     # sub_dot without the prep: on the mild gates sub_dot measured +1.3% (2026-11-24 13:45), where the prep's two
     # extra launches (which only read marks there) are the one difference
-    grid = [kb, dict(kb, sub_dot=()), dict(kb, sub_dot=("bwd_out", "bwd_state")), dict(kb, whole_dot=("prep",)),
+    grid = [kb, dict(kb, sub_bk=16), dict(kb, sub_dot=()), dict(kb, sub_dot=("bwd_out", "bwd_state")),
+            dict(kb, whole_dot=("prep",)),
             dict(kb, diag_dot=()),
             dict(kb, whole_dot=()), dict(kb, bk=64), dict(kb, prep_warps=8), dict(kb, maxnreg=128),
             dict(kb, bk=16, maxnreg=128), dict(kb, bk=16), dict(kb, split_o=False),

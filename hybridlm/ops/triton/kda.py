@@ -56,9 +56,13 @@ from . import kda_kernels as kk
 #   8.836-8.935 (-12%); on the bench's mild gates (no chunk gets there; the prep's two extra launches only read
 #   marks) 6.067 -> 6.144 (13:45). The half-block launches still cost ~2x the diagonal-dot ones (ncu 13:40: 1.81 and
 #   2.26 ms; sm_90 stack 360 / 120 B at 8 warps against 112 / 72)
+# sub_bk: the key-channel block of the half-block launches alone (None: bk). sm_90 (scripts/compile_sm90.py, 8
+#   warps, 2026-11-24): at 32 they spill 360 B (output backward) and 120 B (state backward) of stack, at 16 nothing;
+#   keeping M's masked copies inside the key-block loop instead made it worse (552 / 216 B). Not yet timed
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
-        "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state")}
+        "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
+        "sub_bk": None}
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
 
 
@@ -157,7 +161,11 @@ def _redo(nc: int, HV: int, dev: torch.device) -> torch.Tensor:
     return torch.empty(max(nc, 1), HV, device=dev, dtype=torch.int32)
 
 
-def _bk(K: int) -> int:
+def _bk(K: int, mode: int | None = None) -> int:
+    """The key-channel block of a K-blocked launch: TUNE["sub_bk"] for the half-block launches (DIAG 4) when set,
+    else TUNE["bk"]. The marks do not depend on it (the bounds are per chunk, over every key block)."""
+    if mode == 4 and TUNE["sub_bk"] is not None:
+        return gdn.key_block(TUNE, "sub_bk", K)
     return gdn.key_block(TUNE, "bk", K)
 
 
@@ -179,7 +187,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     modes = _diag_modes("prep")  # the whole chunk by dot where the decay allows, ...; the rest exactly
     for mode in modes:
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
-                              BK=BK, L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
+                              BK=_bk(K, mode), L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
                         num_stages=1)
@@ -268,12 +276,12 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 num_warps=8, num_stages=1,
             )
     elif nc > 0:
-        BK, bw = _bk(K), _bwd_warps(dev)
+        bw = _bwd_warps(dev)
         redo = _redo(nc, HV, dev)
         out_modes, state_modes = _diag_modes("bwd_out"), _diag_modes("bwd_state")  # as in the prep
         for mode in out_modes:
             kk._kda_bwd_out_blk[(nc, HV)](
-                q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+                q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=_bk(K, mode),
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, WHOLE=3 in out_modes,
                 num_warps=bw, num_stages=1, **_cap(),
             )
@@ -283,7 +291,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
         for mode in state_modes:
             kk._kda_bwd_state_blk[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, H=H, HV=HV, K=K, V=V,
-                BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
+                BT=BT, BK=_bk(K, mode), BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
                 WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)

@@ -159,6 +159,11 @@ def main() -> int:
     with launch_plan(sub_dot=()):
         res["no_half_blocks_varlen_decay20"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                           cu=[0, 1, 16, 80, 150], decay=20.0)
+    # the half-block launches at their own key block (kda.TUNE sub_bk 16, the others at 32): the marks do not depend
+    # on it
+    with launch_plan(sub_bk=16):
+        res["half_blocks_bk16_varlen_decay20"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
+                                                            cu=[0, 1, 16, 80, 150], decay=20.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
