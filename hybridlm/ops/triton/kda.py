@@ -17,7 +17,7 @@ from . import gdn
 from . import gdn_kernels as kern
 from . import kda_kernels as kk
 
-# Launch plan (the GPU sweep, scripts/gpu_tune_gdn.py --kda, A/Bs these):
+# Launch plan (the GPU sweep, scripts/gpu_tune_kda.py, A/Bs these):
 # variant: "kblock" walks the key channels in blocks of bk columns (prep as three launches: A/P and the tiles,
 #   the UT solve, W/U; backward as two launches), "whole" holds [BT, K] tiles (one-launch prep; spills at K=128)
 # bk: key-channel block of the "kblock" kernels (16, 32 or 64; at most K)
@@ -38,7 +38,7 @@ from . import kda_kernels as kk
 #   per decay product in the backward: 2 block-wise scans and 2 exponentials instead of 6 masked whole-tile scans
 #   and 6 exponentials at BT 64. H100, B4 T4096 H16 D128 bf16: forward 3.213 -> 3.060 ms (06:11), forward+backward
 #   on a fresh layer's gates 12.85 -> 12.06-12.18 ms (11:46-11:55, scripts/gpu_kda_bwd_factored.sh at commit
-#   1b16668); the per-column-block form and its flags prep_factored / bwd_factored are gone since 2026-11-24 13:10)
+#   1b16668); the per-column-block form and its flags prep_factored / bwd_factored are gone since commit 0cbb129)
 # whole_dot: the K-blocked kernels that take each chunk (and head) whose log-decays stay within e^60 of its middle
 #   row in every channel (|b_i - b_m| <= 60: per-step decays averaging up to ~1.9 over half a chunk) as one masked
 #   dot per [BT, BT] decay product and key block, as GDN's kernels do (a first launch, DIAG 3); the other chunks go
@@ -63,7 +63,7 @@ TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
         "sub_bk": None}
-KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot and whole_dot take
+KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
