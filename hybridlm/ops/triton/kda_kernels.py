@@ -68,18 +68,20 @@ def _g_blk(g, r64, nval, ihv, HV, K: tl.constexpr, k0, BK: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _off_parts(gg, gn, BT: tl.constexpr):
+def _off_parts(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16):
     """The factors of the off-diagonal blocks of every column block at once (`_off_exps_from` picks one column
-    block's): E_i = e^{sum of g over row i's 16-row block from its first row to i}, Y_i = e^{sum of g over rows
-    i+1 .. the last row of i's block}, and the block totals Tb [BT // 16, BK] of g. Two scans over the tile seen as
-    [BT // 16, 16, BK] and two exponentials, instead of two masked whole-tile scans and two exponentials per column
-    block (the form before 2026-11-24: 5% slower in the prep and in the backward on the H100)."""
+    block's): E_i = e^{sum of g over row i's SPAN-row block from its first row to i}, Y_i = e^{sum of g over rows
+    i+1 .. the last row of i's block}, and the block totals Tb [BT // SPAN, BK] of g. For i in a later block than
+    j, e^{b_i - b_j} = E_i (e^ of the totals between) Y_j, every factor <= 1 (SPAN 8: the two halves of a 16-row
+    block, DIAG 4). Two scans over the tile seen as [BT // SPAN, SPAN, BK] and two exponentials, instead of two
+    masked whole-tile scans and two exponentials per column block (the form before 2026-11-24: 5% slower in the
+    prep and in the backward on the H100)."""
     BK: tl.constexpr = gg.shape[1]
-    pos = (tl.arange(0, BT) % 16)[:, None]
-    g3 = tl.reshape(gg, [BT // 16, 16, BK])
+    pos = (tl.arange(0, BT) % SPAN)[:, None]
+    g3 = tl.reshape(gg, [BT // SPAN, SPAN, BK])
     E = tl.exp(tl.reshape(tl.cumsum(g3, 1), [BT, BK]))
-    Y = tl.exp(tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 15, gn, 0.0), [BT // 16, 16, BK]), 1, reverse=True),
-                          [BT, BK]))
+    Y = tl.exp(tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < SPAN - 1, gn, 0.0), [BT // SPAN, SPAN, BK]), 1,
+                                    reverse=True), [BT, BK]))
     return E, Y, tl.sum(g3, 1)
 
 
@@ -102,17 +104,19 @@ def _off_exps_from(E, Y, Tb, cb: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _mid_sums(gg, gn, BT: tl.constexpr):
-    """s_i = b_i - b_m, m = 16 (i // 16) + 7 the middle row of row i's 16-row block, summed from g ([BT, BK]):
-    within a block e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the
-    tile seen as [BT // 16, 16, BK] (masked scans over the whole tile, one block at a time, made the dot launches
-    slower than the exact loop on the H100)."""
+def _mid_sums(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16):
+    """s_i = b_i - b_m, m = SPAN (i // SPAN) + SPAN / 2 - 1 the middle row of row i's SPAN-row block (16: the
+    diagonal blocks of DIAG 1; 8: their halves, DIAG 4), summed from g ([BT, BK]): within a block
+    e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the tile seen as
+    [BT // SPAN, SPAN, BK] (masked scans over the whole tile, one block at a time, made the dot launches slower than
+    the exact loop on the H100)."""
     BK: tl.constexpr = gg.shape[1]
-    pos = (tl.arange(0, BT) % 16)[:, None]
-    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > 7, gg, 0.0), [BT // 16, 16, BK]), 1), [BT, BK])
-    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 7, gn, 0.0), [BT // 16, 16, BK]), 1, reverse=True),
+    M: tl.constexpr = SPAN // 2 - 1
+    pos = (tl.arange(0, BT) % SPAN)[:, None]
+    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > M, gg, 0.0), [BT // SPAN, SPAN, BK]), 1), [BT, BK])
+    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < M, gn, 0.0), [BT // SPAN, SPAN, BK]), 1, reverse=True),
                     [BT, BK])
-    return tl.where(pos > 7, up, 0.0) - tl.where(pos < 7, dn, 0.0)  # g of rows m+1..i, minus g of rows i+1..m
+    return tl.where(pos > M, up, 0.0) - tl.where(pos < M, dn, 0.0)  # g of rows m+1..i, minus g of rows i+1..m
 
 
 @triton.jit
@@ -125,31 +129,6 @@ def _whole_sums(gg, gn, BT: tl.constexpr):
     up = tl.cumsum(tl.where(rows > M, gg, 0.0), 0)  # g of rows m+1..i
     dn = tl.cumsum(tl.where(rows < M, gn, 0.0), 0, reverse=True)  # g of rows i+1..m
     return tl.where(rows > M, up, 0.0) - tl.where(rows < M, dn, 0.0)
-
-
-@triton.jit
-def _mid8_sums(gg, gn, BT: tl.constexpr):
-    """s_i = b_i - b_m, m = 8 (i // 8) + 3 the middle row of row i's 8-row half-block, summed from g ([BT, BK]), as
-    `_mid_sums` does for the 16-row blocks: within a half-block e^{b_i - b_j} = e^{s_i} e^{-s_j} (DIAG 4)."""
-    BK: tl.constexpr = gg.shape[1]
-    pos = (tl.arange(0, BT) % 8)[:, None]
-    up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > 3, gg, 0.0), [BT // 8, 8, BK]), 1), [BT, BK])
-    dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 3, gn, 0.0), [BT // 8, 8, BK]), 1, reverse=True),
-                    [BT, BK])
-    return tl.where(pos > 3, up, 0.0) - tl.where(pos < 3, dn, 0.0)
-
-
-@triton.jit
-def _half_parts(gg, gn, BT: tl.constexpr):
-    """E_i = e^{sum of g from the first row of i's 8-row half-block to i}, Y_j = e^{sum of g over rows j+1 .. the
-    last row of j's half-block} ([BT, BK]): for i in the second half of a 16-row block and j in its first half,
-    e^{b_i - b_j} = E_i Y_j, both factors <= 1 (DIAG 4's pairs across the two halves)."""
-    BK: tl.constexpr = gg.shape[1]
-    pos = (tl.arange(0, BT) % 8)[:, None]
-    E = tl.exp(tl.reshape(tl.cumsum(tl.reshape(gg, [BT // 8, 8, BK]), 1), [BT, BK]))
-    Y = tl.exp(tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < 7, gn, 0.0), [BT // 8, 8, BK]), 1, reverse=True),
-                          [BT, BK]))
-    return E, Y
 
 
 @triton.jit
@@ -167,18 +146,16 @@ def _half_masks(BT: tl.constexpr):
 def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                   SPAN: tl.constexpr):
     """Whether every factor of chunk ic's dot stays within e^60 in every key channel: through the middle row of the
-    whole chunk (SPAN 0: `_whole_sums`), of each 16-row block (16: `_mid_sums`) or of each 8-row half-block (8:
-    `_mid8_sums`)."""
+    whole chunk (SPAN 0: `_whole_sums`), or of each block of SPAN rows (16: the diagonal blocks, 8: their halves;
+    `_mid_sums`)."""
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     worst = tl.zeros([BT, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         gg, gn = _g_blk(g, r64, nval, ihv, HV, K, k0, BK, BT)
         if SPAN == 0:
             worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
-        elif SPAN == 16:
-            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT)))
         else:
-            worst = tl.maximum(worst, tl.abs(_mid8_sums(gg, gn, BT)))
+            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT, SPAN)))
     return tl.max(tl.max(worst, 1), 0) <= 60.0
 
 
@@ -198,9 +175,9 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
     earlier kernel over the same g and key blocks (the output backward's, before the state backward): read them,
     do not recompute them.
     DIAG 4 (after DIAG 1, before DIAG 2): of the chunks DIAG 1 left, those whose 8-row half-blocks stay within the
-    bound (`_mid8_sums`: log-decays up to ~15 a step) take their diagonal 16-row blocks as two masked dots, one for
-    the pairs within a half-block (through its middle row) and one for the pairs across the two halves
-    (`_half_parts`, both factors <= 1); the exact loop keeps only what is left.
+    bound (`_mid_sums` over 8 rows: log-decays up to ~15 a step) take their diagonal 16-row blocks as two masked
+    dots, one for the pairs within a half-block (through its middle row) and one for the pairs across the two
+    halves (`_off_parts` over 8 rows, both factors <= 1); the exact loop keeps only what is left.
     The marks: 0 the whole chunk by dot (DIAG 3), 2 its diagonal blocks by dot (DIAG 1), 3 by half-block dots (DIAG
     4), 1 none of these (DIAG 2). WHOLE (with DIAG 1): a DIAG 3 launch of this kernel came first, so the chunks it
     marked 0 are done. Every chunk is taken by exactly one launch of a sequence (3, 1, 4, 2), (3, 1, 2), (3, 2),
@@ -584,10 +561,10 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
         out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     elif DIAG == 4:  # the diagonal blocks by their 8-row halves: within a half, then across the two (fp32 operands)
-        s = _mid8_sums(gg, gn, BT)
+        s = _mid_sums(gg, gn, BT, 8)
         same8, cross = _half_masks(BT)
         out += tl.dot(tl.where(same8, M, 0.0), yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
-        Eh, Yh = _half_parts(gg, gn, BT)
+        Eh, Yh, _ = _off_parts(gg, gn, BT, 8)
         out += tl.dot(tl.where(cross, M, 0.0), yr * Yh, input_precision=PREC) * Eh
     else:
         pos = rows % 16
@@ -627,10 +604,10 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
         Md = tl.where(_same_block(BT), M, 0.0)
         out += tl.dot(tl.trans(Md), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)  # fp32 operands as above
     elif DIAG == 4:  # as in `_rows_prod_blk`
-        s = _mid8_sums(gg, gn, BT)
+        s = _mid_sums(gg, gn, BT, 8)
         same8, cross = _half_masks(BT)
         out += tl.dot(tl.trans(tl.where(same8, M, 0.0)), yr * tl.exp(s), input_precision=PREC) * tl.exp(-s)
-        Eh, Yh = _half_parts(gg, gn, BT)
+        Eh, Yh, _ = _off_parts(gg, gn, BT, 8)
         out += tl.dot(tl.trans(tl.where(cross, M, 0.0)), yr * Eh, input_precision=PREC) * Yh
     else:
         pos = rows % 16
@@ -706,12 +683,12 @@ def _kda_prep_ap(
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             elif DIAG == 4:  # the diagonal blocks by their 8-row halves (`_diag_pass`), fp32 operands
-                s = _mid8_sums(gg, gn, BT)
+                s = _mid_sums(gg, gn, BT, 8)
                 same8, cross = _half_masks(BT)
                 Y = kr * tl.exp(-s)
                 A += tl.where(same8 & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(same8 & (low | diag), tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
-                Eh, Yh = _half_parts(gg, gn, BT)
+                Eh, Yh, _ = _off_parts(gg, gn, BT, 8)
                 Y = kr * Yh
                 A += tl.where(cross, tl.dot(kr * Eh, tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(cross, tl.dot(qr * Eh, tl.trans(Y), input_precision=PREC), 0.0)
