@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from gpu_tune_gdn import tune_settings  # the sweeps' check of --*-tune settings (same folder)
 
 from hybridlm.ops import gated_delta_rule
 from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
@@ -205,11 +206,7 @@ def main(argv=None) -> int:
     if args.kda_diag is not None:
         _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
     if args.kda_tune is not None:
-        extra = json.loads(args.kda_tune)
-        unknown = set(extra) - set(_kda.TUNE)
-        if unknown:
-            raise SystemExit(f"--kda-tune: unknown keys {sorted(unknown)}; expected among {sorted(_kda.TUNE)}")
-        _kda.TUNE.update(extra)
+        _kda.TUNE.update(tune_settings(_kda.TUNE, json.loads(args.kda_tune), "--kda-tune"))
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

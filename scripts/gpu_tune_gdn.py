@@ -31,6 +31,18 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def tune_settings(tune: dict, extra, flag: str) -> dict:
+    """`extra` (parsed from the JSON value of command-line flag `flag`) as settings of the launch-plan dict `tune`
+    (gdn.TUNE or kda.TUNE); anything but an object of keys `tune` has is an error naming the flag, not a setting
+    the kernels would silently ignore."""
+    if not isinstance(extra, dict):
+        raise SystemExit(f"{flag}: expected a JSON object of settings, got {extra!r}")
+    unknown = set(extra) - set(tune)
+    if unknown:
+        raise SystemExit(f"{flag}: unknown keys {sorted(unknown)}; expected among {sorted(tune)}")
+    return extra
+
+
 def make(B, T, H, D, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)

@@ -18,7 +18,7 @@ import time
 
 import torch
 import triton.testing
-from gpu_tune_gdn import BAR_G, BAR_O, rel  # the GDN sweep's bars and error measure (same folder)
+from gpu_tune_gdn import BAR_G, BAR_O, rel, tune_settings  # the GDN sweep's bars, error, settings check
 
 from hybridlm.bench.cuda_profile import print_kernel_times
 from hybridlm.bench.kernels import KDA_GATES, kda_bench_gates
@@ -97,11 +97,7 @@ def main(argv=None) -> int:
     gdn.TUNE.clear()
     gdn.TUNE.update(gbase)
     if args.gdn_tune:
-        extra = json.loads(args.gdn_tune)
-        unknown = set(extra) - set(gdn.TUNE)
-        if unknown:
-            raise SystemExit(f"--gdn-tune: unknown keys {sorted(unknown)}; expected among {sorted(gdn.TUNE)}")
-        gdn.TUNE.update(extra)
+        gdn.TUNE.update(tune_settings(gdn.TUNE, json.loads(args.gdn_tune), "--gdn-tune"))
     fla = None if args.no_fla else fla_times(xs, do, args.rep)
     if args.profile:
         print_kernel_times(f"kda.TUNE defaults, gates {args.gates}", lambda: run(xs, torch.bfloat16, True, do))
@@ -143,7 +139,10 @@ def main(argv=None) -> int:
             dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True),
             dict(kb, prep_warps=4, bwd_warps=4)]
     if args.grid is not None:
-        grid = [dict(kb, **s) for s in json.loads(args.grid)]
+        entries = json.loads(args.grid)
+        if not isinstance(entries, list):
+            raise SystemExit(f"--grid: expected a JSON list of objects, got {args.grid!r}")
+        grid = [dict(kb, **tune_settings(kda.TUNE, e, "--grid")) for e in entries]
     rows, best = [], None
     for s in grid:
         if time.time() - t_start > args.max_seconds:
