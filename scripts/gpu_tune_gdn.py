@@ -76,7 +76,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lean", action="store_true", help="forward only: the inference-forward plans (gdn.TUNE "
                     "fwd_variant 'lean' and its settings) against the training forward's kernels, and fla's forward "
                     "when installed; no backward")
+    ap.add_argument("--grid", default=None,
+                    help="JSON list of gdn.TUNE settings, each merged over the built-in ones and timed forward and "
+                    "forward+backward in the listed order (list one twice to see the run's drift); replaces the "
+                    "built-in sweeps")
     args = ap.parse_args(argv)
+    grid = None
+    if args.grid is not None:
+        entries = json.loads(args.grid)
+        if not isinstance(entries, list):
+            raise SystemExit(f"--grid: expected a JSON list of objects, got {args.grid!r}")
+        grid = [tune_settings(gdn.TUNE, e, "--grid") for e in entries]
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -122,6 +132,8 @@ def main(argv=None) -> int:
                 dict(kb, prep_stages=2), dict(kb, prep_warps=4), dict(default, solve_interleave=False),
                 dict(default, prep_split=False), dict(default, prep_lowp=True), dict(kb, fwd_split_o=False),
                 dict(kb, fwd_bv=64), dict(kb, solve_warps=8)]
+    if grid is not None:
+        return _grid_sweep(args, grid, measure, rows, (B, T, H, D), base)
     if args.lean or args.warps:
         return _lean_sweep(args, measure, rows, xs, (B, T, H, D), base)
     t_fwd = time.time()  # the reference run above compiled the fp32 kernels: the sweep's own budget starts now
@@ -166,6 +178,22 @@ def main(argv=None) -> int:
                       indent=1, default=str)
     gdn.TUNE.clear()
     gdn.TUNE.update(best)
+    return 0
+
+
+def _grid_sweep(args, grid, measure, rows, shape, base) -> int:
+    """--grid: each setting's forward, then its forward+backward, in the listed order, until --max-seconds."""
+    t0 = time.time()
+    for s in grid:
+        if time.time() - t0 > args.max_seconds:
+            print(f"stopped at --max-seconds before {s}", flush=True)
+            break
+        rows.append(measure(s, False))
+        rows.append(measure(s, True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": list(shape), "device": torch.cuda.get_device_name(), "base": base, "rows": rows}, f,
+                      indent=1, default=str)
     return 0
 
 

@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None}
+        "rbwd_warps": None, "rbwd_bv": None, "fwd_halves": False}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -86,7 +86,11 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   `_solve_doubling`; in the lean prep A then never goes to memory) or "doubling16" (the 16 x 16 diagonal blocks by
 #   doubling, batched, then block rows as "subst"); solve_prec: the doubling's dot precision
 #   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
-# rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before)
+# rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before);
+#   rbwd_bv: its V block (None: fwd_bv's rule, `_recur_bv`)
+# fwd_halves: the training forward's state pass (fwd_split_o) as `_recur_fwd_halves`, the state in two [K/2, BV]
+#   halves (one 64-row wgmma tile per state-update dot at K=128), so that it can run at 4 warps (fwd_warps): the
+#   whole-K kernel at 4 warps reads shared memory out of bounds (compute-sanitizer, H100, 2026-11-24 15:11)
 # Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
 #   the chunk backward (bwd_warps) at 4 warps without the register cap (bwd_maxnreg None; was 8 warps capped at
 #   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
@@ -205,17 +209,35 @@ def fwd_stages() -> int:
     return st
 
 
-def _recur_bv(K: int, V: int, programs: int, dev) -> int:
-    """V block of the sequential kernels: 32 (16 above K=128, for shared memory) unless that leaves most of the
-    device's SMs idle (few sequences x heads), then 16 for more programs."""
-    if TUNE["fwd_bv"]:
-        return min(TUNE["fwd_bv"], V)
+def _state_warps(key: str, K: int, dev) -> int:
+    """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps). Fewer than 8 is
+    refused on CUDA: compute-sanitizer (H100, Triton 3.6, 2026-11-24 15:11, scripts/gpu_gdn_recur_san.sh) shows
+    both kernels at 4 warps reading shared memory out of bounds in their state-update dots (the GPU check's T63
+    case then stops with an illegal memory access), and `_recur_bwd` at 4 warps with V block 32 gives a wrong dh0
+    with no error at all. `_recur_fwd_halves` (fwd_halves) takes fwd_warps as it is."""
+    w = TUNE[key] or _num_warps(K)
+    if w < 8 and dev.type == "cuda":
+        raise ValueError(f"gdn.TUNE['{key}']: expected None or >= 8 for the whole-K state kernel on CUDA (4 warps "
+                         f"read shared memory out of bounds on an H100), got {w}")
+    return w
+
+
+def _recur_bv(K: int, V: int, programs: int, dev, key: str = "fwd_bv", per_sm: int = 2) -> int:
+    """V block of the sequential kernels: TUNE[key] (fwd_bv, or rbwd_bv for `_recur_bwd`), else 32 (16 above
+    K=128, for shared memory), halved to 16 when the halved grid (programs = sequences x value heads, times V/BV)
+    still runs in one wave of per_sm programs per SM: few sequences x heads leave SMs idle otherwise, and the state
+    passes are latency-bound (one chunk after another).
+    per_sm: what fits one SM (sm_90 compile, K=V=128 bf16, 8 warps): `_recur_fwd` at BV 16 takes 74 KB of shared
+    memory (2 used), `_recur_bwd` 124 KB (1). With 1, B1 T32768 H32 keeps BV 32 in the backward (128 programs, one
+    wave) instead of 16 (256 programs, two waves): forward+backward 11.2 -> 10.5 ms (H100, 2026-11-24 15:08)."""
+    if TUNE[key]:
+        return min(TUNE[key], V)
     # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps; at K=256 the two
     # pipeline stages need 236-240 KB of shared memory at 32 (over the 227 KB an H100 program may have), 222-224 KB at
     # 16 (bf16). One stage at 32 fits (124 KB) but made an illegal memory access on the H100 (2026-11-23).
     bv = min(32 if K <= 128 else 16, V)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-    while bv > 16 and programs * (V // bv) < sms:
+    while bv > 16 and programs * (V // (bv // 2)) <= sms * per_sm:
         bv //= 2
     return bv
 
@@ -283,13 +305,21 @@ def _fwd_impl(
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
-    kern._recur_fwd[(V // BV, N * HV)](
-        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(),
-        OUT=not split,
-    )
+    if split and TUNE["fwd_halves"]:
+        kern._recur_fwd_halves[(V // BV, N * HV)](
+            g, Wb, Ub, Kd, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
+            HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, HAS_H0=initial_state is not None,
+            STORE_HT=output_final_state, LOWP=TUNE["fwd_lowp"] and sd != f32,
+            num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(),
+        )
+    else:
+        kern._recur_fwd[(V // BV, N * HV)](
+            g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
+            LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev),
+            num_stages=fwd_stages(), OUT=not split,
+        )
     if split:
         _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if not save:
@@ -334,7 +364,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
-        num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(), OUT=not split, RAWK=True,
+        num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(), OUT=not split, RAWK=True,
         L2=use_qk_l2norm,
     )
     if split and nc > 0:
@@ -446,16 +476,15 @@ def _bwd_impl(
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     f32 = torch.float32
     prec = _prec(q.dtype)
-    nw = _num_warps(K)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = bwd_lowp(hb)
-    BV = _recur_bv(K, V, N * HV, dev)
+    BV = _recur_bv(K, V, N * HV, dev, "rbwd_bv", per_sm=1)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
         g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=TUNE["rbwd_warps"] or nw,
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=_state_warps("rbwd_warps", K, dev),
         num_stages=fwd_stages(),
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None

@@ -255,7 +255,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = gdn.bwd_lowp(hb)
-    BV = gdn._recur_bv(K, V, N * HV, dev)
+    BV = gdn._recur_bv(K, V, N * HV, dev, "rbwd_bv", per_sm=1)
     dh0 = gdn._out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
     kern._recur_bwd[(V // BV, N * HV)](
         BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
