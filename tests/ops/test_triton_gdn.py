@@ -132,15 +132,6 @@ def test_doubling_solves_match_float64(interp_results, case):
         assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
-@pytest.mark.parametrize("case", ["fwd_halves_gva2_T200", "fwd_halves_varlen"])
-def test_state_pass_in_key_halves_matches_float64(interp_results, case):
-    """The training forward's state pass with the state in two key-channel halves (gdn.TUNE fwd_halves), the
-    whole-K state kernel blocked: forward, final state and every gradient."""
-    res = interp_results[case]
-    for name, tol in PLAN_TOL.items():
-        assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
-
-
 @pytest.mark.parametrize("key", ["fwd_warps", "rbwd_warps"])
 def test_whole_k_state_kernels_refuse_four_warps_on_cuda(monkeypatch, key):
     """4 warps read shared memory out of bounds in the whole-K state kernels on an H100 (compute-sanitizer,

@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "fwd_halves": False}
+        "rbwd_warps": None, "rbwd_bv": None}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -88,9 +88,6 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
 # rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before);
 #   rbwd_bv: its V block (None: fwd_bv's rule, `_recur_bv`)
-# fwd_halves: the training forward's state pass (fwd_split_o) as `_recur_fwd_halves`, the state in two [K/2, BV]
-#   halves (one 64-row wgmma tile per state-update dot at K=128), so that it can run at 4 warps (fwd_warps): the
-#   whole-K kernel at 4 warps reads shared memory out of bounds (compute-sanitizer, H100, 2026-11-24 15:11)
 # Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
 #   the chunk backward (bwd_warps) at 4 warps without the register cap (bwd_maxnreg None; was 8 warps capped at
 #   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
@@ -214,7 +211,8 @@ def _state_warps(key: str, K: int, dev) -> int:
     refused on CUDA: compute-sanitizer (H100, Triton 3.6, 2026-11-24 15:11, scripts/gpu_gdn_recur_san.sh) shows
     both kernels at 4 warps reading shared memory out of bounds in their state-update dots (the GPU check's T63
     case then stops with an illegal memory access), and `_recur_bwd` at 4 warps with V block 32 gives a wrong dh0
-    with no error at all. `_recur_fwd_halves` (fwd_halves) takes fwd_warps as it is."""
+    with no error at all. (The state held in two [K/2, BV] halves, as fla's state kernel holds it, did not avoid
+    this: the same out-of-bounds reads at 4 warps, and at 8 warps too, 15:17; that kernel was removed.)"""
     w = TUNE[key] or _num_warps(K)
     if w < 8 and dev.type == "cuda":
         raise ValueError(f"gdn.TUNE['{key}']: expected None or >= 8 for the whole-K state kernel on CUDA (4 warps "
@@ -305,21 +303,13 @@ def _fwd_impl(
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
-    if split and TUNE["fwd_halves"]:
-        kern._recur_fwd_halves[(V // BV, N * HV)](
-            g, Wb, Ub, Kd, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
-            HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, HAS_H0=initial_state is not None,
-            STORE_HT=output_final_state, LOWP=TUNE["fwd_lowp"] and sd != f32,
-            num_warps=TUNE["fwd_warps"] or _num_warps(K), num_stages=fwd_stages(),
-        )
-    else:
-        kern._recur_fwd[(V // BV, N * HV)](
-            g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-            HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-            LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev),
-            num_stages=fwd_stages(), OUT=not split,
-        )
+    kern._recur_fwd[(V // BV, N * HV)](
+        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
+        OUT=not split,
+    )
     if split:
         _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if not save:

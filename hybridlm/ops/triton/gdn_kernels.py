@@ -653,66 +653,6 @@ def _recur_fwd(
 
 
 @triton.jit
-def _half_state_step(S, dec, W, kd, DT: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """One half of the key channels in `_recur_fwd_halves`: (its share -W S of Vn, S's decay, the dot operands)."""
-    return tl.dot(_op(W, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC), S * dec, _op(kd, DT, LOWP)
-
-
-@triton.jit
-def _recur_fwd_halves(
-    g, Wbuf, Ubuf, Kd, h0, ht, hbuf, vnbuf, cu, chunk_off, NCH,
-    HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LOWP: tl.constexpr,
-):
-    """`_recur_fwd` for the training forward (GDN's scalar decay, output left to `_out_fwd`) with the state held
-    as two [K/2, BV] halves, as fla's state kernel holds it: Vn = U - W_1 S_1 - W_2 S_2, S_h <- e^{bL} S_h +
-    Kd_h^T Vn. Each state-update dot then has K/2 rows (one 64-row wgmma tile at K=128 on one warp group). Why:
-    the whole-K kernel at 4 warps reads shared memory out of bounds in that dot (compute-sanitizer, H100, Triton
-    3.6, 2026-11-24), and 4 warps ran its state pass ~25% faster at B1 T32768 H32."""
-    DT: tl.constexpr = Wbuf.dtype.element_ty
-    KH: tl.constexpr = K // 2
-    iv = tl.program_id(0)
-    inh = tl.program_id(1)
-    n = inh // HV
-    ihv = inh % HV
-    bos = tl.load(cu + n).to(tl.int64)
-    Tn = (tl.load(cu + n + 1).to(tl.int64) - bos).to(tl.int32)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
-    rows = tl.arange(0, BT)
-    offs_h = tl.arange(0, KH)
-    offs_v = iv * BV + tl.arange(0, BV)
-    s_off = offs_h[:, None] * V + offs_v[None, :]  # the first half's rows; the second's are KH * V further
-    if HAS_H0:
-        S1 = tl.load(h0 + (n * HV + ihv).to(tl.int64) * K * V + s_off)
-        S2 = tl.load(h0 + (n * HV + ihv).to(tl.int64) * K * V + KH * V + s_off)
-    else:
-        S1 = tl.zeros([KH, BV], dtype=tl.float32)
-        S2 = tl.zeros([KH, BV], dtype=tl.float32)
-    for c in range(NCH):
-        t0 = c * BT
-        nval = Tn - t0
-        hmask = (offs_h < tl.where(nval > 0, KH, 0))[:, None]  # chunks past this sequence's end touch no memory
-        hc = hbuf + ((c0 + c) * HV + ihv) * K * V + s_off
-        tl.store(hc, S1.to(hbuf.dtype.element_ty), mask=hmask)
-        tl.store(hc + KH * V, S2.to(hbuf.dtype.element_ty), mask=hmask)
-        gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
-        dec = tl.exp(tl.sum(gs, 0))
-        U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        ws1, S1, kd1 = _half_state_step(S1, dec, _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, KH),
-                                        _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, KH), DT, LOWP, PREC)
-        ws2, S2, kd2 = _half_state_step(S2, dec, _seq_load(Wbuf, bos, Tn, t0, ihv * K + KH, HV * K, BT, KH),
-                                        _seq_load(Kd, bos, Tn, t0, ihv * K + KH, HV * K, BT, KH), DT, LOWP, PREC)
-        vn = U.to(tl.float32) - ws1 - ws2
-        _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        vn_d = _op(vn, DT, LOWP)
-        S1 += tl.dot(tl.trans(kd1), vn_d, input_precision=PREC)
-        S2 += tl.dot(tl.trans(kd2), vn_d, input_precision=PREC)
-    if STORE_HT:
-        tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S1)
-        tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + KH * V + s_off, S2)
-
-
-@triton.jit
 def _out_fwd(
     Qg, Pb, hbuf, vnbuf, o, cu, chunk_seq, chunk_start,
     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,

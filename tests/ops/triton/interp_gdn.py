@@ -276,12 +276,6 @@ def main() -> int:
                                                K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
-    # the training forward's state pass with the state in two key-channel halves (gdn.TUNE fwd_halves), the
-    # whole-K state kernel blocked: GVA 2 over 4 chunks with an initial state and V 128, and varlen with a partial chunk
-    res["fwd_halves_gva2_T200"] = plan_case(gen, dict(fwd_halves=True), ("_recur_fwd",), B=1, T=200, H=1, HV=2, K=64,
-                                            V=128, l2=True, h0=True)
-    res["fwd_halves_varlen"] = plan_case(gen, dict(fwd_halves=True), ("_recur_fwd",), B=1, T=150, H=1, HV=2, K=64,
-                                         V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
