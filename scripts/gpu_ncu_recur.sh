@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Nsight Compute on GDN's serial state passes at B1 T32768 H32 D128 bf16, where they hold the forward and backward
+# behind fla's (2026-11-24 15:02 profile: `_recur_fwd` 1300 us against fla's 630, `_recur_bwd` 2543 then ~1.8 ms
+# against 1098): the second forward+backward step's `_recur_fwd` and `_recur_bwd` (one launch each per step), with
+# throughput, occupancy, L2 and warp-stall sections. The question it answers: whether a chunk step waits on L2
+# (every V-block program of a head loads the same W and Kd tiles: ~3.5 TB/s of L2 reads at V block 16 if the step
+# takes 2.5 us) or on the dependent dots' latency, before the state pass is changed again.
+#
+#   OUT=dir bash scripts/gpu_ncu_recur.sh      (the report as text in $OUT/ncu_recur.txt)
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+if [ -z "$NCU" ]; then echo "no ncu on this machine"; exit 1; fi
+"$NCU" --version | tail -n 1
+"$NCU" --kernel-name regex:"_recur_(fwd|bwd)" --launch-skip 2 --launch-count 2 \
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  python3 -c "
+import sys; sys.path.insert(0, 'scripts')
+import torch
+from gpu_tune_gdn import make, run
+xs = [x.to(torch.bfloat16).float() if i != 3 else x for i, x in enumerate(make(1, 32768, 32, 128))]
+do = torch.randn(1, 32768, 32, 128, device='cuda')
+for _ in range(2):
+    run(xs, torch.bfloat16, True, do)
+torch.cuda.synchronize()
+" > "$OUT/ncu_recur.txt" 2>&1
+echo "ncu exit $?"
+grep -E "_recur_|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Stall|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_recur.txt" | head -n 80
