@@ -132,6 +132,27 @@ def test_doubling_solves_match_float64(interp_results, case):
         assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
+def test_state_pass_v_block_by_waves(monkeypatch):
+    """`_recur_bv` on a 132-SM device: V block 32, halved to 16 only while the halved grid still runs in one wave
+    (two `_recur_fwd` programs an SM, one `_recur_bwd` program); 16 above K=128; TUNE overrides."""
+    from types import SimpleNamespace
+
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    # (sequences x value heads) -> (forward V block, backward V block) at K = V = 128
+    expect = {8: (16, 16), 16: (16, 16), 32: (16, 32), 33: (16, 32), 34: (32, 32), 64: (32, 32), 256: (32, 32)}
+    for programs, (fwd, bwd) in expect.items():
+        assert gdn._recur_bv(128, 128, programs, cuda) == fwd, programs
+        assert gdn._recur_bv(128, 128, programs, cuda, "rbwd_bv", per_sm=1) == bwd, programs
+    assert gdn._recur_bv(256, 256, 8, cuda) == 16
+    assert gdn._recur_bv(64, 64, 8, cuda) == 16
+    monkeypatch.setitem(gdn.TUNE, "rbwd_bv", 64)
+    assert gdn._recur_bv(128, 128, 32, cuda, "rbwd_bv", per_sm=1) == 64
+    assert gdn._recur_bv(128, 128, 32, cuda) == 16  # fwd_bv still follows the rule
+
+
 @pytest.mark.parametrize("key", ["fwd_warps", "rbwd_warps"])
 def test_whole_k_state_kernels_refuse_four_warps_on_cuda(monkeypatch, key):
     """4 warps read shared memory out of bounds in the whole-K state kernels on an H100 (compute-sanitizer,
