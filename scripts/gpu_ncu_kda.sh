@@ -6,16 +6,9 @@
 # so that the next change to the block launches aims at what they wait on.
 #
 #   OUT=dir bash scripts/gpu_ncu_kda.sh      (the report as text in $OUT/ncu_kda.txt)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-if [ -z "$NCU" ]; then echo "no ncu on this machine"; exit 1; fi
-"$NCU" --version | tail -n 1
+source "$(dirname "$0")/ncu_common.sh"
 "$NCU" --kernel-name regex:"_kda_bwd_(out|state)_blk" --launch-skip "${LAUNCHES:-8}" --launch-count "${LAUNCHES:-8}" \
-  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  "${NCU_SECTIONS[@]}" \
   python3 -c "
 import sys; sys.path.insert(0, 'scripts')
 import torch

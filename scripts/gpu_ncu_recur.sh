@@ -7,16 +7,9 @@
 # takes 2.5 us) or on the dependent dots' latency, before the state pass is changed again.
 #
 #   OUT=dir bash scripts/gpu_ncu_recur.sh      (the report as text in $OUT/ncu_recur.txt)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-if [ -z "$NCU" ]; then echo "no ncu on this machine"; exit 1; fi
-"$NCU" --version | tail -n 1
+source "$(dirname "$0")/ncu_common.sh"
 "$NCU" --kernel-name regex:"_recur_(fwd|bwd)" --launch-skip 2 --launch-count 2 \
-  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  "${NCU_SECTIONS[@]}" \
   python3 -c "
 import sys; sys.path.insert(0, 'scripts')
 import torch
