@@ -126,6 +126,10 @@ def main(argv=None) -> int:
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
     })
+    # the state backward from raw q and k (gdn.TUNE bwd_raw_qk): Qg, Kd are the raw [tokens, H, K] inputs
+    fn, ptrs, ints, cx, stages = jobs["_recur_bwd"]
+    jobs["_recur_bwd raw"] = (fn, dict(ptrs, Qg=dt, Kd=dt), dict(ints, scale="fp32"), dict(cx, L2=True, RAW=True),
+                              stages)
     for name in ("_recur_fwd(save)", "_recur_fwd(state)", "_recur_bwd"):  # KDA's launches: one decay per channel
         fn, ptrs, ints, cx, stages = jobs[name]
         jobs[name + " channel"] = (fn, ptrs, ints, dict(cx, CHANNEL=True), stages)

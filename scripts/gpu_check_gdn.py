@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         return _merge(args.merge)
     if args.tune_json:
         with open(args.tune_json) as f:
-            _gdn.TUNE.update(json.load(f)["best"])
+            _gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
     if args.kda_diag is not None:
         _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
     if args.kda_tune is not None:

@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune_json:
         with open(args.tune_json) as f:
-            gdn.TUNE.update(json.load(f)["best"])
+            gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
     print("launch settings:", json.dumps(gdn.TUNE), flush=True)
     fla = None
     fla_version = None

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="gdn,kda,hybrid3:1", help="comma-separated from gdn, kda, hybrid3:1")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of repeats)")
     parser.add_argument("--no-fla", action="store_true", help="skip fla's layers even if installed")
+    parser.add_argument("--tune-json", default=None,
+                        help="GDN launch settings from scripts/gpu_tune_gdn.py --json (its 'best'), or any JSON "
+                        "file of the form {\"best\": {...}}; default: built-in")
     parser.add_argument("--no-recompute", action="store_true",
                         help="skip the rows of our layers with recompute=True (one variant less per row)")
     parser.add_argument("--profile", action="store_true",
@@ -200,9 +203,14 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"fla not usable: {e!r}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
+    from hybridlm.ops.triton import gdn
+
+    if args.tune_json:
+        with open(args.tune_json) as f:
+            gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "fla": fla_version, "python": platform.python_version(), "tokens": args.tokens,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "gdn_tune": dict(gdn.TUNE)}
     rows = []
 
     def save():  # after every row, atomically: a run cut short keeps its finished rows

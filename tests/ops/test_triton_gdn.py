@@ -17,6 +17,8 @@ launch; the two-phase plan) runs at 4 chunks with GVA, at varlen without l2norm,
 path; 1e-3 for o/state, 2e-3 for gradients), with the other plans' kernels blocked so a silent fallback fails; the
 K-blocked one also at four key blocks of 16. So does each forward prep plan (K-blocked: GVA at 4 chunks,
 varlen without l2norm, fp16, one launch at four key blocks; the whole-K kernel at 4 chunks).
+The backward from the raw q and k (`gdn.TUNE["bwd_raw_qk"]`: the forward keeps no Qg, Kd) runs with GVA, varlen
+without l2norm and fp16 inputs.
 Fake kernels: the custom ops trace under FakeTensorMode without running a kernel.
 GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scripts/gpu_check_gdn.py.
 """
@@ -130,6 +132,47 @@ def test_doubling_solves_match_float64(interp_results, case):
     res = interp_results[case]
     for name, tol in PLAN_TOL.items():
         assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
+
+
+@pytest.mark.parametrize("case", ["raw_qk_gva2_T200", "raw_qk_varlen_nol2", "raw_qk_fp16_varlen_gva2"])
+def test_backward_from_raw_q_and_k_matches_float64(interp_results, case):
+    """gdn.TUNE bwd_raw_qk: the forward keeps no Qg and Kd, the state backward reads the raw q and k (fp32 cases at
+    the fp32 bars; fp16 inputs at the 16-bit path's bars)."""
+    res = interp_results[case]
+    for name, tol in (PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL).items():
+        if name in res:
+            assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
+
+
+def test_raw_qk_forward_keeps_no_scaled_copies(monkeypatch):
+    """Under gdn.TUNE bwd_raw_qk the forward's fake kernel (what torch.compile traces) saves empty Qg and Kd, and
+    the backward's fake kernel still returns every gradient's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "bwd_raw_qk", True)
+    with FakeTensorMode():
+        B, T, H, HV, K, V = 2, 100, 2, 4, 64, 128
+        q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
+        v = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
+        g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+        o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
+        assert [x.numel() for x in saved[4:6]] == [0, 0]  # Qg, Kd
+        assert saved[1].shape == (B * T, HV, K) and saved[6].numel() > 0  # W and P are still kept
+        grads = torch.ops.hybridlm.gdn_chunk_bwd(o, ht, q, k, v, g, beta, *saved, None, 0.1, True, False, None)
+        assert [x.shape for x in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+def test_unknown_tune_keys_are_a_clear_error(monkeypatch):
+    """`gdn.update_tune` (the benches' --tune-json) refuses keys TUNE does not have, naming the source."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setattr(gdn, "TUNE", dict(gdn.TUNE))
+    with pytest.raises(ValueError, match=r"--tune-json t.json: unknown gdn.TUNE keys \['bwd_raw_qq'\]"):
+        gdn.update_tune({"bwd_raw_qq": True}, "--tune-json t.json")
+    gdn.update_tune({"bwd_raw_qk": True}, "--tune-json t.json")
+    assert gdn.TUNE["bwd_raw_qk"] is True
 
 
 def test_state_pass_v_block_by_waves(monkeypatch):

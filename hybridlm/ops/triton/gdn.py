@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None}
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": False}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -88,6 +88,9 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   ("tf32x3": tensor cores at about fp32 accuracy, "ieee": fp32 FMA)
 # rbwd_warps: warps of the state recurrence's backward `_recur_bwd` (None: 8; it followed fwd_warps before);
 #   rbwd_bv: its V block (None: fwd_bv's rule, `_recur_bv`)
+# bwd_raw_qk: the training forward keeps no Qg and Kd for the backward (2 x [tokens, HV, K] in the storage dtype:
+#   256 MiB at B8 T2048 HV32 K128 bf16, of ~2 GiB the GDN layer keeps); `_recur_bwd` reads the raw q and k
+#   instead and puts their row scales (l2 norm, scale, decays) on dO's rows and on K dS' (RAW). Opt-in until timed
 # Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
 #   the chunk backward (bwd_warps) at 4 warps without the register cap (bwd_maxnreg None; was 8 warps capped at
 #   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
@@ -206,6 +209,15 @@ def fwd_stages() -> int:
     return st
 
 
+def update_tune(settings: dict, source: str) -> None:
+    """Merge launch settings (e.g. the 'best' of scripts/gpu_tune_gdn.py --json) into TUNE; a key TUNE does not
+    have is an error naming `source` (a typo would otherwise be a setting no kernel reads)."""
+    unknown = sorted(set(settings) - set(TUNE))
+    if unknown:
+        raise ValueError(f"{source}: unknown gdn.TUNE keys {unknown}; expected among {sorted(TUNE)}")
+    TUNE.update(settings)
+
+
 def _state_warps(key: str, K: int, dev) -> int:
     """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps). Fewer than 8 is
     refused on CUDA: compute-sanitizer (H100, Triton 3.6, 2026-11-24 15:11, scripts/gpu_gdn_recur_san.sh) shows
@@ -312,6 +324,8 @@ def _fwd_impl(
     )
     if split:
         _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
+    if save and TUNE["bwd_raw_qk"]:  # the backward reads raw q and k instead (`_recur_bwd` RAW)
+        Qg, Kd = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
     if not save:
         hb, vn = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
@@ -440,9 +454,10 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
     sd = _store_dtype(q.dtype)
     if save:
+        tiles = (0,) if TUNE["bwd_raw_qk"] else (B * T, HV, K)  # Qg and Kd
         return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd),
-                q.new_empty(B * T, HV, K, dtype=sd), q.new_empty(B * T, HV, K, dtype=sd),
+                q.new_empty(*tiles, dtype=sd), q.new_empty(*tiles, dtype=sd),
                 q.new_empty(NC, HV, BT, BT, dtype=sd))
     return (o, ht, q.new_empty(0, dtype=f32), *(q.new_empty(0, dtype=sd) for _ in range(6)))
 
@@ -471,11 +486,14 @@ def _bwd_impl(
     lowp = bwd_lowp(hb)
     BV = _recur_bv(K, V, N * HV, dev, "rbwd_bv", per_sm=1)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
+    # a forward under TUNE["bwd_raw_qk"] kept no Qg and Kd: the state backward reads the raw q and k (RAW)
+    raw = Qg.numel() == 0
     kern._recur_bwd[(V // BV, N * HV)](
-        g, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
+        g, Wb, q if raw else Qg, k if raw else Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn,
+        lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=_state_warps("rbwd_warps", K, dev),
-        num_stages=fwd_stages(),
+        num_stages=fwd_stages(), scale=scale, L2=use_qk_l2norm, RAW=raw,
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32

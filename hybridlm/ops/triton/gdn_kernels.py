@@ -679,14 +679,34 @@ def _out_fwd(
 
 
 @triton.jit
+def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr):
+    """Row scales of one chunk's raw q and k rows [BT, K] (0 past the end), from its log-decays gs [BT]:
+    (qs, sk) with Qg = diag(qs) Q, qs = scale rq e^b, and Kd = diag(sk) K, sk = rk e^{bL - b} (rq, rk: inverse
+    l2 norms when L2, else 1), as the prep's stage 1 scales them."""
+    gc, _gcl, _gL, ged = _cum_split(gs)
+    if L2:
+        rq = tl.rsqrt(tl.sum(qr.to(tl.float32) * qr.to(tl.float32), 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(kr.to(tl.float32) * kr.to(tl.float32), 1) + 1e-6)
+    else:
+        rq = tl.full([qr.shape[0]], 1.0, tl.float32)
+        rk = tl.full([kr.shape[0]], 1.0, tl.float32)
+    return rq * scale * tl.exp(gc), rk * tl.exp(ged)
+
+
+@triton.jit
 def _recur_bwd(
     g, Wbuf, Qg, Kd, Pb, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, CHANNEL: tl.constexpr = False,
+    scale=1.0, L2: tl.constexpr = False, RAW: tl.constexpr = False,
 ):
     """Reverse recurrence of the state gradient dS [K, BV] over the forward's tiles (Qg, Kd, P, W):
-    dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn."""
+    dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn.
+    RAW (GDN's scalar decay only): Qg and Kd are the raw q and k ([tokens, H, K]), so the forward need not keep
+    its scaled copies for the backward; their row scales (`_raw_row_scales`) go onto dO's rows (Qg^T dO =
+    Q^T (qs dO)) and onto the rows of K dS' (Kd dS' = sk K dS'), and the raw 16-bit rows are exact dot operands."""
+    tl.static_assert(not (RAW and CHANNEL), "RAW takes GDN's scalar decay only")
     DT: tl.constexpr = dhbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -718,15 +738,25 @@ def _recur_bwd(
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
         W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
         dO = _seq_load(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
         dO_d = _op(dO, DT, LOWP)
-        dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
-            tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
+        if RAW:
+            ih = ihv // (HV // H)
+            kd = _seq_load(Kd, bos, Tn, t0, ih * K, H * K, BT, K)
+            qg = _seq_load(Qg, bos, Tn, t0, ih * K, H * K, BT, K)
+            qs, sk = _raw_row_scales(qg, kd, gs, scale, L2)
+            dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
+                tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC) * sk[:, None]
+            dQ_d = _op(dO * qs[:, None], DT, LOWP)
+        else:
+            kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
+            qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+            dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
+                tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
+            dQ_d = dO_d
         _seq_store(dvnbuf, dvn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dO_d, input_precision=PREC)
+        dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dQ_d, input_precision=PREC)
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)

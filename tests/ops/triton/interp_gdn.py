@@ -276,6 +276,14 @@ def main() -> int:
                                                K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
+    # the forward keeps no Qg and Kd (gdn.TUNE bwd_raw_qk): the state backward reads raw q and k (RAW) with GVA 2,
+    # l2norm and an initial state over 4 chunks; varlen without l2norm; fp16 varlen with GVA 2
+    raw = dict(bwd_raw_qk=True)
+    res["raw_qk_gva2_T200"] = plan_case(gen, raw, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["raw_qk_varlen_nol2"] = plan_case(gen, raw, (), B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
+                                          cu=[0, 15, 150])
+    res["raw_qk_fp16_varlen_gva2"] = plan_case(gen, raw, (), B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=False,
+                                               cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
