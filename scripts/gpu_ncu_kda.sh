@@ -5,7 +5,7 @@
 # occupancy, launch and warp-stall sections,
 # so that the next change to the block launches aims at what they wait on.
 #
-#   OUT=dir bash scripts/gpu_ncu_kda.sh      (the report as text in $OUT/ncu_kda.txt)
+#   OUT=dir [GATES=init|bench] bash scripts/gpu_ncu_kda.sh      (the report as text in $OUT/ncu_kda.txt)
 source "$(dirname "$0")/ncu_common.sh"
 "$NCU" --kernel-name regex:"_kda_bwd_(out|state)_blk" --launch-skip "${LAUNCHES:-8}" --launch-count "${LAUNCHES:-8}" \
   "${NCU_SECTIONS[@]}" \
@@ -13,7 +13,7 @@ source "$(dirname "$0")/ncu_common.sh"
 import sys; sys.path.insert(0, 'scripts')
 import torch
 from gpu_tune_kda import make, run
-xs = make(4, 4096, 16, 128, gates='init')
+xs = make(4, 4096, 16, 128, gates='${GATES:-init}')
 do = torch.randn(4, 4096, 16, 128, device='cuda').bfloat16().float()
 for _ in range(2):
     run(xs, torch.bfloat16, True, do)
