@@ -239,7 +239,8 @@ def _recur_bv(K: int, V: int, programs: int, dev, key: str = "fwd_bv", per_sm: i
     passes are latency-bound (one chunk after another).
     per_sm: what fits one SM (sm_90 compile, K=V=128 bf16, 8 warps): `_recur_fwd` at BV 16 takes 74 KB of shared
     memory (2 used), `_recur_bwd` 124 KB (1). With 1, B1 T32768 H32 keeps BV 32 in the backward (128 programs, one
-    wave) instead of 16 (256 programs, two waves): forward+backward 11.2 -> 10.5 ms (H100, 2026-11-24 15:08)."""
+    wave) instead of 16 (256 programs, two waves): forward+backward 11.50 -> 10.68-10.78 ms in the tune script
+    (H100, 2026-11-24 15:17), 10.52 -> 9.56 ms in the bench table (15:30)."""
     if TUNE[key]:
         return min(TUNE[key], V)
     # sm_90 compile: 32 keeps the [K, BV] fp32 state and the tiles in registers at 8 warps; at K=256 the two
