@@ -4,8 +4,9 @@
 # per-chunk state kernels at B1 T32768 H32. Then the GPU check's T63 case (a non-finite bf16 final state once at
 # fwd_warps 4, 2026-11-24 02:05) four times with fwd_warps 4, and the quick (awkward-shape) check once with it.
 #
-# Since commit d7f4aca 4 warps are refused on CUDA for these kernels (`gdn._state_warps`: this script's
-# findings), so the 4-warp settings now stop with that ValueError; check out 931db6e to rerun them as run.
+# Since commit d7f4aca 4 warps are refused on CUDA for these kernels (`gdn._state_warps`, from these findings),
+# so the 4-warp settings now stop with that ValueError. They ran on the tree of d7f4aca before that check was in
+# it; to rerun them, let `_state_warps` return TUNE[key] on CUDA too.
 #
 #   OUT=dir bash scripts/gpu_gdn_recur.sh      (results under $OUT)
 set -u

@@ -3,8 +3,9 @@
 # B1 T32768 H32 (2026-11-24 15:08, scripts/gpu_gdn_recur.sh) but stopped that case with an illegal memory access
 # (fwd_warps 4 with rbwd_warps 4): each setting alone, so the report names the kernel and the setting.
 #
-# Since commit d7f4aca 4 warps are refused on CUDA for these kernels (`gdn._state_warps`: this script's
-# findings), so the 4-warp settings now stop with that ValueError; check out 931db6e to rerun them as run.
+# Since commit d7f4aca 4 warps are refused on CUDA for these kernels (`gdn._state_warps`, from these findings),
+# so the 4-warp settings now stop with that ValueError. They ran on the tree of d7f4aca before that check was in
+# it; to rerun them, let `_state_warps` return TUNE[key] on CUDA too.
 #
 #   OUT=dir bash scripts/gpu_gdn_recur_san.sh      (results under $OUT)
 set -u
