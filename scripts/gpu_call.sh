@@ -72,7 +72,10 @@ for spec in "$@"; do
                     --out "$OUT/layerskda") ;;
     layersprof) cmd=(python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn --profile \
                      --out "$OUT/layersprof") ;;
-    check) cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check?.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check?.json") ;;
+    # check: CHECK_PARTS processes (default 8; 4 before 2026-11-24 16:30): on a fresh machine the compiles take
+    # most of the time (more than 450 s at 4 parts, 53-87 s warm), so more of the 16 CPUs compile at once
+    check) np=${CHECK_PARTS:-8}
+      cmd=(bash -c "for i in \$(seq 0 $((np - 1))); do python3 scripts/gpu_check_gdn.py --part \$i/$np --json $OUT/check\$i.json ${TUNE_ARG[*]} > $OUT/check\$i.part.log 2>&1 & done; wait; tail -n 3 $OUT/check*.part.log; python3 scripts/gpu_check_gdn.py --merge $OUT/check[0-9]*.json") ;;
     checkdiag) # the full check (four parts) beside the KDA cases with the diagonal-block dot in fewer kernels
           cmd=(bash -c "for i in 0 1 2 3; do python3 scripts/gpu_check_gdn.py --part \$i/4 --json $OUT/check\$i.json \
                  > $OUT/check\$i.part.log 2>&1 & done; for d in prep,bwd_out prep none; do python3 scripts/gpu_check_gdn.py \
