@@ -37,10 +37,19 @@ def tune_settings(tune: dict, extra, flag: str) -> dict:
     the kernels would silently ignore."""
     if not isinstance(extra, dict):
         raise SystemExit(f"{flag}: expected a JSON object of settings, got {extra!r}")
-    unknown = set(extra) - set(tune)
-    if unknown:
-        raise SystemExit(f"{flag}: unknown keys {sorted(unknown)}; expected among {sorted(tune)}")
+    try:
+        gdn.check_tune_keys(tune, extra, flag, "TUNE")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return extra
+
+
+def grid_settings(tune: dict, text: str, flag: str = "--grid") -> list[dict]:
+    """The JSON list of `flag` as a list of `tune_settings` objects, in order."""
+    entries = json.loads(text)
+    if not isinstance(entries, list):
+        raise SystemExit(f"{flag}: expected a JSON list of objects, got {text!r}")
+    return [tune_settings(tune, e, flag) for e in entries]
 
 
 def make(B, T, H, D, seed=0):
@@ -81,12 +90,7 @@ def main(argv=None) -> int:
                     "forward+backward in the listed order (list one twice to see the run's drift); replaces the "
                     "built-in sweeps")
     args = ap.parse_args(argv)
-    grid = None
-    if args.grid is not None:
-        entries = json.loads(args.grid)
-        if not isinstance(entries, list):
-            raise SystemExit(f"--grid: expected a JSON list of objects, got {args.grid!r}")
-        grid = [tune_settings(gdn.TUNE, e, "--grid") for e in entries]
+    grid = None if args.grid is None else grid_settings(gdn.TUNE, args.grid)
     B, T, H, D = (int(x) for x in args.shape.split(","))
     t_start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -18,7 +18,7 @@ import time
 
 import torch
 import triton.testing
-from gpu_tune_gdn import BAR_G, BAR_O, rel, tune_settings  # the GDN sweep's bars, error, settings check
+from gpu_tune_gdn import BAR_G, BAR_O, grid_settings, rel, tune_settings  # the GDN sweep's bars, error, settings checks
 
 from hybridlm.bench.cuda_profile import print_kernel_times
 from hybridlm.bench.kernels import KDA_GATES, kda_bench_gates
@@ -139,10 +139,7 @@ def main(argv=None) -> int:
             dict(kb, prep_lowp=True), dict(variant="whole", split_o=False), dict(variant="whole", split_o=True),
             dict(kb, prep_warps=4, bwd_warps=4)]
     if args.grid is not None:
-        entries = json.loads(args.grid)
-        if not isinstance(entries, list):
-            raise SystemExit(f"--grid: expected a JSON list of objects, got {args.grid!r}")
-        grid = [dict(kb, **tune_settings(kda.TUNE, e, "--grid")) for e in entries]
+        grid = [dict(kb, **e) for e in grid_settings(kda.TUNE, args.grid)]
     rows, best = [], None
     for s in grid:
         if time.time() - t_start > args.max_seconds:

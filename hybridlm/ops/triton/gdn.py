@@ -209,12 +209,17 @@ def fwd_stages() -> int:
     return st
 
 
-def update_tune(settings: dict, source: str) -> None:
-    """Merge launch settings (e.g. the 'best' of scripts/gpu_tune_gdn.py --json) into TUNE; a key TUNE does not
-    have is an error naming `source` (a typo would otherwise be a setting no kernel reads)."""
-    unknown = sorted(set(settings) - set(TUNE))
+def check_tune_keys(tune: dict, settings: dict, source: str, name: str = "gdn.TUNE") -> None:
+    """Launch settings for the plan dict `tune` (gdn.TUNE, kda.TUNE): a key it does not have is an error naming
+    `source` (a typo would otherwise be a setting no kernel reads)."""
+    unknown = sorted(set(settings) - set(tune))
     if unknown:
-        raise ValueError(f"{source}: unknown gdn.TUNE keys {unknown}; expected among {sorted(TUNE)}")
+        raise ValueError(f"{source}: unknown {name} keys {unknown}; expected among {sorted(tune)}")
+
+
+def update_tune(settings: dict, source: str) -> None:
+    """Merge launch settings (e.g. the 'best' of scripts/gpu_tune_gdn.py --json) into TUNE, keys checked."""
+    check_tune_keys(TUNE, settings, source)
     TUNE.update(settings)
 
 
