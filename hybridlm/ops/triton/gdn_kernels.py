@@ -684,13 +684,12 @@ def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr):
     (qs, sk) with Qg = diag(qs) Q, qs = scale rq e^b, and Kd = diag(sk) K, sk = rk e^{bL - b} (rq, rk: inverse
     l2 norms when L2, else 1), as the prep's stage 1 scales them."""
     gc, _gcl, _gL, ged = _cum_split(gs)
+    qs = scale * tl.exp(gc)
+    sk = tl.exp(ged)
     if L2:
-        rq = tl.rsqrt(tl.sum(qr.to(tl.float32) * qr.to(tl.float32), 1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(kr.to(tl.float32) * kr.to(tl.float32), 1) + 1e-6)
-    else:
-        rq = tl.full([qr.shape[0]], 1.0, tl.float32)
-        rk = tl.full([kr.shape[0]], 1.0, tl.float32)
-    return rq * scale * tl.exp(gc), rk * tl.exp(ged)
+        qs *= tl.rsqrt(tl.sum(qr.to(tl.float32) * qr.to(tl.float32), 1) + 1e-6)
+        sk *= tl.rsqrt(tl.sum(kr.to(tl.float32) * kr.to(tl.float32), 1) + 1e-6)
+    return qs, sk
 
 
 @triton.jit
