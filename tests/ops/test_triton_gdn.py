@@ -144,6 +144,15 @@ def test_backward_from_raw_q_and_k_matches_float64(interp_results, case):
             assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
+def _fake_gdn_inputs():
+    """(B, T, H, HV, K, V) and bf16 q, k, v with fp32 g, beta of those shapes (GVA 2), made in the caller's mode
+    (FakeTensorMode: shapes only)."""
+    B, T, H, HV, K, V = 2, 100, 2, 4, 64, 128
+    q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
+    v = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
+    return (B, T, H, HV, K, V), (q, k, v, torch.empty(B, T, HV), torch.empty(B, T, HV))
+
+
 def test_raw_qk_forward_keeps_no_scaled_copies(monkeypatch):
     """Under gdn.TUNE bwd_raw_qk the forward's fake kernel (what torch.compile traces) saves empty Qg and Kd, and
     the backward's fake kernel still returns every gradient's shape."""
@@ -153,10 +162,7 @@ def test_raw_qk_forward_keeps_no_scaled_copies(monkeypatch):
 
     monkeypatch.setitem(gdn.TUNE, "bwd_raw_qk", True)
     with FakeTensorMode():
-        B, T, H, HV, K, V = 2, 100, 2, 4, 64, 128
-        q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
-        v = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
-        g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+        (B, T, H, HV, K, V), (q, k, v, g, beta) = _fake_gdn_inputs()
         o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
         assert [x.numel() for x in saved[4:6]] == [0, 0]  # Qg, Kd
         assert saved[1].shape == (B * T, HV, K) and saved[6].numel() > 0  # W and P are still kept
@@ -241,10 +247,7 @@ def test_fake_kernels_trace():
     import hybridlm.ops.triton  # noqa: F401  (registers the ops)
 
     with FakeTensorMode():
-        B, T, H, HV, K, V = 2, 100, 2, 4, 64, 128
-        q, k = torch.empty(B, T, H, K, dtype=torch.bfloat16), torch.empty(B, T, H, K, dtype=torch.bfloat16)
-        v = torch.empty(B, T, HV, V, dtype=torch.bfloat16)
-        g, beta = torch.empty(B, T, HV), torch.empty(B, T, HV)
+        (B, T, H, HV, K, V), (q, k, v, g, beta) = _fake_gdn_inputs()
         o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
         assert o.shape == (B, T, HV, V) and o.dtype == torch.bfloat16
         assert ht.shape == (B, HV, K, V) and ht.dtype == torch.float32
