@@ -58,7 +58,9 @@ from . import kda_kernels as kk
 #   2.26 ms; sm_90 stack 360 / 120 B at 8 warps against 112 / 72)
 # sub_bk: the key-channel block of the half-block launches alone (None: bk). sm_90 (scripts/compile_sm90.py, 8
 #   warps, 2026-11-24): at 32 they spill 360 B (output backward) and 120 B (state backward) of stack, at 16 nothing;
-#   keeping M's masked copies inside the key-block loop instead made it worse (552 / 216 B). Not yet timed
+#   keeping M's masked copies inside the key-block loop instead made it worse (552 / 216 B). Timed at 16 (H100,
+#   2026-11-24 15:01, scripts/gpu_kda_sub_bk.sh, a fresh layer's gates): forward+backward 8.90-8.95 -> 9.54-9.62 ms
+#   (+7%), so it stays None
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
