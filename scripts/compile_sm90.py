@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     lowp = dt != "fp32"
     common = dict(K=args.k, V=args.v, BT=args.bt, L2=True, PREC=prec)
     i32 = "i32"
-    prep_ptrs = dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd, Pb=sd,
-                     cu=i32, chunk_seq=i32, chunk_start=i32)
+    prep_ptrs = dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Tout=sd, Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd,
+                     Pb=sd, cu=i32, chunk_seq=i32, chunk_start=i32)
     prep_ints = dict(H=i32, HV=i32, scale="fp32")
     jobs = {
         f"_prep_fwd(stage {st}{' il' if il else ''}{' lowp' if lp else ''})": (

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU calls for gdn.TUNE["bwd_raw_qk"] (the forward keeps no Qg and Kd; the state backward reads the raw q and k):
+# GPU calls for gdn.TUNE["bwd_raw_qk"] (the forward keeps no Qg and Kd; the state backward reads the raw q and k;
+# the default since 2026-11-24 16:49, after these runs; "off" below is {"bwd_raw_qk": false}, "on" the defaults):
 #   PART=check  compute-sanitizer over the GPU check's T63 case with it, then the full GPU check with it (eight
 #               parallel parts: a fresh machine's compiles took over 450 s at four)
 #   PART=time   forward and forward+backward at the three benchmark shapes, off and on in turn
@@ -12,6 +13,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 echo '{"best": {"bwd_raw_qk": true}}' > "$OUT/raw.json"
+echo '{"best": {"bwd_raw_qk": false}}' > "$OUT/saved.json"
 case ${PART:-check} in
   check)
     timeout 100 compute-sanitizer --tool memcheck --print-limit 3 \
@@ -26,10 +28,10 @@ case ${PART:-check} in
   time)
     for s in 1,32768,32,128 8,2048,32,128 4,4096,16,128; do
       timeout 110 python3 scripts/gpu_tune_gdn.py --shape $s --max-seconds 90 --json "$OUT/t_$s.json" \
-        --grid '[{}, {"bwd_raw_qk": true}, {}, {"bwd_raw_qk": true}]' | grep -v "^best"
+        --grid '[{"bwd_raw_qk": false}, {"bwd_raw_qk": true}, {"bwd_raw_qk": false}, {"bwd_raw_qk": true}]' | grep -v "^best"
     done
     timeout 240 python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn --no-recompute \
-      --out "$OUT/layer_off" | tail -3
+      --tune-json "$OUT/saved.json" --out "$OUT/layer_off" | tail -3
     timeout 120 python3 -m hybridlm.bench.layers --rep 50 --seq-lens 2048 --widths 2048 --rows gdn --no-recompute \
       --no-fla --tune-json "$OUT/raw.json" --out "$OUT/layer_raw" | tail -3 ;;
   *) echo "PART: expected check or time, got ${PART}"; exit 2 ;;

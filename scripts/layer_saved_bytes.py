@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 only lets the host code accept non-CUDA tensors; no kernel is
 share a storage (q, k, v as views of the conv output) are counted once, at the storage's size. What the backward
 allocates on top (state gradients, partial sums) is not listed: the fake kernels allocate only the outputs.
 
-    python scripts/layer_saved_bytes.py --layer gdn --batch 8 --seq-len 2048 [--recompute] [--raw-qk]
+    python scripts/layer_saved_bytes.py --layer gdn --batch 8 --seq-len 2048 [--recompute] [--saved-qk]
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--recompute", action="store_true", help="the recurrence keeps only its inputs (recompute=True)")
-    p.add_argument("--raw-qk", action="store_true", help="GDN: the forward keeps no Qg and Kd (gdn.TUNE bwd_raw_qk)")
+    p.add_argument("--saved-qk", action="store_true",
+                   help="GDN: the forward keeps Qg and Kd for the backward (gdn.TUNE bwd_raw_qk off)")
     args = p.parse_args()
     import hybridlm.ops.triton  # noqa: F401  (registers the custom ops and their fake kernels)
     from hybridlm.ops.triton import gdn
 
-    gdn.TUNE["bwd_raw_qk"] = args.raw_qk
+    gdn.TUNE["bwd_raw_qk"] = not args.saved_qk
 
     with torch.device("meta"):
         layer = build(args.layer, args.hidden, args.recompute).to(torch.bfloat16)
@@ -66,7 +67,7 @@ def main() -> None:
         total += nbytes
         print(f"{nbytes / 2**20:9.1f} MiB  {str(dtype).replace('torch.', ''):9} {list(shape)}")
     print(f"{total / 2**20:9.1f} MiB  in all ({args.layer}, B {args.batch} x T {args.seq_len}, hidden {args.hidden}"
-          f"{', recompute' if args.recompute else ''}{', raw q/k backward' if args.raw_qk else ''})")
+          f"{', recompute' if args.recompute else ''}{', scaled q/k kept' if args.saved_qk else ''})")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ launch; the two-phase plan) runs at 4 chunks with GVA, at varlen without l2norm,
 path; 1e-3 for o/state, 2e-3 for gradients), with the other plans' kernels blocked so a silent fallback fails; the
 K-blocked one also at four key blocks of 16. So does each forward prep plan (K-blocked: GVA at 4 chunks,
 varlen without l2norm, fp16, one launch at four key blocks; the whole-K kernel at 4 chunks).
-The backward from the raw q and k (`gdn.TUNE["bwd_raw_qk"]`: the forward keeps no Qg, Kd) runs with GVA, varlen
-without l2norm and fp16 inputs.
+The backward from the raw q and k (`gdn.TUNE["bwd_raw_qk"]`, the default: the forward keeps no Qg, Kd) runs in
+every case above; the backward from the saved scaled tiles (bwd_raw_qk off) runs with GVA, varlen without l2norm and
+fp16 inputs.
 Fake kernels: the custom ops trace under FakeTensorMode without running a kernel.
 GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scripts/gpu_check_gdn.py.
 """
@@ -134,10 +135,10 @@ def test_doubling_solves_match_float64(interp_results, case):
         assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
-@pytest.mark.parametrize("case", ["raw_qk_gva2_T200", "raw_qk_varlen_nol2", "raw_qk_fp16_varlen_gva2"])
-def test_backward_from_raw_q_and_k_matches_float64(interp_results, case):
-    """gdn.TUNE bwd_raw_qk: the forward keeps no Qg and Kd, the state backward reads the raw q and k (fp32 cases at
-    the fp32 bars; fp16 inputs at the 16-bit path's bars)."""
+@pytest.mark.parametrize("case", ["saved_qk_gva2_T200", "saved_qk_varlen_nol2", "saved_qk_fp16_varlen_gva2"])
+def test_backward_from_saved_scaled_q_and_k_matches_float64(interp_results, case):
+    """gdn.TUNE bwd_raw_qk off: the forward keeps Qg and Kd and the state backward reads them (the default reads the
+    raw q and k; fp32 cases at the fp32 bars, fp16 inputs at the 16-bit path's bars)."""
     res = interp_results[case]
     for name, tol in (PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL).items():
         if name in res:
@@ -153,21 +154,49 @@ def _fake_gdn_inputs():
     return (B, T, H, HV, K, V), (q, k, v, torch.empty(B, T, HV), torch.empty(B, T, HV))
 
 
-def test_raw_qk_forward_keeps_no_scaled_copies(monkeypatch):
-    """Under gdn.TUNE bwd_raw_qk the forward's fake kernel (what torch.compile traces) saves empty Qg and Kd, and
-    the backward's fake kernel still returns every gradient's shape."""
+@pytest.mark.parametrize("raw", [True, False])
+def test_forward_keeps_scaled_copies_only_without_raw_qk(monkeypatch, raw):
+    """The forward's fake kernel (what torch.compile traces) saves empty Qg and Kd under gdn.TUNE bwd_raw_qk (the
+    default) and [tokens, HV, K] ones without it; the backward's fake kernel returns every gradient's shape."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hybridlm.ops.triton import gdn
 
-    monkeypatch.setitem(gdn.TUNE, "bwd_raw_qk", True)
+    monkeypatch.setitem(gdn.TUNE, "bwd_raw_qk", raw)
     with FakeTensorMode():
         (B, T, H, HV, K, V), (q, k, v, g, beta) = _fake_gdn_inputs()
         o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
-        assert [x.numel() for x in saved[4:6]] == [0, 0]  # Qg, Kd
-        assert saved[1].shape == (B * T, HV, K) and saved[6].numel() > 0  # W and P are still kept
+        want = [(0,), (0,)] if raw else [(B * T, HV, K), (B * T, HV, K)]
+        assert [tuple(x.shape) for x in saved[4:6]] == want  # Qg, Kd
+        assert saved[1].shape == (B * T, HV, K) and saved[6].numel() > 0  # W and P are kept either way
         grads = torch.ops.hybridlm.gdn_chunk_bwd(o, ht, q, k, v, g, beta, *saved, None, 0.1, True, False, None)
         assert [x.shape for x in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
+
+
+def test_t_kept_in_16_bits_changes_no_bit(interp_results):
+    """fp16 inputs: the forward keeps T = (I + A)^{-1} in 16 bits for the backward, and every output and gradient
+    equals, bit for bit, a run that keeps it in fp32 (exact: 0.0)."""
+    res = interp_results["t16_same_bits"]
+    assert res == {"kept_16bit": 1.0, "kept_fp32_then": 1.0, "max_abs_diff": 0.0}, res
+
+
+@pytest.mark.parametrize(("dtype", "tune", "want"), [
+    (torch.bfloat16, {}, torch.bfloat16), (torch.bfloat16, {"prep_lowp": False}, torch.float32),
+    (torch.float32, {}, torch.float32)])
+def test_kept_t_dtype(monkeypatch, dtype, tune, want):
+    """The forward's fake kernel keeps T in the 16-bit storage dtype only when W/U's dots round it to 16 bits
+    (prep_lowp) and so does the backward (bwd_lowp); otherwise fp32, as the real kernels do (`gdn._t_dtype`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hybridlm.ops.triton import gdn
+
+    for key, val in tune.items():
+        monkeypatch.setitem(gdn.TUNE, key, val)
+    with FakeTensorMode():
+        _, (q, k, v, g, beta) = _fake_gdn_inputs()
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        o, ht, Tb, *_ = torch.ops.hybridlm.gdn_chunk_fwd(q, k, v, g, beta, None, None, 0.1, True, True, True)
+        assert Tb.dtype == want
 
 
 def test_unknown_tune_keys_are_a_clear_error(monkeypatch):
@@ -176,9 +205,9 @@ def test_unknown_tune_keys_are_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(gdn, "TUNE", dict(gdn.TUNE))
     with pytest.raises(ValueError, match=r"--tune-json t.json: unknown gdn.TUNE keys \['bwd_raw_qq'\]"):
-        gdn.update_tune({"bwd_raw_qq": True}, "--tune-json t.json")
-    gdn.update_tune({"bwd_raw_qk": True}, "--tune-json t.json")
-    assert gdn.TUNE["bwd_raw_qk"] is True
+        gdn.update_tune({"bwd_raw_qq": False}, "--tune-json t.json")
+    gdn.update_tune({"bwd_raw_qk": False}, "--tune-json t.json")
+    assert gdn.TUNE["bwd_raw_qk"] is False
 
 
 def test_state_pass_v_block_by_waves(monkeypatch):

@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": False}
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -90,7 +90,9 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   rbwd_bv: its V block (None: fwd_bv's rule, `_recur_bv`)
 # bwd_raw_qk: the training forward keeps no Qg and Kd for the backward (2 x [tokens, HV, K] in the storage dtype:
 #   256 MiB at B8 T2048 HV32 K128 bf16, of ~2 GiB the GDN layer keeps); `_recur_bwd` reads the raw q and k
-#   instead and puts their row scales (l2 norm, scale, decays) on dO's rows and on K dS' (RAW). Opt-in until timed
+#   instead and puts their row scales (l2 norm, scale, decays) on dO's rows and on K dS' (RAW). Default since
+#   2026-11-24 16:49 (H100, bf16, `scripts/gpu_gdn_raw_qk.sh`): GDN layer peak 3.09 -> 2.84 GiB (fla 2.33) at
+#   -0.9% tokens/s; kernel forward+backward +2.6% (B1 T32768 H32), +1.3% (B8 T2048 H32), +3.1% (B4 T4096 H16)
 # Warps defaults since 2026-11-24 (H100, bf16, the `tunewarps` step, each launch alone against the defaults then):
 #   the chunk backward (bwd_warps) at 4 warps without the register cap (bwd_maxnreg None; was 8 warps capped at
 #   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
@@ -116,6 +118,13 @@ def _max_chunks(Ttot: int, N: int, BT: int) -> int:
 
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _t_dtype(sd: torch.dtype) -> torch.dtype:
+    """dtype of the T = (I + A)^{-1} the training forward keeps for the backward: the 16-bit storage dtype sd when
+    W/U's dots (TUNE prep_lowp) and the backward's (bwd_lowp) both round T to it (the same values, half the bytes:
+    66 MiB less at B8 T2048 HV32), else fp32. T is solved in fp32 either way."""
+    return sd if sd != torch.float32 and TUNE["prep_lowp"] and TUNE["bwd_lowp"] else torch.float32
 
 
 def _store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -293,7 +302,11 @@ def _fwd_impl(
     f32 = torch.float32
     sd = _store_dtype(q.dtype)
     NCmax = _max_chunks(Ttot, N, BT)
-    Tb = torch.empty(NCmax if save else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
+    # A for the solve in fp32; T solved from it in place, or into a 16-bit buffer kept for the backward when every
+    # later dot rounds T to 16 bits anyway (`_t_dtype`), so A's buffer is freed when this function returns
+    td = _t_dtype(sd) if save else f32
+    Ab = torch.empty(NCmax if save and td == f32 else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
+    Tb = torch.empty(NCmax, HV, BT, BT, device=dev, dtype=td) if td != f32 else Ab
     Wb = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
     o = _out((B, T, HV, V), q, q.dtype)
@@ -314,7 +327,7 @@ def _fwd_impl(
         fn, extra = _prep_kernel(K, q.dtype)
         for stage, warps in stages:
             fn[(nc, HV)](
-                q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+                q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
                 num_stages=TUNE["prep_stages"], **extra, **_solve_args(fn),
@@ -461,7 +474,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     sd = _store_dtype(q.dtype)
     if save:
         tiles = (0,) if TUNE["bwd_raw_qk"] else (B * T, HV, K)  # Qg and Kd
-        return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(B * T, HV, K, dtype=sd),
+        return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=_t_dtype(sd)), q.new_empty(B * T, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd),
                 q.new_empty(*tiles, dtype=sd), q.new_empty(*tiles, dtype=sd),
                 q.new_empty(NC, HV, BT, BT, dtype=sd))
@@ -502,10 +515,12 @@ def _bwd_impl(
         num_stages=fwd_stages(), scale=scale, L2=use_qk_l2norm, RAW=raw,
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
-    # without GVA the kernels write dq, dk, dv in the input dtype (no conversion pass); with it they stay fp32
-    # for the sum over each key head's value heads. dk's partial sum between the two phases is parked in fp32.
+    # the kernels write dq, dv in the input dtype (with GVA dq per value head, as fla writes it, summed over each
+    # key head's value heads in fp32 below: 128 MiB less than fp32 partials at B8 T2048 HV32 bf16). dk is written
+    # once per value head but its partial sum between the two launches is parked in fp32: with GVA dk itself
+    # holds it, so it is fp32; without, dk is in the input dtype beside an fp32 dkp.
     gd = f32 if G > 1 else q.dtype
-    dq = _out((Ttot, HV, K), q, gd)
+    dq = _out((Ttot, HV, K), q, q.dtype)
     dk = _out((Ttot, HV, K), q, gd)
     dkp = dk if gd == f32 else torch.empty(Ttot, HV, K, device=dev, dtype=f32)
     dv = _out((B, T, HV, V), q, v.dtype)
@@ -533,7 +548,7 @@ def _bwd_impl(
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V),
                 L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1, **extra,
             )
-    dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
+    dq = dq.view(B, T, H, G, K).sum(3, dtype=f32) if G > 1 else dq.view(B, T, H, K)
     dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)
 

@@ -212,25 +212,30 @@ def _solve_doubling(A, BT: tl.constexpr, SPREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_ut(p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DOUBLING: tl.constexpr, SPREC: tl.constexpr):
-    """Overwrite the strictly lower [BT, BT] matrix A at p_T (fp32, row-major) with T = (I + A)^{-1}, by 16-row
-    blocks (`_ut_blocks`; BT in {16, 32, 64}; DOUBLING 2: its diagonal blocks by doubling), or with DOUBLING 1
-    from the whole tile (`_solve_doubling`)."""
+def _solve_ut(p_A, p_T, BT: tl.constexpr, INTERLEAVE: tl.constexpr, DOUBLING: tl.constexpr,
+              SPREC: tl.constexpr):
+    """T = (I + A)^{-1} of the strictly lower [BT, BT] matrix A at p_A (fp32, row-major), written to p_T (row-major,
+    in p_T's dtype: the 16-bit copy the backward keeps, or p_A itself, overwritten): by 16-row blocks
+    (`_ut_blocks`; BT in {16, 32, 64}; DOUBLING 2: its diagonal blocks by doubling), or with DOUBLING 1 from the
+    whole tile (`_solve_doubling`). T is solved in fp32 either way."""
     rows = tl.arange(0, BT)
+    TD: tl.constexpr = p_T.dtype.element_ty
     if DOUBLING == 1:
-        p_tile = p_T + rows[:, None] * BT + rows[None, :]
-        tl.store(p_tile, _solve_doubling(tl.load(p_tile), BT, SPREC))
+        p_tile = rows[:, None] * BT + rows[None, :]
+        T = _solve_doubling(tl.load(p_A + p_tile), BT, SPREC)
+        tl.debug_barrier()  # when p_T is p_A: every read of A is done before T overwrites it
+        tl.store(p_T + p_tile, T.to(TD))
     else:
-        T0, T1, T2, T3 = _ut_blocks(p_T, BT, INTERLEAVE, DOUBLING == 2, SPREC)
-        tl.debug_barrier()  # every read of A is done before T overwrites it
+        T0, T1, T2, T3 = _ut_blocks(p_A, BT, INTERLEAVE, DOUBLING == 2, SPREC)
+        tl.debug_barrier()  # when p_T is p_A: every read of A is done before T overwrites it
         r16 = tl.arange(0, 16)
         p_row = p_T + r16[:, None] * BT + rows[None, :]
-        tl.store(p_row, T0)
+        tl.store(p_row, T0.to(TD))
         if BT >= 32:
-            tl.store(p_row + 16 * BT, T1)
+            tl.store(p_row + 16 * BT, T1.to(TD))
         if BT == 64:
-            tl.store(p_row + 32 * BT, T2)
-            tl.store(p_row + 48 * BT, T3)
+            tl.store(p_row + 32 * BT, T2.to(TD))
+            tl.store(p_row + 48 * BT, T3.to(TD))
 
 
 @triton.jit
@@ -262,7 +267,7 @@ def _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V: tl.constexpr, BV: tl.conste
 
 @triton.jit
 def _prep_fwd(
-    q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
+    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
@@ -270,8 +275,9 @@ def _prep_fwd(
     """Everything of one chunk that does not depend on the state, so the sequential kernel only streams tiles:
     A = strict_lower(diag(beta) K K^T e^{b_i-b_j}), T = (I + A)^{-1}, W = T diag(beta e^b) K, U = T diag(beta) V,
     Qg = scale Q e^b (reads the chunk-initial state), Kd = K e^{bL-b} (writes the next state),
-    P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks (`_solve_ut`);
-    A is staged in T's slot of Tbuf. Q and K are l2-normalised here (L2) once for all later kernels.
+    P = scale (Q K^T) e^{b_i-b_j} for j <= i (intra-chunk attention). T is found by 16-row blocks (`_solve_ut`)
+    from A staged in Tbuf (fp32) and written to Tout (Tbuf itself, or a 16-bit copy for the backward). Q and K are
+    l2-normalised here (L2) once for all later kernels.
     STAGE 0 does it all in one launch; 1, 2, 3 are three launches (Qg, Kd, P and A; the solve; W and U), each
     with fewer live tiles, so more programs share a multiprocessor. LOWP: the dots' operands (Q, K, T, V) are
     rounded to the 16-bit storage dtype (tensor-core rate, fewer registers); T itself is always solved in fp32."""
@@ -282,7 +288,7 @@ def _prep_fwd(
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     offs_k = tl.arange(0, K)
     p_TT = (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :]
-    p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
+    blk = (ic * HV + ihv).to(tl.int64) * BT * BT
     krow = (r64[:, None] * HV + ihv) * K + offs_k[None, :]
     if STAGE != 2:
         kk = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, L2)
@@ -307,11 +313,11 @@ def _prep_fwd(
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 2:
-        _solve_ut(p_T, BT, INTERLEAVE, 0, "ieee")
+        _solve_ut(Tbuf + blk, Tout + blk, BT, INTERLEAVE, 0, "ieee")
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 3:
-        Tm = _op(tl.load(Tbuf + p_TT), DT, LOWP)
+        Tm = _op(tl.load(Tout + p_TT), DT, LOWP)
         kb = kk * (bb * tl.exp(gc))[:, None]
         W = tl.dot(Tm, _op(kb, DT, LOWP), input_precision=PREC)
         tl.store(Wbuf + krow, W.to(Wbuf.dtype.element_ty), mask=rmask[:, None])
@@ -405,7 +411,8 @@ def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV
 @triton.jit
 def _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, s_w, bb, ihv, ih, H, HV, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
-    """W = T diag(s_w) K by K blocks (s_w = beta rk gamma), U = T diag(beta) V by V blocks (Tm: T, fp32)."""
+    """W = T diag(s_w) K by K blocks (s_w = beta rk gamma), U = T diag(beta) V by V blocks (Tm: T, fp32, or 16-bit
+    with LOWP)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     Tm_d = _op(Tm, DT, LOWP)
     for k0 in range(0, K, BK):
@@ -418,15 +425,16 @@ def _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, s_w, bb, ihv, ih, H, HV, K: tl.
 
 @triton.jit
 def _prep_fwd_blk(
-    q, k, v, g, beta, Tbuf, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
+    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
     DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee",
 ):
     """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
-    (`_prep_ap_blk`), 2 the solve T = (I + A)^{-1} in place (`_solve_ut`), 3 W, U (`_prep_wu_blk`); 0 all three
-    in one launch. LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
+    (`_prep_ap_blk`, A to Tbuf), 2 the solve T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit
+    copy), 3 W, U (`_prep_wu_blk`, T from Tout); 0 all three in one launch. LOWP applies to stage 3's dots (stage
+    1 always takes the inputs' own dtype)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -437,11 +445,11 @@ def _prep_fwd_blk(
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 2:
-        _solve_ut(Tbuf + blk * BT * BT, BT, INTERLEAVE, DOUBLING, SPREC)
+        _solve_ut(Tbuf + blk * BT * BT, Tout + blk * BT * BT, BT, INTERLEAVE, DOUBLING, SPREC)
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 3:
-        _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2, PREC,
+        _prep_wu_blk(k, v, g, beta, Tout, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2, PREC,
                      LOWP)
 
 

@@ -281,7 +281,7 @@ def _kda_prep_fwd(
     p_T = Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT
     tl.store(Tbuf + p_TT, A)
     tl.debug_barrier()
-    _solve_ut(p_T, BT, False, 0, "ieee")
+    _solve_ut(p_T, p_T, BT, False, 0, "ieee")
     tl.debug_barrier()
     Tm = tl.load(Tbuf + p_TT)
     W = tl.dot(Tm, kk * tl.exp(b) * bb[:, None], input_precision=PREC)
@@ -719,7 +719,8 @@ def _kda_prep_ap(
 @triton.jit
 def _kda_solve(Tbuf, HV, BT: tl.constexpr, INTERLEAVE: tl.constexpr):
     """Stage 2: T = (I + A)^{-1} in place, per chunk (`_solve_ut`)."""
-    _solve_ut(Tbuf + (tl.program_id(0) * HV + tl.program_id(1)).to(tl.int64) * BT * BT, BT, INTERLEAVE, 0, "ieee")
+    p_T = Tbuf + (tl.program_id(0) * HV + tl.program_id(1)).to(tl.int64) * BT * BT
+    _solve_ut(p_T, p_T, BT, INTERLEAVE, 0, "ieee")
 
 
 @triton.jit

@@ -276,14 +276,15 @@ def main() -> int:
                                                K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
-    # the forward keeps no Qg and Kd (gdn.TUNE bwd_raw_qk): the state backward reads raw q and k (RAW) with GVA 2,
-    # l2norm and an initial state over 4 chunks; varlen without l2norm; fp16 varlen with GVA 2
-    raw = dict(bwd_raw_qk=True)
-    res["raw_qk_gva2_T200"] = plan_case(gen, raw, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
-    res["raw_qk_varlen_nol2"] = plan_case(gen, raw, (), B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
-                                          cu=[0, 15, 150])
-    res["raw_qk_fp16_varlen_gva2"] = plan_case(gen, raw, (), B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=False,
-                                               cu=[0, 15, 150], dtype=torch.float16)
+    # the forward keeps Qg and Kd (gdn.TUNE bwd_raw_qk off; the default reads raw q and k, RAW): the state backward
+    # from the saved scaled tiles with GVA 2, l2norm and an initial state over 4 chunks; varlen without l2norm; fp16
+    # varlen with GVA 2
+    saved = dict(bwd_raw_qk=False)
+    res["saved_qk_gva2_T200"] = plan_case(gen, saved, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["saved_qk_varlen_nol2"] = plan_case(gen, saved, (), B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
+                                            cu=[0, 15, 150])
+    res["saved_qk_fp16_varlen_gva2"] = plan_case(gen, saved, (), B=1, T=150, H=1, HV=2, K=64, V=64, l2=True,
+                                                 h0=False, cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
@@ -291,8 +292,43 @@ def main() -> int:
                                              cu_seqlens=torch.tensor([0, 40, 150], dtype=torch.int32),
                                              use_qk_l2norm=True)
     res["recompute_frees_early"] = frees_early_case(gen)
+    res["t16_same_bits"] = t16_same_bits_case(gen)
     print("RESULT " + json.dumps(res))
     return 0
+
+
+def t16_same_bits_case(gen) -> dict:
+    """fp16 inputs (GVA 2, varlen, l2norm, initial state): the forward keeps T in 16 bits (`gdn._t_dtype`), and
+    outputs, final state and every gradient equal bit for bit those of a run that keeps T in fp32 (every dot that
+    reads T rounds it to 16 bits first). Returns the kept T's dtype and the largest absolute difference."""
+    xs = inputs(gen, 1, 150, 1, 2, 64, 64, 2, True, torch.float16)
+    cu = torch.tensor([0, 15, 150], dtype=torch.int32)
+    do = torch.randn(1, 150, 2, 64, generator=gen).half()
+    dht = torch.randn(2, 2, 64, 64, generator=gen)
+    fwd, t_dtype, kept = _gdn._fwd_impl, _gdn._t_dtype, []
+
+    def fwd_spy(*a, **kw):
+        out = fwd(*a, **kw)
+        kept.append(out[2].dtype)
+        return out
+
+    def run():
+        leaf = [x.clone().requires_grad_() for x in xs]
+        o, ht = chunk_gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5],
+                                       output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), leaf)
+        return [o, ht, *grads]
+
+    _gdn._fwd_impl = fwd_spy
+    try:
+        a = run()
+        _gdn._t_dtype = lambda sd: torch.float32
+        b = run()
+    finally:
+        _gdn._fwd_impl, _gdn._t_dtype = fwd, t_dtype
+    diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+    return {"kept_16bit": float(kept[0] == torch.float16), "kept_fp32_then": float(kept[1] == torch.float32),
+            "max_abs_diff": diff}
 
 
 def frees_early_case(gen) -> dict:
