@@ -548,9 +548,14 @@ def _bwd_impl(
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(TUNE["bwd_bv"] or (64 if K <= 128 else 32), V),
                 L2=use_qk_l2norm, PREC=prec, LOWP=lowp, num_warps=TUNE["bwd_warps"] or 8, num_stages=1, **extra,
             )
-    dq = dq.view(B, T, H, G, K).sum(3, dtype=f32) if G > 1 else dq.view(B, T, H, K)
-    dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), dh0)
+    # the state gradients are read: free them before the GVA sums, where this layer's backward peaks otherwise (H100,
+    # GDN layer B8 T2048 HV32: 264 + 128 MiB still allocated there, `scripts/gpu_layer_peak.py`, 2026-11-24)
+    del dhb, dvn
+    if G > 1:  # each fp32 sum is cast as soon as it exists, so one of them is alive at a time
+        dq = dq.view(B, T, H, G, K).sum(3, dtype=f32).to(q.dtype)
+        dk = dk.view(B, T, H, G, K).sum(3).to(k.dtype)
+    return (dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+            db.to(beta.dtype), dh0)
 
 
 def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,
@@ -768,6 +773,9 @@ def chunk_gated_delta_rule(
     scale = K**-0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
+    # the kernels read contiguous rows: copy views (q, k, v split from one conv output) here, before autograd saves
+    # them, so the backward reads the saved copies instead of copying again (and the conv output can be freed)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
     return o, (ht if output_final_state else None)

@@ -296,9 +296,12 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 BT=BT, BK=_bk(K, mode), BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, MARKED=marked,
                 WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
-    dq = dq.view(B, T, H, G, K).sum(3) if G > 1 else dq.view(B, T, H, K)
-    dk = dk.view(B, T, H, G, K).sum(3) if G > 1 else dk.view(B, T, H, K)
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.view(B, T, HV, K), db.to(beta.dtype), dh0]
+    del dhb, dvn  # read: freed before the GVA sums and casts, as in the GDN backward
+    if G > 1:  # each fp32 sum is cast as soon as it exists
+        dq = dq.view(B, T, H, G, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, G, K).sum(3).to(k.dtype)
+    return [dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.to(v.dtype), dg.view(B, T, HV, K),
+            db.to(beta.dtype), dh0]
 
 
 @kda_chunk_bwd.register_fake
@@ -375,6 +378,8 @@ def chunk_kda(
     scale = K**-0.5 if scale is None else float(scale)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
+    # contiguous copies of views made here, before autograd saves them, so the backward does not copy them again
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
     return o, (ht if output_final_state else None)
