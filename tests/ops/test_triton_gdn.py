@@ -173,6 +173,13 @@ def test_forward_keeps_scaled_copies_only_without_raw_qk(monkeypatch, raw):
         assert [x.shape for x in grads[:5]] == [q.shape, k.shape, v.shape, g.shape, beta.shape]
 
 
+def test_state_gradients_freed_before_dq_exists(interp_results):
+    """The K-blocked chunk backward drops dS and dVn after its first launch, their last reader, and allocates dq
+    (written by its second launch only) after that: neither is alive when `_chunk_bwd_out_blk` starts."""
+    res = interp_results["state_grads_freed"]
+    assert res == {"alive_at_out_launch": 0.0, "refs": 2.0, "dq_ok": 1.0}, res
+
+
 def test_t_kept_in_16_bits_changes_no_bit(interp_results):
     """fp16 inputs: the forward keeps T = (I + A)^{-1} in 16 bits for the backward, and every output and gradient
     equals, bit for bit, a run that keeps it in fp32 (exact: 0.0)."""

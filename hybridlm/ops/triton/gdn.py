@@ -520,19 +520,22 @@ def _bwd_impl(
     # once per value head but its partial sum between the two launches is parked in fp32: with GVA dk itself
     # holds it, so it is fp32; without, dk is in the input dtype beside an fp32 dkp.
     gd = f32 if G > 1 else q.dtype
-    dq = _out((Ttot, HV, K), q, q.dtype)
+    variant = TUNE["bwd_variant"]
+    # the K-blocked plan writes dq in its second launch only: it allocates dq there, after freeing dS and dVn
+    dq = None if variant == "kblock" and nc > 0 else _out((Ttot, HV, K), q, q.dtype)
     dk = _out((Ttot, HV, K), q, gd)
     dkp = dk if gd == f32 else torch.empty(Ttot, HV, K, device=dev, dtype=f32)
     dv = _out((B, T, HV, V), q, v.dtype)
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
-    variant = TUNE["bwd_variant"]
     if variant not in ("kblock", "statefirst", "twophase", "onephase"):
         raise ValueError(f"TUNE['bwd_variant']: expected 'kblock', 'statefirst', 'twophase' or 'onephase', "
                          f"got {variant!r}")
     if nc > 0 and variant == "kblock":
-        _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale,
-                          H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
+        state_grads = [dhb, dvn]  # the only references from here on: the function frees them after their last read
+        dhb = dvn = None
+        dq = _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, state_grads, vn, do, dk, dkp, dv, dg, db, lay, scale,
+                               H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
     elif nc > 0 and variant == "statefirst":
         _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale,
                               H, HV, K, V, BT, use_qk_l2norm, prec, lowp)
@@ -550,7 +553,7 @@ def _bwd_impl(
             )
     # the state gradients are read: free them before the GVA sums, where this layer's backward peaks otherwise (H100,
     # GDN layer B8 T2048 HV32: 264 + 128 MiB still allocated there, `scripts/gpu_layer_peak.py`, 2026-11-24)
-    del dhb, dvn
+    dhb = dvn = None
     if G > 1:  # each fp32 sum is cast as soon as it exists, so one of them is alive at a time
         dq = dq.view(B, T, H, G, K).sum(3, dtype=f32).to(q.dtype)
         dk = dk.view(B, T, H, G, K).sum(3).to(k.dtype)
@@ -580,12 +583,17 @@ def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dk
     )
 
 
-def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,
+def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv, dg, db, lay: Layout,
                       scale: float, H: int, HV: int, K: int, V: int, BT: int, l2: bool, prec: str,
-                      lowp: bool) -> None:
+                      lowp: bool) -> torch.Tensor:
     """The state-first chunk backward walking K in blocks of TUNE["bwd_bk"] channels: `_chunk_bwd_state_blk` (dv,
     dbeta final; dk's part in dkp, dg's per-row part in dg, dKK + dKK^T parked [BT, BT], with l2norm the l2
-    backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg)."""
+    backward's row sums of its dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg).
+    state_grads: [dS, dVn], emptied here; the first launch is their last reader, so they are freed before dq (the
+    second launch's) is allocated: the GDN layer's backward peak falls by dq's bytes (128 MiB at B8 T2048 HV32
+    bf16). Returns dq [tokens, HV, K] in the input dtype."""
+    dhb, dvn = state_grads
+    state_grads.clear()
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
     BK, BV = kblock_bwd_blocks(K, V)
@@ -596,9 +604,12 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, d
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
     kern._chunk_bwd_state_blk[(lay.nc, HV)](
         k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, num_warps=warps, **common)
+    dhb = dvn = None
+    dq = _out((lay.Ttot, HV, K), q, q.dtype)
     kern._chunk_bwd_out_blk[(lay.nc, HV)](
         q, k, g, hb, vn, do, dq, dk, dkp, dg, dkk, dsk, *chunks, scale, num_warps=TUNE["bwd_out_warps"] or warps,
         **common)
+    return dq
 
 
 def key_block(tune: dict, key: str, K: int) -> int:

@@ -293,6 +293,7 @@ def main() -> int:
                                              use_qk_l2norm=True)
     res["recompute_frees_early"] = frees_early_case(gen)
     res["t16_same_bits"] = t16_same_bits_case(gen)
+    res["state_grads_freed"] = state_grads_freed_case(gen)
     print("RESULT " + json.dumps(res))
     return 0
 
@@ -329,6 +330,44 @@ def t16_same_bits_case(gen) -> dict:
     diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
     return {"kept_16bit": float(kept[0] == torch.float16), "kept_fp32_then": float(kept[1] == torch.float32),
             "max_abs_diff": diff}
+
+
+class _Spy:
+    """Stands in for a kernel: `on_launch(args)` sees each launch's arguments, then the kernel runs."""
+
+    def __init__(self, fn, on_launch):
+        self.fn, self.on_launch = fn, on_launch
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.on_launch(args)
+            return self.fn[grid](*args, **kw)
+
+        return launch
+
+
+def state_grads_freed_case(gen) -> dict:
+    """The K-blocked chunk backward frees dS and dVn (made for `_recur_bwd`) before its second launch, which alone
+    writes dq: how many of the two are alive (weak references) when `_chunk_bwd_out_blk` is launched, and whether dq
+    exists only from then on (it is the launch's seventh argument)."""
+    import weakref
+
+    from hybridlm.ops.triton import gdn_kernels as kern
+
+    refs, seen = [], {}
+    recur, out = kern._recur_bwd, kern._chunk_bwd_out_blk
+    kern._recur_bwd = _Spy(recur, lambda a: refs.extend(weakref.ref(a[i]) for i in (8, 9)))  # dhb, dvn
+    kern._chunk_bwd_out_blk = _Spy(out, lambda a: seen.update(alive=sum(r() is not None for r in refs),
+                                                               dq_shape=tuple(a[6].shape)))
+    try:
+        xs = inputs(gen, 1, 130, 1, 2, 64, 64, 1, True, torch.float32)
+        leaf = [x.clone().requires_grad_() for x in xs]
+        o, _ = chunk_gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], use_qk_l2norm=True)
+        o.sum().backward()
+    finally:
+        kern._recur_bwd, kern._chunk_bwd_out_blk = recur, out
+    return {"alive_at_out_launch": float(seen["alive"]), "refs": float(len(refs)),
+            "dq_ok": float(seen["dq_shape"] == (130, 2, 64))}
 
 
 def frees_early_case(gen) -> dict:
