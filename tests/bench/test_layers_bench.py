@@ -24,8 +24,9 @@ def test_table_has_the_recompute_columns():
 
 def test_layer_saved_bytes_script_counts_the_kernel_intermediates():
     """scripts/layer_saved_bytes.py (meta device, no GPU): recompute=True removes exactly the GDN kernels'
-    intermediates, T fp32 [NC, HV, 64, 64], W/Vn/Qg/Kd [Ttot, HV, 128], chunk states [NC, HV, 128, 128] and P
-    [NC, HV, 64, 64] in bf16 (NC = Ttot / 64 + one per sequence)."""
+    intermediates, T [NC, HV, 64, 64], W/Vn [Ttot, HV, 128], chunk states [NC, HV, 128, 128] and P [NC, HV, 64, 64],
+    all in bf16 (NC = Ttot / 64 + one per sequence; T in 16 bits since every dot reading it rounds it, `_t_dtype`);
+    --saved-qk (gdn.TUNE bwd_raw_qk off) keeps Qg and Kd [Ttot, HV, 128] bf16 on top."""
     import subprocess
     import sys
     from pathlib import Path
@@ -38,8 +39,10 @@ def test_layer_saved_bytes_script_counts_the_kernel_intermediates():
         return float(out.strip().splitlines()[-1].split()[0])  # MiB, one decimal
 
     HV, Ttot, NC = 32, 128, 128 // 64 + 1
-    expect = (NC * HV * 64 * 64 * 4 + 4 * Ttot * HV * 128 * 2 + NC * HV * 128 * 128 * 2 + NC * HV * 64 * 64 * 2)
-    assert abs((total() - total("--recompute")) - expect / 2**20) <= 0.1
+    expect = (NC * HV * 64 * 64 * 2 + 2 * Ttot * HV * 128 * 2 + NC * HV * 128 * 128 * 2 + NC * HV * 64 * 64 * 2)
+    base = total()
+    assert abs((base - total("--recompute")) - expect / 2**20) <= 0.1
+    assert abs((total("--saved-qk") - base) - 2 * Ttot * HV * 128 * 2 / 2**20) <= 0.1
 
 
 def test_rows_are_saved_as_they_finish(tmp_path, monkeypatch):
