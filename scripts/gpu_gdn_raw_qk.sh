@@ -8,10 +8,7 @@
 #               memory beside fla's layer (predicted: peak -0.25 GiB, 3.09 -> ~2.84; `_recur_bwd` within a few %)
 #
 #   OUT=dir PART=check|time bash scripts/gpu_gdn_raw_qk.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 echo '{"best": {"bwd_raw_qk": true}}' > "$OUT/raw.json"
 echo '{"best": {"bwd_raw_qk": false}}' > "$OUT/saved.json"
 case ${PART:-check} in

@@ -9,10 +9,7 @@
 # it; to rerun them, let `_state_warps` return TUNE[key] on CUDA too.
 #
 #   OUT=dir bash scripts/gpu_gdn_recur.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 timeout 250 python3 scripts/gpu_tune_gdn.py --shape 1,32768,32,128 --max-seconds 220 --json "$OUT/b1.json" \
   --grid '[{}, {"fwd_warps": 4}, {"rbwd_warps": 4}, {"fwd_warps": 4, "rbwd_warps": 4},
            {"fwd_bv": 32, "fwd_warps": 4, "rbwd_warps": 4}, {"fwd_warps": 4, "rbwd_warps": 4, "fwd_stages": 3}, {}]'

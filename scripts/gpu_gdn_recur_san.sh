@@ -8,10 +8,7 @@
 # it; to rerun them, let `_state_warps` return TUNE[key] on CUDA too.
 #
 #   OUT=dir bash scripts/gpu_gdn_recur_san.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 i=0
 for s in '{"fwd_warps": 4}' '{"rbwd_warps": 4}' '{"rbwd_bv": 32, "rbwd_warps": 4}' '{"rbwd_bv": 32}' '{}'; do
   echo "{\"best\": $s}" > "$OUT/s$i.json"

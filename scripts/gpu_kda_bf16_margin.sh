@@ -5,10 +5,7 @@
 # operands), all processes at once; then every tensor's error per run.
 #
 #   OUT=dir bash scripts/gpu_kda_bf16_margin.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 echo '{"best": {"store_fp32": true}}' > "$OUT/fp32.json"
 for i in 0 1 2 3; do
   timeout 200 python3 scripts/gpu_check_gdn.py --only "K64 V128 decay30" --json "$OUT/default$i.json" \

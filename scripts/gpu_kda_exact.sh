@@ -8,10 +8,7 @@
 #
 # INIT_GRID: the kda.TUNE settings timed on the init gates (scripts/gpu_tune_kda.py --grid; default the built-in
 # plan twice).
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 for i in 0 1 2 3; do
   timeout 250 python3 scripts/gpu_check_gdn.py --only kda --part $i/4 --json "$OUT/check_kda$i.json" \
     > "$OUT/check_kda$i.log" 2>&1 &

@@ -5,9 +5,6 @@
 # below the V block that goes wrong on the GPU (as GDN's dk once did) shows here.
 #
 #   OUT=dir bash scripts/gpu_kda_sub_bk.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 timeout 230 python3 scripts/gpu_tune_kda.py --no-fla --gates init --max-seconds 200 --json "$OUT/sub_bk.json" \
   --grid '[{}, {"sub_bk": 16}, {}, {"sub_bk": 16}]'

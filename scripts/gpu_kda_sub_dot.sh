@@ -5,10 +5,7 @@
 # gates (no chunk reaches it there, but the prep gains two launches).
 #
 #   OUT=dir bash scripts/gpu_kda_sub_dot.sh      (results under $OUT)
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 timeout 200 python3 scripts/gpu_tune_kda.py --no-fla --gates init --max-seconds 170 --json "$OUT/init.json" \
   --grid '[{"sub_dot": []}, {}, {"sub_dot": []}, {}]'
 timeout 100 python3 scripts/gpu_tune_kda.py --no-fla --gates bench --max-seconds 70 --json "$OUT/bench.json" \
