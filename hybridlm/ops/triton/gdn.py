@@ -554,11 +554,17 @@ def _bwd_impl(
     # the state gradients are read: free them before the GVA sums, where this layer's backward peaks otherwise (H100,
     # GDN layer B8 T2048 HV32: 264 + 128 MiB still allocated there, `scripts/gpu_layer_peak.py`, 2026-11-24)
     dhb = dvn = None
-    if G > 1:  # each fp32 sum is cast as soon as it exists, so one of them is alive at a time
-        dq = dq.view(B, T, H, G, K).sum(3, dtype=f32).to(q.dtype)
-        dk = dk.view(B, T, H, G, K).sum(3).to(k.dtype)
-    return (dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+    return (gva_sum(dq, B, T, H, q.dtype), gva_sum(dk, B, T, H, k.dtype), dv.to(v.dtype), dg.to(g.dtype),
             db.to(beta.dtype), dh0)
+
+
+def gva_sum(dx: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """dq or dk per value head [B*T, HV, K] -> per key head [B, T, H, K] in dtype: each key head's HV / H value heads
+    summed in fp32 (GVA), cast as soon as the sum exists so that one fp32 sum is alive at a time."""
+    G, K = dx.shape[1] // H, dx.shape[2]
+    if G == 1:
+        return dx.view(B, T, H, K).to(dtype)
+    return dx.view(B, T, H, G, K).sum(3, dtype=torch.float32).to(dtype)
 
 
 def _chunk_bwd_statefirst(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout,

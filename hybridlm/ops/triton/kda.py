@@ -246,7 +246,6 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     Tb, Wb, hb, vn, Qg, Kd, Pb, Bc, BLb = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    G = HV // H
     BT = Tb.shape[-1]
     dev = q.device
     lay = gdn.layout(cu_seqlens, B, T, BT, dev)
@@ -297,11 +296,8 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     del dhb, dvn  # read: freed before the GVA sums and casts, as in the GDN backward
-    if G > 1:  # each fp32 sum is cast as soon as it exists
-        dq = dq.view(B, T, H, G, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, G, K).sum(3).to(k.dtype)
-    return [dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.to(v.dtype), dg.view(B, T, HV, K),
-            db.to(beta.dtype), dh0]
+    return [gdn.gva_sum(dq, B, T, H, q.dtype), gdn.gva_sum(dk, B, T, H, k.dtype), dv.to(v.dtype),
+            dg.view(B, T, HV, K), db.to(beta.dtype), dh0]
 
 
 @kda_chunk_bwd.register_fake
