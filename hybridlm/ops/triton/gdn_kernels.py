@@ -51,10 +51,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @triton.jit
+def _inv_norms(x):
+    """1 / ||x_i|| of a tile's rows [BT, K] -> [BT] fp32, with the reference l2 norm's epsilon under the root."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, 1) + 1e-6)
+
+
+@triton.jit
 def _load_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
     x = tl.load(ptr + rows64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if L2:
-        x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+        x = x * _inv_norms(x)[:, None]
     return x
 
 
@@ -513,7 +520,7 @@ def _q_raw_scaled(q, b_k, rk, gc, gcl, bos, Tn, t0, col0, stride, scale, K: tl.c
     rows = tl.arange(0, BT)
     b_q = _seq_load(q, bos, Tn, t0, col0, stride, BT, K)
     if L2:
-        rq = tl.rsqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6) * scale
+        rq = _inv_norms(b_q) * scale
     else:
         rq = tl.full([BT], 1.0, tl.float32) * scale
     incl = rows[:, None] >= rows[None, :]
@@ -695,8 +702,8 @@ def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr):
     qs = scale * tl.exp(gc)
     sk = tl.exp(ged)
     if L2:
-        qs *= tl.rsqrt(tl.sum(qr.to(tl.float32) * qr.to(tl.float32), 1) + 1e-6)
-        sk *= tl.rsqrt(tl.sum(kr.to(tl.float32) * kr.to(tl.float32), 1) + 1e-6)
+        qs *= _inv_norms(qr)
+        sk *= _inv_norms(kr)
     return qs, sk
 
 
@@ -857,7 +864,7 @@ def _chunk_bwd(
         dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
         qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
         if L2:
-            rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+            rq = _inv_norms(qr)
             qq = qr * rq[:, None]
         else:
             qq = qr
@@ -913,7 +920,7 @@ def _chunk_bwd(
         dgg = _dg_rows(tl.where(rmask, dgc, 0.0), r, c)
         if L2:
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
-            rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+            rk = _inv_norms(kr)
             dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
         tl.store(dk + krow, dkn, mask=rmask[:, None])
         tl.store(dg + r64 * HV + ihv, dgg, mask=rmask)
@@ -973,8 +980,8 @@ def _chunk_bwd_onephase(
     qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
     kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
     if L2:
-        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+        rq = _inv_norms(qr)
+        rk = _inv_norms(kr)
         qq = qr * rq[:, None]
         kk = kr * rk[:, None]
     else:
@@ -1099,7 +1106,7 @@ def _load_unit_rows(ptr, rows64, rmask, stride, col0, offs, L2: tl.constexpr):
     """Rows as `_load_rows`, plus their inverse norms r [BT] (the l2norm backward needs them; 1 without L2)."""
     x = tl.load(ptr + rows64[:, None] * stride + col0 + offs[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if L2:
-        r = tl.rsqrt(tl.sum(x * x, 1) + 1e-6)
+        r = _inv_norms(x)
     else:
         r = tl.full([x.shape[0]], 1.0, dtype=tl.float32)
     return x * r[:, None], r

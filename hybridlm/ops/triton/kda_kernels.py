@@ -41,6 +41,7 @@ from .gdn_kernels import (
     _bwd_w_blk,
     _chunk_rows,
     _dg_rows,
+    _inv_norms,
     _load_rows,
     _op,
     _row_inv_norms,
@@ -364,7 +365,7 @@ def _kda_bwd_out(q, k, hbuf, vnbuf, do, dq, dk, dg, g, gg, gn, eb, kk, krow, hb,
     dQS, dP = _bwd_out_loop(hbuf, vnbuf, do, hb, r64, rmask, ihv, HV, K, V, BT, BV, PREC, LOWP)
     qr = _load_rows(q, r64, rmask, H * K, ih * K, offs_k, False)
     if L2:
-        rq = tl.rsqrt(tl.sum(qr * qr, 1) + 1e-6)
+        rq = _inv_norms(qr)
         qq = qr * rq[:, None]
     else:
         qq = qr
@@ -453,7 +454,7 @@ def _kda_chunk_bwd(
         dgg = tl.cumsum(db, 0, reverse=True)
         if L2:
             kr = _load_rows(k, r64, rmask, H * K, ih * K, offs_k, False)
-            rk = tl.rsqrt(tl.sum(kr * kr, 1) + 1e-6)
+            rk = _inv_norms(kr)
             dkn = (dkn - kk * tl.sum(kk * dkn, 1)[:, None]) * rk[:, None]
         tl.store(dk + krow, dkn, mask=rmask[:, None])
         tl.store(dg + krow, dgg, mask=rmask[:, None])
