@@ -1,6 +1,7 @@
 """One GPU run: the fused Triton layer glue vs the float64 reference (pass/fail table), then timings.
 
-    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--sweep-conv] [--json PATH]
+    python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--sweep-conv] [--sweep-norm]
+        [--json PATH]
 
 Kernels (hybridlm/ops/triton/{conv,norm,gates,swiglu}.py): causal depthwise conv1d + SiLU forward/backward
 (widths 2, 3, 4, 6, bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled
@@ -11,8 +12,8 @@ relative L2 against float64 PyTorch on the same rounded inputs, for every output
 error of the PyTorch reference path run in the same dtype, for scale. Bars: bf16 1e-2 (the kernels round the fp32
 weight to bf16 as the reference does, ~2e-3, plus one output rounding), fp32 1e-5.
 Timings (median of CUDA-event timed repeats, bf16, Qwen3-Next widths B4 T4096): fused kernel vs the PyTorch
-reference path, forward and forward+backward; --sweep-conv also times the conv backward's launch settings
-(hybridlm.ops.triton.conv.TUNE). Exit status 1 if any case fails.
+reference path, forward and forward+backward; --sweep-conv / --sweep-norm also time the conv's / the gated norm's
+launch settings (hybridlm.ops.triton.conv.TUNE / norm.TUNE). Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -282,49 +283,98 @@ def timings(gen, quick: bool):
     return rows
 
 
+def sweep(title: str, tune: dict, settings, run):
+    """Time run() under each (name, TUNE update) of settings, TUNE restored after; each setting's outputs are
+    checked against the first setting's (same math, other blocking) as relative errors."""
+    default = dict(tune)
+    ref = None
+    print(f"\n{title} (ms; outputs vs the first setting)")
+    for name, upd in settings:
+        tune.clear()
+        tune.update(default, **upd)
+        try:
+            outs = run()
+            if ref is None:
+                ref = outs
+            ms = bench_ms(run)
+            errs = "  ".join(f"{k} {rel(v, ref[k]):.1e}" for k, v in outs.items())
+            print(f"  {name:46s} {ms:8.3f}   {errs}", flush=True)
+        except Exception as e:
+            print(f"  {name:46s} FAILED {type(e).__name__}: {e}", flush=True)
+    tune.clear()
+    tune.update(default)
+
+
 def sweep_conv(gen, quick: bool):
-    """Time the conv forward+backward (bf16, W=4, SiLU) under a few launch settings (hybridlm.ops.triton.conv.TUNE);
-    each setting's dx / dweight are also checked against the default setting's (same math, other order)."""
+    """Time the conv forward, and forward+backward, (bf16, W=4, SiLU) under launch settings
+    (hybridlm.ops.triton.conv.TUNE). The GDN layer's conv at Qwen3-Next widths, B8 T2048, has this many elements."""
     B, T, C = (2, 1024, 8192) if quick else (4, 4096, 8192)
     x = rnd(gen, B, T, C, dtype=torch.bfloat16).requires_grad_()
     w = rnd(gen, C, 4, scale=0.5).requires_grad_()
     dy = rnd(gen, B, T, C, dtype=torch.bfloat16)
-    default = dict(tconv.TUNE)
+    fwd_settings = [("default", {})] + [
+        (f"fwd bt {bt}, bc {bc}, {nw} warps", dict(fwd_bt=bt, fwd_bc=bc, fwd_warps=nw))
+        for bt, bc, nw in [(64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4),
+                           (32, 128, 8), (64, 256, 8), (128, 128, 8), (16, 256, 4), (32, 256, 8)]]
+
+    def fwd():
+        with torch.no_grad():
+            return {"y": tconv.causal_conv1d(x, w, activation="silu")[0]}
+
+    sweep(f"conv forward sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, fwd_settings, fwd)
     settings = [
         ("default", {}),
         ("two passes (dpre scratch, then a dx launch)", dict(bwd_fused=False)),
-        ("two passes, bt 16", dict(bwd_fused=False, dw_bt=16)),
         ("one kernel, bt 32", dict(bwd_fused=True, dw_bt=32)),
         ("one kernel, bt 16, 4 warps", dict(bwd_fused=True, dw_bt=16, dw_warps=4)),
-        ("first H100 run: 4 warps, per-block dw, bt 64", dict(fwd_warps=4, dw_warps=4, dx_warps=4, dw_acc=False,
-                                                              dw_bt=64)),
-        ("acc, bt 16, 8 warps", dict(dw_acc=True, dw_bt=16)),
         ("acc, bt 32, 4 warps", dict(dw_acc=True, dw_bt=32, dw_warps=4)),
         ("per-block dw, bt 64, 8 warps", dict(dw_acc=False, dw_bt=64)),
-        ("per-block dw, bt 32, 8 warps", dict(dw_acc=False, dw_bt=32)),
         ("default, 4 programs / SM", dict(dw_programs_per_sm=4)),
         ("default, 64 programs / SM", dict(dw_programs_per_sm=64)),
+        ("bwd bc 128", dict(bwd_bc=128)),
+        ("bwd bc 128, bt 8", dict(bwd_bc=128, dw_bt=8)),
+        ("bwd bc 32, bt 32", dict(bwd_bc=32, dw_bt=32)),
+        ("bwd bc 32, bt 32, 4 warps", dict(bwd_bc=32, dw_bt=32, dw_warps=4)),
+        ("bwd bc 128, 4 warps", dict(bwd_bc=128, dw_warps=4)),
     ]
 
     def fb():
         y = tconv.causal_conv1d(x, w, activation="silu")[0]
-        return torch.autograd.grad(y, [x, w], dy)
+        dx, dw = torch.autograd.grad(y, [x, w], dy)
+        return {"dx": dx, "dweight": dw}
 
-    ref = None
-    print(f"\nconv fwd+bwd sweep, bf16 [{B},{T},{C}] W4 SiLU (ms; dx / dweight vs the default setting)")
-    for name, upd in settings:
-        tconv.TUNE.clear()
-        tconv.TUNE.update(default, **upd)
-        try:
-            dx, dw = fb()
-            if ref is None:
-                ref = (dx, dw)
-            ms = bench_ms(fb)
-            print(f"  {name:46s} {ms:8.3f}   dx {rel(dx, ref[0]):.1e}  dweight {rel(dw, ref[1]):.1e}")
-        except Exception as e:
-            print(f"  {name:46s} FAILED {type(e).__name__}: {e}")
-    tconv.TUNE.clear()
-    tconv.TUNE.update(default)
+    sweep(f"conv fwd+bwd sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, settings, fb)
+
+
+def sweep_norm(gen, quick: bool):
+    """Time the gated RMSNorm (SiLU gate, D 128, fp32 weight, bf16 rows) forward, and forward+backward, under launch
+    settings (hybridlm.ops.triton.norm.TUNE): the GDN layer's output norm at 32 value heads, B8 T2048."""
+    M, D = (8 * 1024 * 32, 128) if quick else (8 * 2048 * 32, 128)
+    x = rnd(gen, M, D, dtype=torch.bfloat16).requires_grad_()
+    z = rnd(gen, M, D, dtype=torch.bfloat16).requires_grad_()
+    w = (1 + 0.1 * rnd(gen, D)).requires_grad_()
+    dy = rnd(gen, M, D, dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            return {"y": tnorm.gated_rms_norm(x, z, w)}
+
+    fwd_settings = [("default", {})] + [
+        (f"fwd {e} elements, {nw} warps", dict(fwd_elems=e, fwd_warps=nw))
+        for e, nw in [(2048, 4), (4096, 8), (8192, 8), (8192, 4), (16384, 8), (2048, 2), (1024, 2)]]
+    sweep(f"gated norm forward sweep, bf16 [{M},{D}]", tnorm.TUNE, fwd_settings, fwd)
+
+    def fb():
+        y = tnorm.gated_rms_norm(x, z, w)
+        dx, dz, dw = torch.autograd.grad(y, [x, z, w], dy)
+        return {"dx": dx, "dgate": dz, "dweight": dw}
+
+    settings = [("default", {})] + [
+        (f"bwd {e} elements, {nw} warps, {pp or 'all'} programs/SM", dict(bwd_elems=e, bwd_warps=nw,
+                                                                           bwd_programs_per_sm=pp))
+        for e, nw, pp in [(2048, 8, None), (2048, 4, None), (1024, 4, None), (1024, 2, None), (4096, 8, None),
+                          (8192, 8, None), (2048, 8, 8), (2048, 8, 16), (4096, 8, 4), (2048, 4, 16)]]
+    sweep(f"gated norm fwd+bwd sweep, bf16 [{M},{D}]", tnorm.TUNE, settings, fb)
 
 
 def main() -> int:
@@ -334,7 +384,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--only", default="", help="run the correctness cases whose name contains this")
-    ap.add_argument("--sweep-conv", action="store_true", help="also time the conv backward's launch settings")
+    ap.add_argument("--sweep-conv", action="store_true", help="also time the conv's launch settings")
+    ap.add_argument("--sweep-norm", action="store_true", help="also time the gated norm's launch settings")
     ap.add_argument("--conv-dw-acc", type=int, choices=(0, 1), default=None,
                     help="conv backward: 1 elementwise dweight accumulators (default), 0 per-block reductions")
     args = ap.parse_args()
@@ -387,12 +438,13 @@ def main() -> int:
             fb = lambda k, r=r: f"{r[k]:10.3f}" if k in r else f"{'-':>10s}"
             print(f"{r['op']:44s} {fb('fused_fwd_ms')} {fb('torch_fwd_ms')} {fb('fused_fwdbwd_ms')} "
                   f"{fb('torch_fwdbwd_ms')}")
-    if args.sweep_conv:
-        try:
-            sweep_conv(gen, args.quick)
-        except Exception as e:
-            print(f"conv sweep failed: {type(e).__name__}: {e}")
-            traceback.print_exc()
+    for flag, fn in ((args.sweep_conv, sweep_conv), (args.sweep_norm, sweep_norm)):
+        if flag:
+            try:
+                fn(gen, args.quick)
+            except Exception as e:
+                print(f"{fn.__name__} failed: {type(e).__name__}: {e}")
+                traceback.print_exc()
     print("\nALL PASS" if ok_all else "\nSOME FAILED")
     if args.json:
         with open(args.json, "w") as fh:

@@ -16,21 +16,8 @@ import ast
 import torch
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import profile_steps
+from hybridlm.bench.cuda_profile import kernel_table
 from hybridlm.ops.triton import chunk_gated_delta_rule, gdn
-
-
-def kernel_table(step, steps: int = 5) -> list[tuple[str, float, float]]:
-    """(kernel name, us per step, launches per step), largest first."""
-    prof = profile_steps(step, steps)
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append((e.key, t / steps, e.count / steps))
-    return sorted(rows, key=lambda r: -r[1])
 
 
 class _Timed:

@@ -16,8 +16,30 @@ def profile_steps(step, steps: int) -> torch.profiler.profile:
     return prof
 
 
-def print_kernel_times(label: str, step, steps: int = 3) -> None:
-    """Print the CUDA time per kernel of `steps` calls of step(), after one warm-up call."""
-    prof = profile_steps(step, steps)
-    print(f"--- {label}: CUDA time per kernel, {steps} forward+backward steps", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+def kernel_rows(prof: torch.profiler.profile, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, us per step, launches per step) of every CUDA kernel the profile saw, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((e.key, t / steps, e.count / steps))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def kernel_table(step, steps: int = 5) -> list[tuple[str, float, float]]:
+    """kernel_rows of `steps` calls of step(), after one warm-up call."""
+    return kernel_rows(profile_steps(step, steps), steps)
+
+
+def print_kernel_times(label: str, step, steps: int = 3) -> list[tuple[str, float, float]]:
+    """Print every kernel's CUDA time per step (us) and launches per step of `steps` calls of step(), after one
+    warm-up call, with the total; returns the rows. All rows, not the profiler's top few: comparing two layers
+    needs the small kernels too (they add up)."""
+    rows = kernel_table(step, steps)
+    print(f"--- {label}: CUDA time per kernel and step ({steps} steps), total {sum(r[1] for r in rows):.1f} us",
+          flush=True)
+    for name, us, n in rows:
+        print(f"{us:10.1f} us {n:6.1f}x  {name[:110]}", flush=True)
+    return rows

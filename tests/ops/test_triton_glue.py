@@ -4,7 +4,8 @@ CPU (CI): the kernels run under TRITON_INTERPRET=1 in a child process (tests/ops
 variable must be set before triton decorates the kernels) on fresh random float32 inputs with NaN-poisoned
 outputs: conv widths 2, 3, 4, 6 with/without bias, both dweight accumulation modes, both backward plans (dx in
 the same kernel from recomputed dpre, or from a scratch pass), SiLU, initial state, varlen
-documents shorter than the kernel (lengths 1, 2), T = 1, C not a multiple of the channel block; the pooled decode
+documents shorter than the kernel (lengths 1, 2), T = 1, C not a multiple of the channel block, launch blocks
+other than the defaults (conv and gated norm); the pooled decode
 step; gated RMSNorm (SiLU /
 sigmoid + fp32 output, with and without weight) at D = 64, 100, 128, 256; RMSNorm kinds at D = 48..2560; the
 GDN gates (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; SwiGLU's silu(gate) * up
@@ -45,13 +46,16 @@ def interp_results():
 
 
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_T5_noacc", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_37_5",
-        "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_twopass", "conv_W3_noact_twopass"]
-NORM = ["gnorm_silu_D128", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64", "gnorm_silu_D256",
+        "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_twopass", "conv_W3_noact_twopass",
+        "conv_W4_varlen_h0_bias_blocks"]
+NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64",
+        "gnorm_silu_D256",
         "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
 GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
 SWIGLU = ["swiglu_2x7x300", "swiglu_5x16"]
 EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5_noacc": 2, "conv_W6_bias_h0_T40": 4,
                   "conv_W4_varlen_1_2_37_5": 2, "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
+                  "conv_W4_varlen_h0_bias_blocks": 4, "gnorm_silu_D128_blocks": 3,
                   "conv_W4_varlen_h0_bias_twopass": 4, "conv_W3_noact_twopass": 3,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
                   "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,

@@ -55,8 +55,10 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66; one kernel at its first block size (32),
 # 11.00 ms: no gain there (04:25); at 16 (the default since) 7.64 ms (06:20 profile), fla's kernel 5.68. False:
 # the two passes.
+# fwd_bt / fwd_bc: the forward's token and channel block (BT, BC before 2026-11-24 19:30; fla's forward uses 64
+# tokens and autotunes its channel block); bwd_bc: pass 1's channel block.
 TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8,
-        "bwd_fused": True}
+        "bwd_fused": True, "fwd_bt": BT, "fwd_bc": BC, "bwd_bc": BC}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -333,8 +335,9 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
     if Lmax > 0 and N > 0:
-        _conv_fwd[(triton.cdiv(C, BC), triton.cdiv(Lmax, BT), N)](
-            x, weight, b, h0, y, cu, C, W=W, BT=BT, BC=BC, HAS_BIAS=bias is not None,
+        FBT, FBC = TUNE["fwd_bt"], TUNE["fwd_bc"]
+        _conv_fwd[(triton.cdiv(C, FBC), triton.cdiv(Lmax, FBT), N)](
+            x, weight, b, h0, y, cu, C, W=W, BT=FBT, BC=FBC, HAS_BIAS=bias is not None,
             HAS_H0=initial_state is not None, SILU=silu, num_warps=TUNE["fwd_warps"])
     if not output_final_state:
         return y, x.new_empty(0)
@@ -365,7 +368,8 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     cu, N, Lmax = _layout(x, cu_seqlens)
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
-    NC = triton.cdiv(C, BC)
+    BC1 = TUNE["bwd_bc"]
+    NC = triton.cdiv(C, BC1)
     BT1 = TUNE["dw_bt"] or (64 if not TUNE["dw_acc"] else 16 if TUNE["bwd_fused"] else 32)
     NS = 1  # the CPU interpreter pays per program
     if x.device.type == "cuda":
@@ -378,11 +382,11 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     # two passes: dpre = dy * act'(pre) in a fp32 scratch with SiLU (dy itself without an activation), then dx
     dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu and not fused else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC,
+        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC1,
                                   HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
                                   ACC=TUNE["dw_acc"], FUSED=fused, num_warps=TUNE["dw_warps"])
         if not fused:
-            _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC,
+            _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC1,
                                                          num_warps=TUNE["dx_warps"])
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
@@ -390,7 +394,7 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     if need_dh0 and initial_state is not None:
         dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
         if N > 0:
-            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dp, dh0, cu, C, W=W, WP=WP, BC=BC,
+            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dp, dh0, cu, C, W=W, WP=WP, BC=BC1,
                                   HAS_BIAS=bias is not None, SILU=silu, FUSED=fused, num_warps=4)
     return dx, dw, db, dh0
 

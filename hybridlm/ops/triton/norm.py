@@ -34,6 +34,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 MAX_D = 16384
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 ACTS = {None: 0, "silu": 1, "sigmoid": 2}
+# Launch settings. *_elems: elements of a program's row block (BM = elems / BD rows, 1 to 64); *_warps: None picks
+# by width (below); bwd_programs_per_sm: the backward's programs loop over every NP-th row block, NP = this times
+# the SM count (fewer dweight partials), None: one program per row block (no loop). Defaults as of 2026-11-22;
+# `scripts/gpu_check_glue.py --sweep-norm` times the alternatives.
+TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": 2048, "bwd_warps": None, "bwd_programs_per_sm": 4}
 
 
 @triton.jit
@@ -122,8 +127,8 @@ def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _blocks(D: int) -> tuple[int, int, int]:
     """Forward (BD, BM, num_warps): about 4K elements per program (one row when D is that wide)."""
     BD = triton.next_power_of_2(D)
-    BM = max(1, min(64, 4096 // BD))
-    return BD, BM, 4 if BD * BM <= 4096 else 8
+    BM = max(1, min(64, TUNE["fwd_elems"] // BD))
+    return BD, BM, TUNE["fwd_warps"] or (4 if BD * BM <= 4096 else 8)
 
 
 def _blocks_bwd(D: int) -> tuple[int, int, int]:
@@ -131,7 +136,7 @@ def _blocks_bwd(D: int) -> tuple[int, int, int]:
     (sm_90 compile on the CPU, bf16 SiLU gate: D=128 BM 16 118 registers, D=2048 80, D=8192 128, no spills; the
     forward's 4K-element blocks spill here)."""
     BD = triton.next_power_of_2(D)
-    return BD, max(1, min(64, 2048 // BD)), 8 if BD <= 4096 else 16
+    return BD, max(1, min(64, TUNE["bwd_elems"] // BD)), TUNE["bwd_warps"] or (8 if BD <= 4096 else 16)
 
 
 @torch.library.custom_op("hybridlm::norm_fwd", mutates_args=())
@@ -165,7 +170,8 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weigh
     M, D = x.shape
     BD, BM, nw = _blocks_bwd(D)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
-    NP = max(1, min(triton.cdiv(M, BM), 4 * sms))
+    per_sm = TUNE["bwd_programs_per_sm"]
+    NP = max(1, triton.cdiv(M, BM) if per_sm is None else min(triton.cdiv(M, BM), per_sm * sms))
     dx = _out((M, D), x, x.dtype)
     dg = _out((M, D), x, gate.dtype) if gate is not None else x.new_empty(0)
     dwp = torch.zeros(NP, D, device=x.device, dtype=torch.float32)

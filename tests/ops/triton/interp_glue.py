@@ -217,6 +217,16 @@ def ops_cases(gen) -> dict:
     res["conv_W3_noact_twopass"] = conv_case(gen, B=2, T=21, C=24, W=3, bias=False, h0=True, silu=False,
                                              fused=False)
     tconv.TUNE["bwd_fused"] = True
+    # other launch blocks than the defaults (the GPU sweeps' candidates): partial token and channel blocks
+    saved = dict(tconv.TUNE)
+    tconv.TUNE.update(fwd_bt=64, fwd_bc=128, fwd_warps=4, bwd_bc=32, dw_bt=8)
+    res["conv_W4_varlen_h0_bias_blocks"] = conv_case(gen, B=1, T=75, C=33, W=4, bias=True, h0=True, silu=True,
+                                                     cu=[0, 2, 70, 75])
+    tconv.TUNE.update(saved)
+    saved = dict(tnorm.TUNE)
+    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=1024, bwd_warps=4, bwd_programs_per_sm=None)
+    res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True, activation="silu")
+    tnorm.TUNE.update(saved)
     res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
     res["conv_decode_W2"] = conv_decode_case(gen, N=2, P=2, C=33, W=2, bias=False, pooled=False)
     res["gnorm_silu_D128"] = norm_case(gen, shape=(2, 5, 3, 128), gated=True, weight=True, activation="silu")
