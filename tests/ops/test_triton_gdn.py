@@ -145,16 +145,6 @@ def test_backward_from_saved_scaled_q_and_k_matches_float64(interp_results, case
             assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
-@pytest.mark.parametrize("case", ["kt_gva2_T200", "kt_saved_qk_varlen_nol2", "kt_fp16_varlen_gva2_K128"])
-def test_state_passes_kt_plan_matches_float64(interp_results, case):
-    """gdn.TUNE fwd_kt / rbwd_kt (on trial): the state passes with their transposed operands loaded as [K, BT] tiles
-    and accumulating dots, forward and every gradient, raw or saved q/k (fp32 bars; fp16 at the 16-bit bars)."""
-    res = interp_results[case]
-    for name, tol in (PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL).items():
-        if name in res:
-            assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
-
-
 def _fake_gdn_inputs():
     """(B, T, H, HV, K, V) and bf16 q, k, v with fp32 g, beta of those shapes (GVA 2), made in the caller's mode
     (FakeTensorMode: shapes only)."""
@@ -260,10 +250,6 @@ def test_whole_k_state_kernels_refuse_four_warps_on_cuda(monkeypatch, key):
     assert gdn._state_warps(key, 128, torch.device("cpu")) == 4
     monkeypatch.setitem(gdn.TUNE, key, None)
     assert gdn._state_warps(key, 128, torch.device("cuda")) == 8
-    # the KT plan on trial lifts the refusal for its own pass only
-    monkeypatch.setitem(gdn.TUNE, key, 4)
-    monkeypatch.setitem(gdn.TUNE, {"fwd_warps": "fwd_kt", "rbwd_warps": "rbwd_kt"}[key], True)
-    assert gdn._state_warps(key, 128, torch.device("cuda")) == 4
 
 
 def test_unknown_solve_is_a_clear_error(monkeypatch):

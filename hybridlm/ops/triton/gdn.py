@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "fwd_kt": False, "rbwd_kt": False}
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -99,11 +99,6 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   output launch at 4: 3.028 / 13.551. `_recur_fwd` at 4 warps (fwd_warps) ran the forward 0.968 -> 0.954 ms
 #   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
 #   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
-# fwd_kt / rbwd_kt (on trial since 2026-11-24 19:50, off by default): the training state passes load the operands
-#   they use transposed (Kd^T in `_recur_fwd`, Qg^T and W^T in `_recur_bwd`) as [K, BT] tiles instead of
-#   transposing loaded [BT, K] tiles, and accumulate the state update in the dot, as fla's state kernels do; with it,
-#   fewer than 8 warps are allowed for that pass (`_state_warps`), to find out on the GPU whether this form compiles
-#   correctly there (compute-sanitizer first)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -243,11 +238,9 @@ def _state_warps(key: str, K: int, dev) -> int:
     both kernels at 4 warps reading shared memory out of bounds in their state-update dots (the GPU check's T63
     case then stops with an illegal memory access), and `_recur_bwd` at 4 warps with V block 32 gives a wrong dh0
     with no error at all. (The state held in two [K/2, BV] halves, as fla's state kernel holds it, did not avoid
-    this: the same out-of-bounds reads at 4 warps, and at 8 warps too, 15:17; that kernel was removed.) Allowed
-    with the pass's KT plan (fwd_kt, rbwd_kt), which is on trial for exactly this."""
+    this: the same out-of-bounds reads at 4 warps, and at 8 warps too, 15:17; that kernel was removed.)"""
     w = TUNE[key] or _num_warps(K)
-    kt = {"fwd_warps": "fwd_kt", "rbwd_warps": "rbwd_kt"}[key]
-    if w < 8 and dev.type == "cuda" and not TUNE[kt]:
+    if w < 8 and dev.type == "cuda":
         raise ValueError(f"gdn.TUNE['{key}']: expected None or >= 8 for the whole-K state kernel on CUDA (4 warps "
                          f"read shared memory out of bounds on an H100), got {w}")
     return w
@@ -346,7 +339,7 @@ def _fwd_impl(
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
-        OUT=not split, KT=TUNE["fwd_kt"],
+        OUT=not split,
     )
     if split:
         _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
@@ -519,7 +512,7 @@ def _bwd_impl(
         lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=_state_warps("rbwd_warps", K, dev),
-        num_stages=fwd_stages(), scale=scale, L2=use_qk_l2norm, RAW=raw, KT=TUNE["rbwd_kt"],
+        num_stages=fwd_stages(), scale=scale, L2=use_qk_l2norm, RAW=raw,
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     # the kernels write dq, dv in the input dtype (with GVA dq per value head, as fla writes it, summed over each

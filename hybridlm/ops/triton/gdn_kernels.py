@@ -51,11 +51,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @triton.jit
-def _inv_norms(x, AXIS: tl.constexpr = 1):
-    """1 / ||x_i|| of a tile's rows [BT, K] -> [BT] fp32, with the reference l2 norm's epsilon under the root
-    (AXIS 0: of the columns of a transposed tile [K, BT])."""
+def _inv_norms(x):
+    """1 / ||x_i|| of a tile's rows [BT, K] -> [BT] fp32, with the reference l2 norm's epsilon under the root."""
     xf = x.to(tl.float32)
-    return tl.rsqrt(tl.sum(xf * xf, AXIS) + 1e-6)
+    return tl.rsqrt(tl.sum(xf * xf, 1) + 1e-6)
 
 
 @triton.jit
@@ -575,15 +574,6 @@ def _seq_load(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr
 
 
 @triton.jit
-def _seq_load_t(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
-    """The tile of `_seq_load` transposed, [BC, BT], as a load of that shape rather than `tl.trans` of a loaded
-    tile: the dot then reads it as a column-major operand from shared memory (the state passes' KT plan)."""
-    r = t0 + tl.arange(0, BT)
-    return tl.load(ptr + (bos + r)[None, :] * stride + col0 + tl.arange(0, BC)[:, None], mask=(r < Tn)[None, :],
-                   other=0.0)
-
-
-@triton.jit
 def _seq_store(ptr, x, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
     """Store x [BT, BC] into the tile of `_seq_tile`, rows past the sequence's end left unwritten."""
     p, m = _seq_tile(ptr, bos, Tn, t0, col0, stride, BT, BC)
@@ -604,7 +594,6 @@ def _recur_fwd(
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
     CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True, RAWK: tl.constexpr = False, L2: tl.constexpr = False,
-    KT: tl.constexpr = False,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
@@ -614,10 +603,7 @@ def _recur_fwd(
     states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four. RAWK (the lean
     inference forward, not with CHANNEL): Kd and Qg are the raw k and q ([tokens, H, K]) and Pb the keys' inverse
     norms [tokens, HV] fp32 (`_prep_lean`'s RK); the key scales rk e^{bL - b} multiply Vn's rows in the state update,
-    and with OUT, Q's scales and P are made here (`_q_raw_scaled`). KT (not with RAWK): Kd^T is loaded as a [K, BT]
-    tile (`_seq_load_t`) and the state update is one accumulating dot, as fla's state kernel writes it (on trial:
-    whether Triton then compiles the update correctly at 4 warps)."""
-    tl.static_assert(not (KT and RAWK), "KT takes the saved Kd tiles only")
+    and with OUT, Q's scales and P are made here (`_q_raw_scaled`)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -656,10 +642,7 @@ def _recur_fwd(
             gc, gcl, _gL, ged = _cum_split(gs)
             rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
             sk = rk * tl.exp(ged)
-        if KT:
-            kdT = _seq_load_t(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        else:
-            kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
+        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
@@ -678,8 +661,6 @@ def _recur_fwd(
             _seq_store(o, oo, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if RAWK:
             S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), _op(vn * sk[:, None], DT, LOWP), input_precision=PREC)
-        elif KT:
-            S = tl.dot(_op(kdT, DT, LOWP), vn_d, S * dec, input_precision=PREC)
         else:
             S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)
     if STORE_HT:
@@ -713,18 +694,15 @@ def _out_fwd(
 
 
 @triton.jit
-def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr, QT: tl.constexpr = False):
+def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr):
     """Row scales of one chunk's raw q and k rows [BT, K] (0 past the end), from its log-decays gs [BT]:
     (qs, sk) with Qg = diag(qs) Q, qs = scale rq e^b, and Kd = diag(sk) K, sk = rk e^{bL - b} (rq, rk: inverse
-    l2 norms when L2, else 1), as the prep's stage 1 scales them. QT: qr is the transposed tile [K, BT]."""
+    l2 norms when L2, else 1), as the prep's stage 1 scales them."""
     gc, _gcl, _gL, ged = _cum_split(gs)
     qs = scale * tl.exp(gc)
     sk = tl.exp(ged)
     if L2:
-        if QT:
-            qs *= _inv_norms(qr, 0)
-        else:
-            qs *= _inv_norms(qr)
+        qs *= _inv_norms(qr)
         sk *= _inv_norms(kr)
     return qs, sk
 
@@ -735,15 +713,13 @@ def _recur_bwd(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOWP: tl.constexpr, CHANNEL: tl.constexpr = False,
-    scale=1.0, L2: tl.constexpr = False, RAW: tl.constexpr = False, KT: tl.constexpr = False,
+    scale=1.0, L2: tl.constexpr = False, RAW: tl.constexpr = False,
 ):
     """Reverse recurrence of the state gradient dS [K, BV] over the forward's tiles (Qg, Kd, P, W):
     dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn.
     RAW (GDN's scalar decay only): Qg and Kd are the raw q and k ([tokens, H, K]), so the forward need not keep
     its scaled copies for the backward; their row scales (`_raw_row_scales`) go onto dO's rows (Qg^T dO =
-    Q^T (qs dO)) and onto the rows of K dS' (Kd dS' = sk K dS'), and the raw 16-bit rows are exact dot operands.
-    KT: Qg^T and W^T are loaded as [K, BT] tiles (`_seq_load_t`) and the dS update is accumulating dots (as
-    `_recur_fwd`'s KT; on trial)."""
+    Q^T (qs dO)) and onto the rows of K dS' (Kd dS' = sk K dS'), and the raw 16-bit rows are exact dot operands."""
     tl.static_assert(not (RAW and CHANNEL), "RAW takes GDN's scalar decay only")
     DT: tl.constexpr = dhbuf.dtype.element_ty
     iv = tl.program_id(0)
@@ -775,41 +751,27 @@ def _recur_bwd(
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
-        if KT:
-            WT = _seq_load_t(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
-        else:
-            W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
+        W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
         dO = _seq_load(do, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         P = _chunk_p(Pb, c0 + c, HV, ihv, live, rows, BT)
         dO_d = _op(dO, DT, LOWP)
         if RAW:
             ih = ihv // (HV // H)
             kd = _seq_load(Kd, bos, Tn, t0, ih * K, H * K, BT, K)
-            if KT:
-                qgT = _seq_load_t(Qg, bos, Tn, t0, ih * K, H * K, BT, K)
-                qs, sk = _raw_row_scales(qgT, kd, gs, scale, L2, QT=True)
-            else:
-                qg = _seq_load(Qg, bos, Tn, t0, ih * K, H * K, BT, K)
-                qs, sk = _raw_row_scales(qg, kd, gs, scale, L2)
+            qg = _seq_load(Qg, bos, Tn, t0, ih * K, H * K, BT, K)
+            qs, sk = _raw_row_scales(qg, kd, gs, scale, L2)
             dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
                 tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC) * sk[:, None]
             dQ_d = _op(dO * qs[:, None], DT, LOWP)
         else:
             kd = _seq_load(Kd, bos, Tn, t0, ihv * K, HV * K, BT, K)
-            if KT:
-                qgT = _seq_load_t(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
-            else:
-                qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
+            qg = _seq_load(Qg, bos, Tn, t0, ihv * K, HV * K, BT, K)
             dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
                 tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
             dQ_d = dO_d
         _seq_store(dvnbuf, dvn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        if KT:  # -dVn rounded is the rounded dVn negated: the same products as the subtraction below
-            dS = tl.dot(_op(qgT, DT, LOWP), dQ_d, dS * dec, input_precision=PREC)
-            dS = tl.dot(_op(WT, DT, LOWP), _op(-dvn, DT, LOWP), dS, input_precision=PREC)
-        else:
-            dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dQ_d, input_precision=PREC)
-                  - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
+        dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dQ_d, input_precision=PREC)
+              - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)
 

@@ -285,14 +285,6 @@ def main() -> int:
                                             cu=[0, 15, 150])
     res["saved_qk_fp16_varlen_gva2"] = plan_case(gen, saved, (), B=1, T=150, H=1, HV=2, K=64, V=64, l2=True,
                                                  h0=False, cu=[0, 15, 150], dtype=torch.float16)
-    # the state passes' KT plan (gdn.TUNE fwd_kt, rbwd_kt: transposed tiles loaded as such, accumulating dots), on
-    # the raw q/k backward (default) and on the saved scaled tiles, fp32 and fp16, GVA 2, varlen, K 64 and 128
-    kt = dict(fwd_kt=True, rbwd_kt=True)
-    res["kt_gva2_T200"] = plan_case(gen, kt, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
-    res["kt_saved_qk_varlen_nol2"] = plan_case(gen, dict(kt, bwd_raw_qk=False), (), B=1, T=150, H=2, HV=2, K=64,
-                                               V=64, l2=False, h0=True, cu=[0, 15, 150])
-    res["kt_fp16_varlen_gva2_K128"] = plan_case(gen, kt, (), B=1, T=150, H=1, HV=2, K=128, V=64, l2=True, h0=False,
-                                                cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
