@@ -372,8 +372,8 @@ def sweep_norm(gen, quick: bool):
     settings = [("default", {})] + [
         (f"bwd {e} elements, {nw} warps, {pp or 'all'} programs/SM", dict(bwd_elems=e, bwd_warps=nw,
                                                                            bwd_programs_per_sm=pp))
-        for e, nw, pp in [(2048, 8, None), (2048, 4, None), (1024, 4, None), (1024, 2, None), (4096, 8, None),
-                          (8192, 8, None), (2048, 8, 8), (2048, 8, 16), (4096, 8, 4), (2048, 4, 16)]]
+        for e, nw, pp in [(2048, 8, 4), (2048, 4, None), (1024, 8, None), (1024, 2, None), (512, 4, None),
+                          (512, 2, None), (256, 2, None), (1024, 4, 16), (1024, 4, 64), (512, 4, 64)]]
     sweep(f"gated norm fwd+bwd sweep, bf16 [{M},{D}]", tnorm.TUNE, settings, fb)
 
 

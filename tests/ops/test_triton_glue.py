@@ -115,6 +115,21 @@ def test_fake_kernels_trace():
             a.shape, b.shape, (32,), (32,)]
 
 
+def test_norm_backward_launch_plan_by_width(monkeypatch):
+    """The gated norm's backward: rows up to NARROW_D wide in 1024-element blocks at 4 warps, one program per block
+    (the H100 sweep of 2026-11-24); wider rows as before; the fp32 dweight partials never above DWP_BYTES."""
+    from hybridlm.ops.triton import norm as tnorm
+
+    assert tnorm._blocks_bwd(128) == (128, 8, 4)
+    assert tnorm._blocks_bwd(2048) == (2048, 1, 8)
+    assert tnorm._blocks_bwd(8192) == (8192, 1, 16)
+    assert tnorm._bwd_programs(524288, 8, 128, 132) == 65536  # every block: 32 MiB of partials, at the cap
+    assert tnorm._bwd_programs(4 * 524288, 8, 128, 132) == tnorm.DWP_BYTES // (4 * 128)
+    assert tnorm._bwd_programs(16384, 1, 2048, 132) == 4 * 132
+    monkeypatch.setitem(tnorm.TUNE, "bwd_programs_per_sm", 2)
+    assert tnorm._bwd_programs(524288, 8, 128, 132) == 264
+
+
 def test_bad_inputs_are_clear_errors():
     from hybridlm.ops.triton import conv, gates, norm
 

@@ -45,9 +45,9 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # passes; 64 without them. H100 sweeps, bf16 [4, 4096, 8192] W4 SiLU fwd+bwd (2026-11-24 04:20 and 04:31): two
 # passes at 32 2.431 / 2.435 ms, two passes at 16 2.329, one kernel at 32 2.536 / 2.567, one kernel at 16 2.058 /
 # 1.894.
-# *_warps: num_warps of the forward, of pass 1 and of pass 2 (dx). From an sm_90 compile on the CPU (ptxas, bf16,
-# W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8; the forward 116
-# registers at 4 warps, 48 at 8. The first H100 timings above were taken at 4 warps everywhere.
+# *_warps: num_warps of the forward (see fwd_bt below), of pass 1 and of pass 2 (dx). From an sm_90 compile on the
+# CPU (ptxas, bf16, W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8.
+# The first H100 timings above were taken at 4 warps everywhere.
 # scripts/gpu_check_glue.py --sweep-conv times the alternatives.
 # bwd_fused: one backward kernel that also computes dx, from dpre recomputed at the W positions each input reaches
 # (W pre-activations a token instead of one; no [T, C] fp32 scratch written and read back, no second launch).
@@ -55,10 +55,13 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66; one kernel at its first block size (32),
 # 11.00 ms: no gain there (04:25); at 16 (the default since) 7.64 ms (06:20 profile), fla's kernel 5.68. False:
 # the two passes.
-# fwd_bt / fwd_bc: the forward's token and channel block (BT, BC before 2026-11-24 19:30; fla's forward uses 64
-# tokens and autotunes its channel block); bwd_bc: pass 1's channel block.
-TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 8, "dw_warps": 8, "dx_warps": 8,
-        "bwd_fused": True, "fwd_bt": BT, "fwd_bc": BC, "bwd_bc": BC}
+# fwd_bt / fwd_bc / fwd_warps: the forward's token and channel block and warps. H100 sweep (2026-11-24 19:20,
+# `scripts/gpu_check_glue.py --sweep-conv`, bf16 [4, 4096, 8192] W4 SiLU, forward alone): 32 x 64 at 8 warps (the
+# setting until then) 0.606 ms; 16 x 256 at 4 warps 0.240, 32 x 128 at 4 0.243, 32 x 256 at 8 0.263, 64 x 64 at 4
+# 0.320, 64 x 64 at 8 0.447. bwd_bc: pass 1's channel block (in that sweep 32 with dw_bt 32 1.702 ms forward+backward
+# against 1.715 at 64; 128 slower, 2.02-2.39).
+TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 4, "dw_warps": 8, "dx_warps": 8,
+        "bwd_fused": True, "fwd_bt": 16, "fwd_bc": 256, "bwd_bc": BC}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels

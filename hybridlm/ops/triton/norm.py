@@ -34,11 +34,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 MAX_D = 16384
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 ACTS = {None: 0, "silu": 1, "sigmoid": 2}
-# Launch settings. *_elems: elements of a program's row block (BM = elems / BD rows, 1 to 64); *_warps: None picks
-# by width (below); bwd_programs_per_sm: the backward's programs loop over every NP-th row block, NP = this times
-# the SM count (fewer dweight partials), None: one program per row block (no loop). Defaults as of 2026-11-22;
-# `scripts/gpu_check_glue.py --sweep-norm` times the alternatives.
-TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": 2048, "bwd_warps": None, "bwd_programs_per_sm": 4}
+# Launch settings. *_elems: elements of a program's row block (BM = elems / BD rows, 1 to 64); *_warps and
+# bwd_elems None: by width (`_blocks`, `_blocks_bwd`); bwd_programs_per_sm: the backward's programs loop over every
+# NP-th row block, NP = this times the SM count (fewer dweight partials), None: one program per row block (no
+# loop), "auto": None for rows of at most NARROW_D, else 4. Either way the fp32 dweight partials stay within
+# DWP_BYTES (NP capped). `scripts/gpu_check_glue.py --sweep-norm` times the alternatives. H100 (2026-11-24 19:20,
+# bf16 gated SiLU norm [524288, 128], fp32 weight: the GDN layer's output norm at B8 T2048 HV32), forward+backward:
+# 2048-element blocks at 8 warps looping at 4 programs per SM (the setting until then) 1.088 ms; one program per
+# block: 1.088 at 8 warps, 0.975 at 4; 1024-element blocks at 4 warps 0.763, at 2 0.997; 4096 or 8192 elements at 8
+# warps 0.973-0.975. The forward's setting was best as it was (0.148 ms; 0.149-0.244 for the others).
+TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto"}
+NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
+DWP_BYTES = 32 << 20
 
 
 @triton.jit
@@ -132,11 +139,25 @@ def _blocks(D: int) -> tuple[int, int, int]:
 
 
 def _blocks_bwd(D: int) -> tuple[int, int, int]:
-    """Backward (BD, BM, num_warps): about 2K elements per program at 8 warps, 16 warps for rows of 8K and more
-    (sm_90 compile on the CPU, bf16 SiLU gate: D=128 BM 16 118 registers, D=2048 80, D=8192 128, no spills; the
-    forward's 4K-element blocks spill here)."""
+    """Backward (BD, BM, num_warps): rows up to NARROW_D wide 1K elements per program at 4 warps; wider ones about
+    2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile on the CPU, bf16 SiLU gate: D=128 BM 16
+    118 registers, D=2048 80, D=8192 128, no spills; the forward's 4K-element blocks spill here)."""
     BD = triton.next_power_of_2(D)
-    return BD, max(1, min(64, TUNE["bwd_elems"] // BD)), TUNE["bwd_warps"] or (8 if BD <= 4096 else 16)
+    narrow = BD <= NARROW_D  # 1024-element blocks at 4 warps since 2026-11-24 (TUNE's comment)
+    elems = TUNE["bwd_elems"] or (1024 if narrow else 2048)
+    warps = TUNE["bwd_warps"] or (4 if narrow else 8 if BD <= 4096 else 16)
+    return BD, max(1, min(64, elems // BD)), warps
+
+
+def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
+    """Programs of the backward (each loops over every NP-th row block): TUNE bwd_programs_per_sm, with the fp32
+    dweight partials [NP, BD] kept within DWP_BYTES."""
+    per_sm = TUNE["bwd_programs_per_sm"]
+    if per_sm == "auto":
+        per_sm = None if BD <= NARROW_D else 4
+    blocks = triton.cdiv(M, BM)
+    NP = blocks if per_sm is None else min(blocks, per_sm * sms)
+    return max(1, min(NP, DWP_BYTES // (4 * BD)))
 
 
 @torch.library.custom_op("hybridlm::norm_fwd", mutates_args=())
@@ -170,8 +191,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weigh
     M, D = x.shape
     BD, BM, nw = _blocks_bwd(D)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
-    per_sm = TUNE["bwd_programs_per_sm"]
-    NP = max(1, triton.cdiv(M, BM) if per_sm is None else min(triton.cdiv(M, BM), per_sm * sms))
+    NP = _bwd_programs(M, BM, BD, sms)
     dx = _out((M, D), x, x.dtype)
     dg = _out((M, D), x, gate.dtype) if gate is not None else x.new_empty(0)
     dwp = torch.zeros(NP, D, device=x.device, dtype=torch.float32)
