@@ -126,14 +126,6 @@ def main(argv=None) -> int:
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
     })
-    # the raw training forward (gdn.TUNE fwd_raw_qk): the state pass reads raw k (its norms from the tile), the
-    # output raw q with the stored P
-    fn, ptrs, ints, cx, stages = jobs["_recur_fwd(state)"]
-    jobs["_recur_fwd(raw train)"] = (fn, dict(ptrs, Qg=dt, Kd=dt), ints,
-                                     dict(cx, RAWK=True, RK_INLINE=True, L2=True), stages)
-    fn, ptrs, ints, cx, stages = jobs["_out_fwd"]
-    jobs["_out_fwd raw"] = (fn, dict(ptrs, Qg=dt, g="fp32"), dict(ints, scale="fp32", H=i32),
-                            dict(cx, RAWQ=True, L2=True), stages)
     # the state backward from raw q and k (gdn.TUNE bwd_raw_qk): Qg, Kd are the raw [tokens, H, K] inputs
     fn, ptrs, ints, cx, stages = jobs["_recur_bwd"]
     jobs["_recur_bwd raw"] = (fn, dict(ptrs, Qg=dt, Kd=dt), dict(ints, scale="fp32"), dict(cx, L2=True, RAW=True),

@@ -145,32 +145,6 @@ def test_backward_from_saved_scaled_q_and_k_matches_float64(interp_results, case
             assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
 
 
-@pytest.mark.parametrize("case", ["raw_fwd_gva2_T200", "raw_fwd_varlen_nol2", "raw_fwd_fp16_varlen_gva2_K128"])
-def test_raw_training_forward_matches_float64(interp_results, case):
-    """gdn.TUNE fwd_raw_qk: the training forward without Qg and Kd (stage 1 writes P and A only; the state pass
-    and the output read the raw q and k and scale rows), forward and every gradient (fp32 bars; fp16 at the
-    16-bit bars)."""
-    res = interp_results[case]
-    for name, tol in (PLAN_TOL_FP16 if "fp16" in case else PLAN_TOL).items():
-        if name in res:
-            assert res[name] <= tol, f"{case} {name}: rel {res[name]:.3g} > {tol} (seed {interp_results['seed']})"
-
-
-@pytest.mark.parametrize("setting", [dict(bwd_raw_qk=False), dict(prep_variant="whole"), dict(fwd_split_o=False)])
-def test_raw_training_forward_needs_its_consumers(monkeypatch, setting):
-    """fwd_raw_qk with a setting whose kernels would read the missing Qg / Kd is an error naming both, not a
-    silent switch to the other forward."""
-    from hybridlm.ops.triton import gdn
-
-    monkeypatch.setitem(gdn.TUNE, "fwd_raw_qk", True)
-    for key, val in setting.items():
-        monkeypatch.setitem(gdn.TUNE, key, val)
-    with pytest.raises(ValueError, match=r"TUNE\['fwd_raw_qk'\]: expected .* got \{'" + next(iter(setting))):
-        gdn._fwd_raw_qk(save=True)
-    monkeypatch.setitem(gdn.TUNE, "fwd_raw_qk", False)
-    assert gdn._fwd_raw_qk(save=True) is False
-
-
 def _fake_gdn_inputs():
     """(B, T, H, HV, K, V) and bf16 q, k, v with fp32 g, beta of those shapes (GVA 2), made in the caller's mode
     (FakeTensorMode: shapes only)."""

@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "fwd_raw_qk": False}
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -99,12 +99,6 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   output launch at 4: 3.028 / 13.551. `_recur_fwd` at 4 warps (fwd_warps) ran the forward 0.968 -> 0.954 ms
 #   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
 #   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
-# fwd_raw_qk: the training forward writes no Qg and Kd at all (needs bwd_raw_qk, the K-blocked prep and
-#   fwd_split_o; an error otherwise): stage 1 makes P and A only, the state pass reads the raw k and scales Vn's
-#   rows (`_recur_fwd` RAWK with the key norms from its own tile), and `_out_fwd` reads the raw q and scales the rows
-#   of Q S (RAWQ). Per chunk and value head (K=V=128, bf16) 32 KB less written and, with GVA, read from the smaller
-#   key-head tensors. Counted at B8 T2048 H16 HV32 (the GDN layer): ~0.38 GB less traffic, ~0.13 ms of the 1.38 ms
-#   forward (the 19:26 layer profile put our forward kernels at 1.38 ms against fla's ~0.99)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -323,17 +317,14 @@ def _fwd_impl(
     hb = torch.empty(NCb, HV, K, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
-    raw = _fwd_raw_qk(save)
-    Qg = torch.empty(0 if raw else Ttot, HV, K, device=dev, dtype=sd)
-    Kd = torch.empty(0 if raw else Ttot, HV, K, device=dev, dtype=sd)
+    Qg = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
     if nc > 0:
         pw = TUNE["prep_warps"] or 8
         stages = ((1, TUNE["prep1_warps"] or pw), (2, TUNE["solve_warps"]), (3, TUNE["prep3_warps"] or pw)) \
             if TUNE["prep_split"] else ((0, pw),)
         fn, extra = _prep_kernel(K, q.dtype)
-        if raw:
-            extra = dict(extra, STORE_QK=False)
         for stage, warps in stages:
             fn[(nc, HV)](
                 q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
@@ -344,16 +335,14 @@ def _fwd_impl(
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        g, Wb, Ub, q if raw else Qg, k if raw else Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
+        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
-        OUT=not split, RAWK=raw, RK_INLINE=raw, L2=use_qk_l2norm,
+        OUT=not split,
     )
     if split:
-        raw_q = dict(RAWQ=True, g=g, scale=scale, H=H, L2=use_qk_l2norm) if raw else {}
-        _output_pass(q if raw else Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32,
-                     **raw_q)
+        _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if save and TUNE["bwd_raw_qk"]:  # the backward reads raw q and k instead (`_recur_bwd` RAW)
         Qg, Kd = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
     if not save:
@@ -361,19 +350,6 @@ def _fwd_impl(
         Tb, Wb = q.new_empty(0, dtype=f32), q.new_empty(0, dtype=sd)
         Qg, Kd, Pb = (q.new_empty(0, dtype=sd) for _ in range(3))  # distinct: custom-op outputs may not alias
     return o, ht, Tb, Wb, hb, vn, Qg, Kd, Pb
-
-
-def _fwd_raw_qk(save: bool) -> bool:
-    """Whether the training forward runs without Qg and Kd (TUNE["fwd_raw_qk"]); the settings it needs are checked
-    (no silent fallback to the other forward)."""
-    if not TUNE["fwd_raw_qk"]:
-        return False
-    need = {"prep_variant": "kblock", "fwd_split_o": True} | ({"bwd_raw_qk": True} if save else {})
-    bad = {key: TUNE[key] for key, want in need.items() if TUNE[key] != want}
-    if bad:
-        raise ValueError(f"gdn.TUNE['fwd_raw_qk']: expected {need} with it (the forward keeps no Qg and Kd, so their "
-                         f"consumers must read q and k), got {bad}")
-    return True
 
 
 def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk_l2norm: bool,
@@ -451,16 +427,14 @@ def _prep_kernel(K: int, dtype: torch.dtype):
     return kern._prep_fwd_blk, dict(BK=min(bk, 32) if dtype == torch.float32 else bk)
 
 
-def _output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool,
-                 **raw_q) -> None:
-    """O = Qg S + P Vn for every chunk at once (`_out_fwd`), after the state-only sequential pass; raw_q: the raw
-    forward's arguments (Qg is then the raw q)."""
+def _output_pass(Qg, Pb, hb, vn, o, lay: Layout, HV: int, K: int, V: int, BT: int, prec: str, lowp: bool) -> None:
+    """O = Qg S + P Vn for every chunk at once (`_out_fwd`), after the state-only sequential pass."""
     if lay.nc == 0:
         return
     BV = min(TUNE["out_bv"], V)
     kern._out_fwd[(V // BV, lay.nc, HV)](
         Qg, Pb, hb, vn, o, lay.cu_t, lay.chunk_seq, lay.chunk_start,
-        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, num_warps=TUNE["out_warps"], num_stages=1, **raw_q,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, num_warps=TUNE["out_warps"], num_stages=1,
     )
 
 

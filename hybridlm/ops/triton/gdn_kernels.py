@@ -366,13 +366,11 @@ def _load_raw(ptr, r64, rmask, stride, col0, offs):
 
 @triton.jit
 def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-                 STORE_QK: tl.constexpr = True):
+                 BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
     """Stage 1 of one chunk: Qg = scale Q^ e^b and Kd = K^ e^{bL - b} (^: l2-normalised) block by block, and the
     raw sums over K blocks Q K^T and K K^T (input-dtype operands), scaled once at the end:
     P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} (j <= i, to Pb), A = beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}
-    (j < i, staged in Tbuf for the solve); rq, rk = 1 / row norms. Without STORE_QK, no Qg and Kd (the raw
-    forward: the state pass and the output read q and k themselves)."""
+    (j < i, staged in Tbuf for the solve); rq, rk = 1 / row norms."""
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
@@ -387,10 +385,9 @@ def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale
         offs = k0 + tl.arange(0, BK)
         b_q = _load_raw(q, r64, rmask, H * K, ih * K, offs)
         b_k = _load_raw(k, r64, rmask, H * K, ih * K, offs)
-        if STORE_QK:
-            krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
-            tl.store(Qg + krow, (b_q.to(tl.float32) * s_q[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
-            tl.store(Kd + krow, (b_k.to(tl.float32) * s_k[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
+        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+        tl.store(Qg + krow, (b_q.to(tl.float32) * s_q[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(Kd + krow, (b_k.to(tl.float32) * s_k[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
         b_P += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     # decays e^{b_i - b_j} on and below the diagonal (the exponent is masked above it, where it could overflow)
@@ -439,10 +436,9 @@ def _prep_fwd_blk(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
-    DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee", STORE_QK: tl.constexpr = True,
+    DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee",
 ):
-    """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd (unless not
-    STORE_QK), P, A
+    """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
     (`_prep_ap_blk`, A to Tbuf), 2 the solve T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit
     copy), 3 W, U (`_prep_wu_blk`, T from Tout); 0 all three in one launch. LOWP applies to stage 3's dots (stage
     1 always takes the inputs' own dtype)."""
@@ -452,8 +448,7 @@ def _prep_fwd_blk(
     n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
     blk = (ic * HV + ihv).to(tl.int64)  # this chunk and head's [BT, BT] slot in Tbuf and Pb
     if STAGE == 0 or STAGE == 1:
-        _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K, BT, BK, L2, PREC,
-                     STORE_QK)
+        _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K, BT, BK, L2, PREC)
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 2:
@@ -599,7 +594,6 @@ def _recur_fwd(
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
     CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True, RAWK: tl.constexpr = False, L2: tl.constexpr = False,
-    RK_INLINE: tl.constexpr = False,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
@@ -609,8 +603,7 @@ def _recur_fwd(
     states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four. RAWK (the lean
     inference forward, not with CHANNEL): Kd and Qg are the raw k and q ([tokens, H, K]) and Pb the keys' inverse
     norms [tokens, HV] fp32 (`_prep_lean`'s RK); the key scales rk e^{bL - b} multiply Vn's rows in the state update,
-    and with OUT, Q's scales and P are made here (`_q_raw_scaled`). RK_INLINE (RAWK without OUT, the raw training
-    forward): the keys' inverse norms come from the loaded k tile itself, not from Pb."""
+    and with OUT, Q's scales and P are made here (`_q_raw_scaled`)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -647,16 +640,9 @@ def _recur_fwd(
         if RAWK:  # raw keys: their scales rk e^{bL - b} go onto Vn's rows in the state update instead
             ih = ihv // (HV // H)
             gc, gcl, _gL, ged = _cum_split(gs)
-        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
-        if RAWK:
-            if RK_INLINE:
-                if L2:
-                    rk = _inv_norms(kd)
-                else:
-                    rk = tl.full([BT], 1.0, tl.float32)
-            else:
-                rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
+            rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
             sk = rk * tl.exp(ged)
+        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
@@ -685,12 +671,10 @@ def _recur_fwd(
 def _out_fwd(
     Qg, Pb, hbuf, vnbuf, o, cu, chunk_seq, chunk_start,
     HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOWP: tl.constexpr, RAWQ: tl.constexpr = False, g=None, scale=1.0, H=1, L2: tl.constexpr = False,
+    LOWP: tl.constexpr,
 ):
     """O = Qg S + P Vn of one chunk and V block (grid V/BV x chunks x HV), from the chunk-initial state S and
-    the corrected values Vn that `_recur_fwd` stored: every chunk in parallel, off the serial path. RAWQ (the raw
-    training forward): Qg is the raw q [tokens, H, K] and O = (Q S) diag-scaled by qs = scale rq e^b (g: the
-    log-decays [tokens, HV]), the raw 16-bit rows being exact dot operands."""
+    the corrected values Vn that `_recur_fwd` stored: every chunk in parallel, off the serial path."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     iv = tl.program_id(0)
     ic = tl.program_id(1)
@@ -699,23 +683,12 @@ def _out_fwd(
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
     blk = (ic * HV + ihv).to(tl.int64)
-    if RAWQ:
-        ih = ihv // (HV // H)
-        qg = tl.load(Qg + (r64[:, None] * H + ih) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
-        gs = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
-        gc, _gcl, _gL, _ged = _cum_split(gs)
-        qs = scale * tl.exp(gc)
-        if L2:
-            qs *= _inv_norms(qg)
-    else:
-        qg = tl.load(Qg + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    qg = tl.load(Qg + (r64[:, None] * HV + ihv) * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
     S = tl.load(hbuf + blk * K * V + offs_k[:, None] * V + offs_v[None, :])
     P = tl.load(Pb + blk * BT * BT + rows[:, None] * BT + rows[None, :])
     vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
     vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
     oo = tl.dot(_op(qg, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC)
-    if RAWQ:
-        oo = oo * qs[:, None]
     oo += tl.dot(_op(P, DT, LOWP), _op(vn, DT, LOWP), input_precision=PREC)
     tl.store(o + vrow, oo.to(o.dtype.element_ty), mask=rmask[:, None])
 
