@@ -12,8 +12,11 @@ Ceilings are measured in the same run: device-to-device copy bandwidth (bytes re
 8192^3 matmul. TFLOP/s use a nominal flop count of the chunked algorithm (the same count for ours and fla,
 see `flops_gdn`), forward+backward counted as 3x forward; SDPA uses 2*B*H*T^2*D (causal fwd), 3.5x for fwd+bwd.
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (its #640); it is timed with that guard lifted
-(`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`), as the table says. Writes kernels.json, kernels.md and
-kernels.png to --out.
+(`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`), as the table says. fla's autotune keys leave out B and T, so
+its tuned configs are cleared before each chunked shape (`--no-fla-retune` keeps them: then a shape inherits the
+choice made at an earlier shape with the same heads). --gpu-time adds the summed CUDA time of each call's kernels,
+ours and fla's: fla's host work per call (many small launches) shows in the median ms at the smaller shapes and not
+there. Writes kernels.json, kernels.md and kernels.png to --out.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import print_kernel_times
+from hybridlm.bench.cuda_profile import kernel_table, print_kernel_times
 from hybridlm.interop.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
@@ -52,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "KDA layer, about -5.5 a step: most chunks through the 16-row blocks); see kda_bench_gates")
     parser.add_argument("--profile", action="store_true",
                         help="per-kernel CUDA times of ours: GDN at the first shape, and each KDA row")
+    parser.add_argument("--no-fla-retune", action="store_true",
+                        help="keep fla's tuned launch configs from one chunked shape to the next (its autotune keys "
+                        "leave out B and T, so a later shape with the same heads reuses an earlier shape's choice; "
+                        "by default they are cleared before each shape, as running that shape alone would have it)")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="also the summed CUDA time of each call's kernels (torch profiler, 5 calls), ours and "
+                        "fla's, chunked shapes: what the kernels take without the host's launch overhead")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
 
@@ -113,6 +123,33 @@ def _profile_once(args, part: str, fn) -> bool:
     return True
 
 
+def _fla_retune() -> int:
+    """Clear the tuned-config caches of every Triton autotuner in the loaded fla modules, so each is tuned again at
+    its next call; returns how many it cleared."""
+    from triton.runtime.autotuner import Autotuner
+
+    seen, n = set(), 0
+    for name, mod in list(sys.modules.items()):
+        if not (name == "fla" or name.startswith("fla.")) or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            for _ in range(4):  # @triton.heuristics (and the like) wrap the autotuner: follow .fn
+                if isinstance(obj, Autotuner) and id(obj) not in seen:
+                    seen.add(id(obj))
+                    if obj.cache:
+                        obj.cache.clear()
+                        n += 1
+                obj = getattr(obj, "fn", None)
+                if obj is None:
+                    break
+    return n
+
+
+def _gpu_ms(fn, steps: int = 5) -> float:
+    """Summed CUDA time of fn's kernels per call (ms), after a warm-up call."""
+    return sum(r[1] for r in kernel_table(fn, steps)) / 1e3
+
+
 def _bench_shape(B, T, H, D, dev, gen, fla, args):
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
@@ -140,7 +177,13 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
+    if getattr(args, "gpu_time", False):
+        with torch.no_grad():
+            res["ours_fwd_gpu_ms"] = _gpu_ms(ours_f)
+        res["ours_fwdbwd_gpu_ms"] = _gpu_ms(ours_fb)
     if fla is not None:
+        if not getattr(args, "no_fla_retune", False):
+            res["fla_autotuners_cleared"] = _fla_retune()
         def fla_f():
             return fla[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
@@ -154,6 +197,14 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
             res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
         except Exception as e:  # noqa: BLE001
             res["fla_fwdbwd_error"] = repr(e)[:200]
+        if getattr(args, "gpu_time", False):
+            with torch.no_grad():
+                res["fla_fwd_gpu_ms"] = _gpu_ms(fla_f)
+            if "fla_fwdbwd_ms" in res:
+                res["fla_fwdbwd_gpu_ms"] = _gpu_ms(fla_fb)
+            if getattr(args, "profile", False) and "fla_fwdbwd_ms" in res and not getattr(args, "_fla_profiled", 0):
+                args._fla_profiled = 1
+                print_kernel_times(f"fla gdn {res['shape']}", fla_fb)
         # same function? (bf16, so only a sanity check of the comparison, not the correctness test)
         with torch.no_grad():
             a, b = ours_f().float(), fla_f().float()
@@ -374,6 +425,15 @@ def _table(info, rows):
             ratio = None if fl is None else fl / o
             lines.append(f"| {r['shape']} | decode | {o:.3f} | {_fmt(fl)} | {_fmt(ratio, '.2f')}"
                          f" | - | - | {gbs:.0f} ({100 * gbs / cg:.0f}% of copy) |")
+    gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
+    if gpu:
+        lines += ["", "Summed CUDA time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",
+                  "", "| shape | pass | ours GPU ms | fla GPU ms | fla/ours |", "|---|---|---|---|---|"]
+        for r in gpu:
+            for mode, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")):
+                o, fl = r[f"ours_{key}_gpu_ms"], r.get(f"fla_{key}_gpu_ms")
+                lines.append(f"| {r['shape']} | {mode} | {o:.3f} | {_fmt(fl)} | "
+                             f"{_fmt(None if fl is None else fl / o, '.2f')} |")
     return "\n".join(lines)
 
 

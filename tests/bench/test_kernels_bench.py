@@ -2,6 +2,7 @@
 themselves need CUDA)."""
 
 import argparse
+import sys
 
 import pytest
 import torch
@@ -47,3 +48,39 @@ def test_bad_gates_and_rows_are_refused_before_anything_runs():
     with pytest.raises(SystemExit, match=r"--parts: unknown \['kdaa'\]"):
         kernels.run(_args(parts="gdn,kdaa"))
     assert kernels._rows_asked(_args()) == (["decode", "gdn", "kda"], ["bench", "init"])
+
+
+def test_fla_autotuners_are_cleared_between_shapes(monkeypatch):
+    """fla's tuned configs (keyed without B and T) are cleared before each shape: every Triton autotuner found in a
+    loaded fla module loses its cache, other modules' are untouched."""
+    import types
+
+    from triton.runtime.autotuner import Autotuner
+
+    def tuner(cache):
+        t = Autotuner.__new__(Autotuner)
+        t.cache = dict(cache)
+        return t
+
+    ours, theirs, empty = tuner({("H32",): "cfg"}), tuner({("H32",): "cfg"}), tuner({})
+    fake = types.ModuleType("fla.fake_ops")
+    wrapped = tuner({("K128",): "cfg"})
+    fake.kern, fake.alias, fake.empty = theirs, theirs, empty
+    fake.heuristic = types.SimpleNamespace(fn=wrapped)  # as @triton.heuristics wraps an autotuner
+    other = types.ModuleType("not_fla_mod")
+    other.kern = ours
+    monkeypatch.setitem(sys.modules, "fla.fake_ops", fake)
+    monkeypatch.setitem(sys.modules, "not_fla_mod", other)
+    assert kernels._fla_retune() >= 1
+    assert theirs.cache == {} and wrapped.cache == {} and ours.cache == {("H32",): "cfg"}
+
+
+def test_table_has_gpu_time_rows_when_measured():
+    info = {"device": "H100", "torch": "2.11", "triton": "3.6", "fla_core": "0.6.0", "date_utc": "now",
+            "copy_GBps": 3000.0, "bf16_matmul_TFLOPs": 740.0, "fla_guard_lifted": True}
+    row = {"shape": "B8 T2048 H32 D128", "flops_fwd": 1e11, "bytes_fwd": 5e8, "ours_fwd_ms": 1.5,
+           "ours_fwdbwd_ms": 4.6, "fla_fwd_ms": 1.2, "fla_fwdbwd_ms": 4.5, "ours_fwd_gpu_ms": 1.4,
+           "ours_fwdbwd_gpu_ms": 4.6, "fla_fwd_gpu_ms": 1.0, "fla_fwdbwd_gpu_ms": 3.9}
+    table = kernels._table(info, [row])
+    assert "| B8 T2048 H32 D128 | fwd+bwd | 4.600 | 3.900 | 0.85 |" in table
+    assert "ours GPU ms" not in kernels._table(info, [{k: v for k, v in row.items() if "gpu" not in k}])
