@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "by default they are cleared before each shape, as running that shape alone would have it)")
     parser.add_argument("--gpu-time", action="store_true",
                         help="also the summed CUDA time of each call's kernels (torch profiler, 5 calls), ours and "
-                        "fla's, chunked shapes: what the kernels take without the host's launch overhead")
+                        "fla's, GDN and KDA rows: what the kernels take without the host's launch overhead")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
 
@@ -150,6 +150,16 @@ def _gpu_ms(fn, steps: int = 5) -> float:
     return sum(r[1] for r in kernel_table(fn, steps)) / 1e3
 
 
+def _gpu_times(res: dict, who: str, f, fb, args) -> None:
+    """With --gpu-time: res[who_fwd_gpu_ms], res[who_fwdbwd_gpu_ms] (fb: None when that pass failed)."""
+    if not getattr(args, "gpu_time", False):
+        return
+    with torch.no_grad():
+        res[f"{who}_fwd_gpu_ms"] = _gpu_ms(f)
+    if fb is not None:
+        res[f"{who}_fwdbwd_gpu_ms"] = _gpu_ms(fb)
+
+
 def _bench_shape(B, T, H, D, dev, gen, fla, args):
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
@@ -177,10 +187,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
-    if getattr(args, "gpu_time", False):
-        with torch.no_grad():
-            res["ours_fwd_gpu_ms"] = _gpu_ms(ours_f)
-        res["ours_fwdbwd_gpu_ms"] = _gpu_ms(ours_fb)
+    _gpu_times(res, "ours", ours_f, ours_fb, args)
     if fla is not None:
         if not getattr(args, "no_fla_retune", False):
             res["fla_autotuners_cleared"] = _fla_retune()
@@ -197,11 +204,8 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
             res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
         except Exception as e:  # noqa: BLE001
             res["fla_fwdbwd_error"] = repr(e)[:200]
+        _gpu_times(res, "fla", fla_f, fla_fb if "fla_fwdbwd_ms" in res else None, args)
         if getattr(args, "gpu_time", False):
-            with torch.no_grad():
-                res["fla_fwd_gpu_ms"] = _gpu_ms(fla_f)
-            if "fla_fwdbwd_ms" in res:
-                res["fla_fwdbwd_gpu_ms"] = _gpu_ms(fla_fb)
             if getattr(args, "profile", False) and "fla_fwdbwd_ms" in res and not getattr(args, "_fla_profiled", 0):
                 args._fla_profiled = 1
                 print_kernel_times(f"fla gdn {res['shape']}", fla_fb)
@@ -260,9 +264,13 @@ def _bench_kda(B, T, H, D, dev, gen, args, gates="bench"):
         return torch.autograd.grad(o, leaves, do)
 
     _profile_once(args, f"kda {gates}", ours_fb)
+    def ours_f():
+        return chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+
     with torch.no_grad():
-        res["ours_fwd_ms"] = _bench(lambda: chunk_kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True), args.rep)
+        res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
+    _gpu_times(res, "ours", ours_f, ours_fb, args)
     try:
         from fla.ops.kda import chunk_kda as fla_kda
 
@@ -276,6 +284,7 @@ def _bench_kda(B, T, H, D, dev, gen, args, gates="bench"):
             b = fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0].float()
             res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
         res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
+        _gpu_times(res, "fla", lambda: fla_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), fla_fb, args)
     except Exception as e:  # noqa: BLE001
         res["fla_error"] = repr(e)[:200]
     return res
