@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "step: every chunk within the whole-chunk dot) and init (those of a freshly initialised "
                         "KDA layer, about -5.5 a step: most chunks through the 16-row blocks); see kda_bench_gates")
     parser.add_argument("--profile", action="store_true",
-                        help="per-kernel CUDA times of ours: GDN at the first shape, and each KDA row")
+                        help="per-kernel CUDA times: ours and fla's GDN at the first shape, ours at each KDA row")
     parser.add_argument("--no-fla-retune", action="store_true",
                         help="keep fla's tuned launch configs from one chunked shape to the next (its autotune keys "
                         "leave out B and T, so a later shape with the same heads reuses an earlier shape's choice; "
@@ -191,6 +191,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     if fla is not None:
         if not getattr(args, "no_fla_retune", False):
             res["fla_autotuners_cleared"] = _fla_retune()
+
         def fla_f():
             return fla[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
@@ -205,10 +206,8 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
         except Exception as e:  # noqa: BLE001
             res["fla_fwdbwd_error"] = repr(e)[:200]
         _gpu_times(res, "fla", fla_f, fla_fb if "fla_fwdbwd_ms" in res else None, args)
-        if getattr(args, "gpu_time", False):
-            if getattr(args, "profile", False) and "fla_fwdbwd_ms" in res and not getattr(args, "_fla_profiled", 0):
-                args._fla_profiled = 1
-                print_kernel_times(f"fla gdn {res['shape']}", fla_fb)
+        if "fla_fwdbwd_ms" in res:
+            _profile_once(args, "fla gdn", fla_fb)
         # same function? (bf16, so only a sanity check of the comparison, not the correctness test)
         with torch.no_grad():
             a, b = ours_f().float(), fla_f().float()

@@ -42,7 +42,8 @@ ACTS = {None: 0, "silu": 1, "sigmoid": 2}
 # bf16 gated SiLU norm [524288, 128], fp32 weight: the GDN layer's output norm at B8 T2048 HV32), forward+backward:
 # 2048-element blocks at 8 warps looping at 4 programs per SM (the setting until then) 1.088 ms; one program per
 # block: 1.088 at 8 warps, 0.975 at 4; 1024-element blocks at 4 warps 0.763, at 2 0.997; 4096 or 8192 elements at 8
-# warps 0.973-0.975. The forward's setting was best as it was (0.148 ms; 0.149-0.244 for the others).
+# warps 0.973-0.975; again at 19:24: 0.858 against the old 0.991, 0.919-1.139 for ten others. The forward's
+# setting was best as it was (0.148 ms; 0.149-0.244 for the others).
 TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto"}
 NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
 DWP_BYTES = 32 << 20
