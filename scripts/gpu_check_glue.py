@@ -370,10 +370,11 @@ def sweep_norm(gen, quick: bool):
         return {"dx": dx, "dgate": dz, "dweight": dw}
 
     settings = [("default", {})] + [
-        (f"bwd {e} elements, {nw} warps, {pp or 'all'} programs/SM", dict(bwd_elems=e, bwd_warps=nw,
-                                                                           bwd_programs_per_sm=pp))
-        for e, nw, pp in [(2048, 8, 4), (2048, 4, None), (1024, 8, None), (1024, 2, None), (512, 4, None),
-                          (512, 2, None), (256, 2, None), (1024, 4, 16), (1024, 4, 64), (512, 4, 64)]]
+        (f"bwd {e} el, {nw} warps, {pp or 'all'} programs/SM{', rstd' if r else ''}{', acc' if a else ''}",
+         dict(bwd_elems=e, bwd_warps=nw, bwd_programs_per_sm=pp, bwd_rstd=r, bwd_acc=a))
+        for e, nw, pp, r, a in [(1024, 4, None, True, False), (1024, 4, 4, True, True), (1024, 4, 16, True, True),
+                                (1024, 4, 64, True, True), (1024, 4, 16, False, True), (2048, 4, None, True, False),
+                                (2048, 8, 8, True, True), (2048, 8, 32, True, True), (4096, 8, 8, True, True)]]
     sweep(f"gated norm fwd+bwd sweep, bf16 [{M},{D}]", tnorm.TUNE, settings, fb)
 
 

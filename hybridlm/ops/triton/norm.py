@@ -44,19 +44,26 @@ ACTS = {None: 0, "silu": 1, "sigmoid": 2}
 # block: 1.088 at 8 warps, 0.975 at 4; 1024-element blocks at 4 warps 0.763, at 2 0.997; 4096 or 8192 elements at 8
 # warps 0.973-0.975; again at 19:24: 0.858 against the old 0.991, 0.919-1.139 for ten others. The forward's
 # setting was best as it was (0.148 ms; 0.149-0.244 for the others).
-TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto"}
+# bwd_rstd: the backward reads the forward's rstd (saved, [M] fp32) instead of summing the rows' squares again;
+# bwd_acc: dweight accumulated elementwise over a program's row blocks, summed over rows once (as fla's gated norm
+# backward does): pays only when programs loop over several blocks. Both off until timed on a GPU.
+TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto",
+        "bwd_rstd": False, "bwd_acc": False}
 NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
 DWP_BYTES = 32 << 20
 
 
 @triton.jit
 def _norm_rows(x, gate, w, o_m, o_d, m, D, eps, HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr,
-               W_LOWP: tl.constexpr, ACT: tl.constexpr):
+               W_LOWP: tl.constexpr, ACT: tl.constexpr, rstd=None, rmask=None, LOAD_R: tl.constexpr = False):
     """Rows o_m -> (x_hat fp32, x_hat as the weight sees it, effective weight [BD], pre-gate value, act(gate),
-    gate fp32, rstd)."""
+    gate fp32, rstd). LOAD_R: rstd read from the forward's (the same fp32 values), not summed again."""
     DT = x.dtype.element_ty
     b_x = tl.load(x + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    if LOAD_R:
+        b_r = tl.load(rstd + o_m, mask=rmask, other=0.0)
+    else:
+        b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_xh = b_x * b_r[:, None]
     b_yc = b_xh
     if CAST_Y:
@@ -96,19 +103,21 @@ def _norm_fwd(x, gate, w, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
+def _norm_bwd(x, gate, w, dy, dx, dg, dwp, rstd, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
               HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr, W_LOWP: tl.constexpr,
-              ACT: tl.constexpr):
+              ACT: tl.constexpr, LOAD_R: tl.constexpr = False, ACC: tl.constexpr = False):
     """Grid (NP): program p takes row blocks p, p + NP, ...; writes dx, dgate there and its dweight partial to
-    row p of dwp [NP, D]."""
+    row p of dwp [NP, D]. LOAD_R: the rows' rstd from the forward; ACC: dweight summed elementwise over the
+    blocks ([BM, BD] fp32) and over rows once at the end, instead of a row sum per block."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     b_dw = tl.zeros([BD], dtype=tl.float32)
+    b_dwa = tl.zeros([BM, BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BM), NP):
         o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
         m = (o_m < M)[:, None] & (o_d < D)[None, :]
         b_xh, b_yc, b_w, b_u, b_a, b_g, b_r = _norm_rows(x, gate, w, o_m, o_d, m, D, eps, HAS_W, ZC, CAST_Y,
-                                                         W_LOWP, ACT)
+                                                         W_LOWP, ACT, rstd, o_m < M, LOAD_R)
         b_do = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         if ACT > 0:
             b_s = tl.sigmoid(b_g)
@@ -118,11 +127,16 @@ def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: 
                 b_da = b_s * (1.0 - b_s)
             tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_do * b_u * b_da).to(dg.dtype.element_ty), mask=m)
         b_du = b_do * b_a  # gradient of the pre-gate value
-        b_dw += tl.sum(b_du * b_yc, 0)
+        if ACC:
+            b_dwa += b_du * b_yc
+        else:
+            b_dw += tl.sum(b_du * b_yc, 0)
         b_dxh = b_du * b_w[None, :]
         b_dx = b_r[:, None] * (b_dxh - b_xh * (tl.sum(b_dxh * b_xh, 1) / D)[:, None])
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
     if HAS_W:
+        if ACC:
+            b_dw += tl.sum(b_dwa, 0)
         tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=o_d < D)
 
 
@@ -185,28 +199,32 @@ def _(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
 
 @torch.library.custom_op("hybridlm::norm_bwd", mutates_args=())
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-             zc: bool, cast_y: bool, w_lowp: bool, act: int
+             zc: bool, cast_y: bool, w_lowp: bool, act: int, rstd: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx [M, D], dgate [M, D] or empty, dweight [D] or empty), each in its input's dtype (dy may have
-    another dtype: the forward's out_dtype)."""
+    another dtype: the forward's out_dtype). rstd: the forward's [M] fp32, read instead of summed again when
+    TUNE["bwd_rstd"]."""
     M, D = x.shape
     BD, BM, nw = _blocks_bwd(D)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
     NP = _bwd_programs(M, BM, BD, sms)
     dx = _out((M, D), x, x.dtype)
     dg = _out((M, D), x, gate.dtype) if gate is not None else x.new_empty(0)
-    dwp = torch.zeros(NP, D, device=x.device, dtype=torch.float32)
+    # every program writes its whole partial row (an empty allocation, not zeros: 32 MiB less traffic at the cap)
+    dwp = (torch.empty if M > 0 else torch.zeros)(NP, D, device=x.device, dtype=torch.float32)
+    load_r = bool(TUNE["bwd_rstd"]) and rstd is not None
     if M > 0:
         _norm_bwd[(NP,)](
             x, gate if gate is not None else x, weight if weight is not None else x, dy.contiguous(), dx,
-            dg if gate is not None else dx, dwp, M, D, eps, NP, BM=BM, BD=BD, HAS_W=weight is not None, ZC=zc,
-            CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, num_warps=nw)
+            dg if gate is not None else dx, dwp, rstd if load_r else dwp, M, D, eps, NP, BM=BM, BD=BD,
+            HAS_W=weight is not None, ZC=zc, CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, LOAD_R=load_r,
+            ACC=TUNE["bwd_acc"], num_warps=nw)
     dw = dwp.sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
     return dx, dg, dw
 
 
 @norm_bwd.register_fake
-def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act):
+def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act, rstd=None):
     dg = torch.empty_like(gate) if gate is not None else x.new_empty(0)
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), dg, dw
@@ -215,15 +233,15 @@ def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act):
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype):
-        y, _ = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
-        ctx.save_for_backward(x, gate, weight)
+        y, rstd = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
+        ctx.save_for_backward(x, gate, weight, rstd)  # rstd: [M] fp32, 1/D of x's bytes at D = 128 bf16
         ctx.args = (eps, zc, cast_y, w_lowp, act)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate, weight = ctx.saved_tensors
-        dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args)
+        x, gate, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args, rstd)
         return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 6)
 
 

@@ -225,7 +225,9 @@ def ops_cases(gen) -> dict:
     tconv.TUNE.update(saved)
     saved = dict(tnorm.TUNE)
     # backward programs looping over row blocks (one program on the CPU: every block), 2-row blocks
-    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1)
+    # ... with the forward's rstd read back and dweight accumulated elementwise (bwd_rstd, bwd_acc)
+    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1,
+                      bwd_rstd=True, bwd_acc=True)
     res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True, activation="silu")
     tnorm.TUNE.update(saved)
     res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
