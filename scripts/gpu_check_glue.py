@@ -26,6 +26,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from hybridlm.bench.cuda_profile import kernel_table
 from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rms_norm
 from hybridlm.ops.triton import conv as tconv
 from hybridlm.ops.triton import gates as tgates
@@ -288,7 +289,7 @@ def sweep(title: str, tune: dict, settings, run):
     checked against the first setting's (same math, other blocking) as relative errors."""
     default = dict(tune)
     ref = None
-    print(f"\n{title} (ms; outputs vs the first setting)")
+    print(f"\n{title} (ms per call, then the summed CUDA time of its kernels; outputs vs the first setting)")
     for name, upd in settings:
         tune.clear()
         tune.update(default, **upd)
@@ -297,8 +298,9 @@ def sweep(title: str, tune: dict, settings, run):
             if ref is None:
                 ref = outs
             ms = bench_ms(run)
+            gpu = sum(r[1] for r in kernel_table(run, 5)) / 1e3  # the kernels alone, without host overhead
             errs = "  ".join(f"{k} {rel(v, ref[k]):.1e}" for k, v in outs.items())
-            print(f"  {name:46s} {ms:8.3f}   {errs}", flush=True)
+            print(f"  {name:46s} {ms:8.3f}  gpu {gpu:6.3f}   {errs}", flush=True)
         except Exception as e:
             print(f"  {name:46s} FAILED {type(e).__name__}: {e}", flush=True)
     tune.clear()
