@@ -48,7 +48,8 @@ def interp_results():
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_T5_noacc", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_37_5",
         "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_twopass", "conv_W3_noact_twopass",
         "conv_W4_varlen_h0_bias_blocks"]
-NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64",
+NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_D128_blocks_noacc", "gnorm_silu_noweight_D100",
+        "gnorm_sigmoid_fp32out_D64",
         "gnorm_silu_D256",
         "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
 GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
@@ -56,6 +57,7 @@ SWIGLU = ["swiglu_2x7x300", "swiglu_5x16"]
 EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5_noacc": 2, "conv_W6_bias_h0_T40": 4,
                   "conv_W4_varlen_1_2_37_5": 2, "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
                   "conv_W4_varlen_h0_bias_blocks": 4, "gnorm_silu_D128_blocks": 3,
+                  "gnorm_silu_D128_blocks_noacc": 3,
                   "conv_W4_varlen_h0_bias_twopass": 4, "conv_W3_noact_twopass": 3,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
                   "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,
@@ -116,16 +118,18 @@ def test_fake_kernels_trace():
 
 
 def test_norm_backward_launch_plan_by_width(monkeypatch):
-    """The gated norm's backward: rows up to NARROW_D wide in 1024-element blocks at 4 warps, one program per block
-    (the H100 sweep of 2026-11-24); wider rows as before; the fp32 dweight partials never above DWP_BYTES."""
+    """The gated norm's backward: rows up to NARROW_D wide in 1024-element blocks at 4 warps, 64 looping programs
+    per SM (the H100 sweeps of 2026-11-24); wider rows as before; the fp32 dweight partials never above DWP_BYTES."""
     from hybridlm.ops.triton import norm as tnorm
 
     assert tnorm._blocks_bwd(128) == (128, 8, 4)
     assert tnorm._blocks_bwd(2048) == (2048, 1, 8)
     assert tnorm._blocks_bwd(8192) == (8192, 1, 16)
-    assert tnorm._bwd_programs(524288, 8, 128, 132) == 65536  # every block: 32 MiB of partials, at the cap
-    assert tnorm._bwd_programs(4 * 524288, 8, 128, 132) == tnorm.DWP_BYTES // (4 * 128)
+    assert tnorm._bwd_programs(524288, 8, 128, 132) == 64 * 132
     assert tnorm._bwd_programs(16384, 1, 2048, 132) == 4 * 132
+    monkeypatch.setitem(tnorm.TUNE, "bwd_programs_per_sm", None)  # one program per block, up to the cap
+    assert tnorm._bwd_programs(524288, 8, 128, 132) == 65536  # 32 MiB of partials, at the cap
+    assert tnorm._bwd_programs(4 * 524288, 8, 128, 132) == tnorm.DWP_BYTES // (4 * 128)
     monkeypatch.setitem(tnorm.TUNE, "bwd_programs_per_sm", 2)
     assert tnorm._bwd_programs(524288, 8, 128, 132) == 264
 

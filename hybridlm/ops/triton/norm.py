@@ -37,18 +37,23 @@ ACTS = {None: 0, "silu": 1, "sigmoid": 2}
 # Launch settings. *_elems: elements of a program's row block (BM = elems / BD rows, 1 to 64); *_warps and
 # bwd_elems None: by width (`_blocks`, `_blocks_bwd`); bwd_programs_per_sm: the backward's programs loop over every
 # NP-th row block, NP = this times the SM count (fewer dweight partials), None: one program per row block (no
-# loop), "auto": None for rows of at most NARROW_D, else 4. Either way the fp32 dweight partials stay within
+# loop), "auto": 64 for rows of at most NARROW_D, else 4. Either way the fp32 dweight partials stay within
 # DWP_BYTES (NP capped). `scripts/gpu_check_glue.py --sweep-norm` times the alternatives. H100 (2026-11-24 19:20,
 # bf16 gated SiLU norm [524288, 128], fp32 weight: the GDN layer's output norm at B8 T2048 HV32), forward+backward:
 # 2048-element blocks at 8 warps looping at 4 programs per SM (the setting until then) 1.088 ms; one program per
 # block: 1.088 at 8 warps, 0.975 at 4; 1024-element blocks at 4 warps 0.763, at 2 0.997; 4096 or 8192 elements at 8
 # warps 0.973-0.975; again at 19:24: 0.858 against the old 0.991, 0.919-1.139 for ten others. The forward's
 # setting was best as it was (0.148 ms; 0.149-0.244 for the others).
-# bwd_rstd: the backward reads the forward's rstd (saved, [M] fp32) instead of summing the rows' squares again;
-# bwd_acc: dweight accumulated elementwise over a program's row blocks, summed over rows once (as fla's gated norm
-# backward does): pays only when programs loop over several blocks. Both off until timed on a GPU.
+# bwd_acc: dweight accumulated elementwise over a program's row blocks and summed over rows once (as fla's gated
+# norm backward does), so programs can loop over many blocks without a row reduction per block; bwd_rstd: the
+# backward reads the forward's rstd (then saved, [M] fp32) instead of summing the rows' squares again.
+# H100, 2026-11-24 20:29-20:31, the same [524288, 128] norm, now timed as the summed CUDA time of the kernels (the
+# wall times above and in these sweeps swing by 20% with host overhead): one program per 1024-element block 0.600
+# ms forward+backward; with bwd_acc, looping at 4 / 16 / 64 programs per SM: 0.400 / 0.395 / 0.385 (narrow rows'
+# "auto" is 64 since); 2048 elements at 8 warps, 8 per SM: 0.380. bwd_rstd changed nothing measurable (0.396
+# against 0.395 at 16 per SM), so it stays off.
 TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto",
-        "bwd_rstd": False, "bwd_acc": False}
+        "bwd_rstd": False, "bwd_acc": True}
 NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
 DWP_BYTES = 32 << 20
 
@@ -169,7 +174,7 @@ def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
     dweight partials [NP, BD] kept within DWP_BYTES."""
     per_sm = TUNE["bwd_programs_per_sm"]
     if per_sm == "auto":
-        per_sm = None if BD <= NARROW_D else 4
+        per_sm = 64 if BD <= NARROW_D else 4
     blocks = triton.cdiv(M, BM)
     NP = blocks if per_sm is None else min(blocks, per_sm * sms)
     return max(1, min(NP, DWP_BYTES // (4 * BD)))
@@ -234,7 +239,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype):
         y, rstd = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
-        ctx.save_for_backward(x, gate, weight, rstd)  # rstd: [M] fp32, 1/D of x's bytes at D = 128 bf16
+        ctx.save_for_backward(x, gate, weight, rstd if TUNE["bwd_rstd"] else None)
         ctx.args = (eps, zc, cast_y, w_lowp, act)
         return y
 

@@ -229,6 +229,10 @@ def ops_cases(gen) -> dict:
     tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1,
                       bwd_rstd=True, bwd_acc=True)
     res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True, activation="silu")
+    # ... and with a row sum per block instead (bwd_acc off)
+    tnorm.TUNE.update(bwd_rstd=False, bwd_acc=False)
+    res["gnorm_silu_D128_blocks_noacc"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True,
+                                                    activation="silu")
     tnorm.TUNE.update(saved)
     res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
     res["conv_decode_W2"] = conv_decode_case(gen, N=2, P=2, C=33, W=2, bias=False, pooled=False)
