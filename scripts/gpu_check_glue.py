@@ -372,11 +372,10 @@ def sweep_norm(gen, quick: bool):
         return {"dx": dx, "dgate": dz, "dweight": dw}
 
     settings = [("default", {})] + [
-        (f"bwd {e} el, {nw} warps, {pp or 'all'} programs/SM{', rstd' if r else ''}{', acc' if a else ''}",
-         dict(bwd_elems=e, bwd_warps=nw, bwd_programs_per_sm=pp, bwd_rstd=r, bwd_acc=a))
-        for e, nw, pp, r, a in [(1024, 4, None, True, False), (1024, 4, 4, True, True), (1024, 4, 16, True, True),
-                                (1024, 4, 64, True, True), (1024, 4, 16, False, True), (2048, 4, None, True, False),
-                                (2048, 8, 8, True, True), (2048, 8, 32, True, True), (4096, 8, 8, True, True)]]
+        (f"bwd {e} el, {nw} warps, {pp or 'all'} programs/SM{', acc' if a else ''}",
+         dict(bwd_elems=e, bwd_warps=nw, bwd_programs_per_sm=pp, bwd_acc=a))
+        for e, nw, pp, a in [(1024, 4, None, False), (1024, 4, 4, True), (1024, 4, 16, True), (1024, 4, 64, False),
+                             (2048, 4, None, False), (2048, 8, 8, True), (2048, 8, 32, True), (4096, 8, 8, True)]]
     sweep(f"gated norm fwd+bwd sweep, bf16 [{M},{D}]", tnorm.TUNE, settings, fb)
 
 

@@ -45,31 +45,28 @@ ACTS = {None: 0, "silu": 1, "sigmoid": 2}
 # warps 0.973-0.975; again at 19:24: 0.858 against the old 0.991, 0.919-1.139 for ten others. The forward's
 # setting was best as it was (0.148 ms; 0.149-0.244 for the others).
 # bwd_acc: dweight accumulated elementwise over a program's row blocks and summed over rows once (as fla's gated
-# norm backward does), so programs can loop over many blocks without a row reduction per block; bwd_rstd: the
-# backward reads the forward's rstd (then saved, [M] fp32) instead of summing the rows' squares again.
+# norm backward does), so programs can loop over many blocks without a row reduction per block.
 # H100, 2026-11-24 20:29-20:31, the same [524288, 128] norm, now timed as the summed CUDA time of the kernels (the
 # wall times above and in these sweeps swing by 20% with host overhead): one program per 1024-element block 0.600
 # ms forward+backward; with bwd_acc, looping at 4 / 16 / 64 programs per SM: 0.400 / 0.395 / 0.385 (narrow rows'
-# "auto" is 64 since); 2048 elements at 8 warps, 8 per SM: 0.380. bwd_rstd changed nothing measurable (0.396
-# against 0.395 at 16 per SM), so it stays off. sm_90 compile (bf16): bwd_acc takes no more registers (D 128: 72
+# "auto" is 64 since); 2048 elements at 8 warps, 8 per SM: 0.380. Reading the forward's rstd back instead of
+# summing the rows' squares again changed nothing measurable (0.396 against 0.395 at 16 per SM; commit 4907a0a,
+# removed after). sm_90 compile (bf16): bwd_acc takes no more registers (D 128: 72
 # against 95; 2048: 63 / 61; 8192: 107 / 113; 16384 spills 48 B against 56 without it).
 TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto",
-        "bwd_rstd": False, "bwd_acc": True}
+        "bwd_acc": True}
 NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
 DWP_BYTES = 32 << 20
 
 
 @triton.jit
 def _norm_rows(x, gate, w, o_m, o_d, m, D, eps, HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr,
-               W_LOWP: tl.constexpr, ACT: tl.constexpr, rstd=None, rmask=None, LOAD_R: tl.constexpr = False):
+               W_LOWP: tl.constexpr, ACT: tl.constexpr):
     """Rows o_m -> (x_hat fp32, x_hat as the weight sees it, effective weight [BD], pre-gate value, act(gate),
-    gate fp32, rstd). LOAD_R: rstd read from the forward's (the same fp32 values), not summed again."""
+    gate fp32, rstd)."""
     DT = x.dtype.element_ty
     b_x = tl.load(x + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    if LOAD_R:
-        b_r = tl.load(rstd + o_m, mask=rmask, other=0.0)
-    else:
-        b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_xh = b_x * b_r[:, None]
     b_yc = b_xh
     if CAST_Y:
@@ -109,11 +106,11 @@ def _norm_fwd(x, gate, w, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def _norm_bwd(x, gate, w, dy, dx, dg, dwp, rstd, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
+def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
               HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr, W_LOWP: tl.constexpr,
-              ACT: tl.constexpr, LOAD_R: tl.constexpr = False, ACC: tl.constexpr = False):
+              ACT: tl.constexpr, ACC: tl.constexpr = False):
     """Grid (NP): program p takes row blocks p, p + NP, ...; writes dx, dgate there and its dweight partial to
-    row p of dwp [NP, D]. LOAD_R: the rows' rstd from the forward; ACC: dweight summed elementwise over the
+    row p of dwp [NP, D]. ACC: dweight summed elementwise over the
     blocks ([BM, BD] fp32) and over rows once at the end, instead of a row sum per block."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
@@ -123,7 +120,7 @@ def _norm_bwd(x, gate, w, dy, dx, dg, dwp, rstd, M, D, eps, NP, BM: tl.constexpr
         o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
         m = (o_m < M)[:, None] & (o_d < D)[None, :]
         b_xh, b_yc, b_w, b_u, b_a, b_g, b_r = _norm_rows(x, gate, w, o_m, o_d, m, D, eps, HAS_W, ZC, CAST_Y,
-                                                         W_LOWP, ACT, rstd, o_m < M, LOAD_R)
+                                                         W_LOWP, ACT)
         b_do = tl.load(dy + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         if ACT > 0:
             b_s = tl.sigmoid(b_g)
@@ -161,8 +158,9 @@ def _blocks(D: int) -> tuple[int, int, int]:
 
 def _blocks_bwd(D: int) -> tuple[int, int, int]:
     """Backward (BD, BM, num_warps): rows up to NARROW_D wide 1K elements per program at 4 warps; wider ones about
-    2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile on the CPU, bf16 SiLU gate: D=128 BM 16
-    118 registers, D=2048 80, D=8192 128, no spills; the forward's 4K-element blocks spill here)."""
+    2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile on the CPU, bf16, with bwd_acc: D=128
+    72 registers, D=2048 63, D=8192 107, no spills; D=16384 spills 48 B; the forward's 4K-element blocks spill
+    here)."""
     BD = triton.next_power_of_2(D)
     narrow = BD <= NARROW_D  # 1024-element blocks at 4 warps since 2026-11-24 (TUNE's comment)
     elems = TUNE["bwd_elems"] or (1024 if narrow else 2048)
@@ -205,11 +203,10 @@ def _(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
 
 @torch.library.custom_op("hybridlm::norm_bwd", mutates_args=())
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-             zc: bool, cast_y: bool, w_lowp: bool, act: int, rstd: torch.Tensor | None = None
+             zc: bool, cast_y: bool, w_lowp: bool, act: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx [M, D], dgate [M, D] or empty, dweight [D] or empty), each in its input's dtype (dy may have
-    another dtype: the forward's out_dtype). rstd: the forward's [M] fp32, read instead of summed again when
-    TUNE["bwd_rstd"]."""
+    another dtype: the forward's out_dtype)."""
     M, D = x.shape
     BD, BM, nw = _blocks_bwd(D)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
@@ -218,19 +215,17 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weigh
     dg = _out((M, D), x, gate.dtype) if gate is not None else x.new_empty(0)
     # every program writes its whole partial row (an empty allocation, not zeros: 32 MiB less traffic at the cap)
     dwp = (torch.empty if M > 0 else torch.zeros)(NP, D, device=x.device, dtype=torch.float32)
-    load_r = bool(TUNE["bwd_rstd"]) and rstd is not None
     if M > 0:
         _norm_bwd[(NP,)](
             x, gate if gate is not None else x, weight if weight is not None else x, dy.contiguous(), dx,
-            dg if gate is not None else dx, dwp, rstd if load_r else dwp, M, D, eps, NP, BM=BM, BD=BD,
-            HAS_W=weight is not None, ZC=zc, CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, LOAD_R=load_r,
-            ACC=TUNE["bwd_acc"], num_warps=nw)
+            dg if gate is not None else dx, dwp, M, D, eps, NP, BM=BM, BD=BD, HAS_W=weight is not None, ZC=zc,
+            CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, ACC=TUNE["bwd_acc"], num_warps=nw)
     dw = dwp.sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
     return dx, dg, dw
 
 
 @norm_bwd.register_fake
-def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act, rstd=None):
+def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act):
     dg = torch.empty_like(gate) if gate is not None else x.new_empty(0)
     dw = torch.empty_like(weight) if weight is not None else x.new_empty(0)
     return torch.empty_like(x), dg, dw
@@ -239,15 +234,15 @@ def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act, rstd=None):
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype):
-        y, rstd = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
-        ctx.save_for_backward(x, gate, weight, rstd if TUNE["bwd_rstd"] else None)
+        y, _ = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
+        ctx.save_for_backward(x, gate, weight)
         ctx.args = (eps, zc, cast_y, w_lowp, act)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate, weight, rstd = ctx.saved_tensors
-        dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args, rstd)
+        x, gate, weight = ctx.saved_tensors
+        dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args)
         return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 6)
 
 

@@ -225,12 +225,11 @@ def ops_cases(gen) -> dict:
     tconv.TUNE.update(saved)
     saved = dict(tnorm.TUNE)
     # backward programs looping over row blocks (one program on the CPU: every block), 2-row blocks
-    # ... with the forward's rstd read back and dweight accumulated elementwise (bwd_rstd, bwd_acc)
-    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1,
-                      bwd_rstd=True, bwd_acc=True)
+    # ... with dweight accumulated elementwise (bwd_acc, the default)
+    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1, bwd_acc=True)
     res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True, activation="silu")
     # ... and with a row sum per block instead (bwd_acc off)
-    tnorm.TUNE.update(bwd_rstd=False, bwd_acc=False)
+    tnorm.TUNE.update(bwd_acc=False)
     res["gnorm_silu_D128_blocks_noacc"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True,
                                                     activation="silu")
     tnorm.TUNE.update(saved)
