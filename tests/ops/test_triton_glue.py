@@ -132,6 +132,11 @@ def test_norm_backward_launch_plan_by_width(monkeypatch):
     assert tnorm._bwd_programs(4 * 524288, 8, 128, 132) == tnorm.DWP_BYTES // (4 * 128)
     monkeypatch.setitem(tnorm.TUNE, "bwd_programs_per_sm", 2)
     assert tnorm._bwd_programs(524288, 8, 128, 132) == 264
+    for bad in (0, "fast", 1.5):
+        monkeypatch.setitem(tnorm.TUNE, "bwd_programs_per_sm", bad)
+        with pytest.raises(ValueError, match=r"norm.TUNE\['bwd_programs_per_sm'\]: expected None, 'auto' or a "
+                                             rf"positive int, got {bad!r}"):
+            tnorm._bwd_programs(524288, 8, 128, 132)
 
 
 def test_bad_inputs_are_clear_errors():

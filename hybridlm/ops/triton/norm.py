@@ -172,6 +172,8 @@ def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
     """Programs of the backward (each loops over every NP-th row block): TUNE bwd_programs_per_sm, with the fp32
     dweight partials [NP, BD] kept within DWP_BYTES."""
     per_sm = TUNE["bwd_programs_per_sm"]
+    if not (per_sm is None or per_sm == "auto" or (isinstance(per_sm, int) and per_sm >= 1)):
+        raise ValueError(f"norm.TUNE['bwd_programs_per_sm']: expected None, 'auto' or a positive int, got {per_sm!r}")
     if per_sm == "auto":
         per_sm = 64 if BD <= NARROW_D else 4
     blocks = triton.cdiv(M, BM)
