@@ -89,6 +89,7 @@ def main(argv=None) -> int:
                     help="JSON list of gdn.TUNE settings, each merged over the built-in ones and timed forward and "
                     "forward+backward in the listed order (list one twice to see the run's drift); replaces the "
                     "built-in sweeps")
+    ap.add_argument("--grid-fwd-only", action="store_true", help="with --grid: time each setting's forward only")
     args = ap.parse_args(argv)
     grid = None if args.grid is None else grid_settings(gdn.TUNE, args.grid)
     B, T, H, D = (int(x) for x in args.shape.split(","))
@@ -193,7 +194,8 @@ def _grid_sweep(args, grid, measure, rows, shape, base) -> int:
             print(f"stopped at --max-seconds before {s}", flush=True)
             break
         rows.append(measure(s, False))
-        rows.append(measure(s, True))
+        if not args.grid_fwd_only:
+            rows.append(measure(s, True))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": list(shape), "device": torch.cuda.get_device_name(), "base": base, "rows": rows}, f,

@@ -59,7 +59,8 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True}
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": False, "kkt_warps": 4, "kkt_bk": 64,
+        "kkt_prec": "tf32"}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -99,6 +100,11 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   output launch at 4: 3.028 / 13.551. `_recur_fwd` at 4 warps (fwd_warps) ran the forward 0.968 -> 0.954 ms
 #   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
 #   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
+# prep_kkt: A and its solve in one launch by [16, 16] blocks (`_kkt_solve`: K K^T from k in registers, diagonal
+#   blocks by doubling, T's block rows by tensor-core dots at solve_prec), so A never goes to memory and stage 1
+#   makes Qg, Kd and P alone (split K-blocked prep only); kkt_warps / kkt_bk: its warps and key block; kkt_prec:
+#   its solve's dot precision for 16-bit inputs ("tf32", "tf32x3" or "ieee"; T is stored in 16 bits for them;
+#   fp32 inputs always take "ieee")
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -305,13 +311,17 @@ def _fwd_impl(
     # A for the solve in fp32; T solved from it in place, or into a 16-bit buffer kept for the backward when every
     # later dot rounds T to 16 bits anyway (`_t_dtype`), so A's buffer is freed when this function returns
     td = _t_dtype(sd) if save else f32
-    Ab = torch.empty(NCmax if save and td == f32 else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
-    Tb = torch.empty(NCmax, HV, BT, BT, device=dev, dtype=td) if td != f32 else Ab
+    kkt = _use_kkt()
+    NCb = NCmax if save else max(nc, 1)
+    if kkt:  # T straight from k: no A buffer
+        Ab = Tb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=td)
+    else:
+        Ab = torch.empty(NCmax if save and td == f32 else max(nc, 1), HV, BT, BT, device=dev, dtype=f32)
+        Tb = torch.empty(NCmax, HV, BT, BT, device=dev, dtype=td) if td != f32 else Ab
     Wb = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Ub = torch.empty(Ttot, HV, V, device=dev, dtype=sd)
     o = _out((B, T, HV, V), q, q.dtype)
     ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
-    NCb = NCmax if save else max(nc, 1)
     split = TUNE["fwd_split_o"]
     keep = save or split  # the chunk states and Vn go to memory
     hb = torch.empty(NCb, HV, K, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
@@ -326,11 +336,14 @@ def _fwd_impl(
             if TUNE["prep_split"] else ((0, pw),)
         fn, extra = _prep_kernel(K, q.dtype)
         for stage, warps in stages:
+            if kkt and stage == 2:
+                _kkt_launch(k, g, beta, Tb, lay, H, HV, K, BT, use_qk_l2norm, prec)
+                continue
             fn[(nc, HV)](
                 q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
-                num_stages=TUNE["prep_stages"], **extra, **_solve_args(fn),
+                num_stages=TUNE["prep_stages"], WITH_A=not kkt, **extra, **_solve_args(fn),
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
@@ -399,6 +412,28 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         )
     e = lambda dt: q.new_empty(0, dtype=dt)  # noqa: E731 (distinct: custom-op outputs may not alias)
     return o, ht, e(f32), e(sd), e(sd), e(sd), e(sd), e(sd), e(sd)
+
+
+def _use_kkt() -> bool:
+    """Whether the forward prep makes T with `_kkt_solve` (TUNE prep_kkt); it replaces the split K-blocked prep's
+    stage 2 only."""
+    if TUNE["prep_kkt"] and not (TUNE["prep_split"] and TUNE["prep_variant"] == "kblock"):
+        raise ValueError("TUNE['prep_kkt'] needs the split K-blocked prep (prep_split=True, prep_variant 'kblock'), "
+                         f"got prep_split={TUNE['prep_split']!r}, prep_variant={TUNE['prep_variant']!r}")
+    return bool(TUNE["prep_kkt"])
+
+
+def _kkt_launch(k, g, beta, Tb, lay: Layout, H: int, HV: int, K: int, BT: int, l2: bool, prec: str) -> None:
+    """T = (I + A)^{-1} of every chunk and value head into Tb, from k, g and beta (`_kkt_solve`)."""
+    bk = key_block(TUNE, "kkt_bk", K)
+    if TUNE["kkt_prec"] not in ("tf32", "tf32x3", "ieee"):
+        raise ValueError(f"TUNE['kkt_prec']: expected 'tf32', 'tf32x3' or 'ieee', got {TUNE['kkt_prec']!r}")
+    f32 = k.dtype == torch.float32
+    kern._kkt_solve[(lay.nc, HV)](
+        k, g, beta, Tb, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+        H=H, HV=HV, K=K, BT=BT, BK=min(bk, 32) if f32 else bk, L2=l2, PREC=prec,
+        SPREC="ieee" if f32 else TUNE["kkt_prec"], num_warps=TUNE["kkt_warps"], num_stages=1,
+    )
 
 
 def _solve_args(fn) -> dict:

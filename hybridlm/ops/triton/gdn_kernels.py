@@ -366,11 +366,12 @@ def _load_raw(ptr, r64, rmask, stride, col0, offs):
 
 @triton.jit
 def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+                 BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, WITH_A: tl.constexpr):
     """Stage 1 of one chunk: Qg = scale Q^ e^b and Kd = K^ e^{bL - b} (^: l2-normalised) block by block, and the
     raw sums over K blocks Q K^T and K K^T (input-dtype operands), scaled once at the end:
     P = scale rq_i rk_j (Q K^T)_ij e^{b_i - b_j} (j <= i, to Pb), A = beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}
-    (j < i, staged in Tbuf for the solve); rq, rk = 1 / row norms."""
+    (j < i, staged in Tbuf for the solve; not made without WITH_A, when `_kkt_solve` makes A and T itself);
+    rq, rk = 1 / row norms."""
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
@@ -389,15 +390,17 @@ def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale
         tl.store(Qg + krow, (b_q.to(tl.float32) * s_q[:, None]).to(Qg.dtype.element_ty), mask=rmask[:, None])
         tl.store(Kd + krow, (b_k.to(tl.float32) * s_k[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
         b_P += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+        if WITH_A:
+            b_A += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     # decays e^{b_i - b_j} on and below the diagonal (the exponent is masked above it, where it could overflow)
     incl = rows[:, None] >= rows[None, :]
     D = tl.exp(_pair_exponent(gc, gcl, incl))
     b_P = tl.where(incl, b_P * D * (rq * scale)[:, None] * rk[None, :], 0.0)
-    b_A = tl.where(rows[:, None] > rows[None, :], b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
     p_TT = blk * BT * BT + rows[:, None] * BT + rows[None, :]
     tl.store(Pb + p_TT, b_P.to(Pb.dtype.element_ty))
-    tl.store(Tbuf + p_TT, b_A)
+    if WITH_A:
+        b_A = tl.where(rows[:, None] > rows[None, :], b_A * D * (bb * rk)[:, None] * rk[None, :], 0.0)
+        tl.store(Tbuf + p_TT, b_A)
 
 
 @triton.jit
@@ -436,19 +439,20 @@ def _prep_fwd_blk(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
-    DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee",
+    DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee", WITH_A: tl.constexpr = True,
 ):
     """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
-    (`_prep_ap_blk`, A to Tbuf), 2 the solve T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit
-    copy), 3 W, U (`_prep_wu_blk`, T from Tout); 0 all three in one launch. LOWP applies to stage 3's dots (stage
-    1 always takes the inputs' own dtype)."""
+    (`_prep_ap_blk`, A to Tbuf; without WITH_A no A: `_kkt_solve` then replaces stage 2), 2 the solve
+    T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit copy), 3 W, U (`_prep_wu_blk`, T from Tout);
+    0 all three in one launch. LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
     n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
     blk = (ic * HV + ihv).to(tl.int64)  # this chunk and head's [BT, BT] slot in Tbuf and Pb
     if STAGE == 0 or STAGE == 1:
-        _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K, BT, BK, L2, PREC)
+        _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale, H, HV, K, BT, BK, L2, PREC,
+                     WITH_A or STAGE == 0)
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 2:
@@ -458,6 +462,161 @@ def _prep_fwd_blk(
     if STAGE == 0 or STAGE == 3:
         _prep_wu_blk(k, v, g, beta, Tout, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2, PREC,
                      LOWP)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A and its solve in one launch (gdn.TUNE["prep_kkt"]), by [16, 16] blocks. The split prep stages A in memory
+# (fp32, 16 KB per chunk and head) and solves it in a second launch whose block rows are [16, BT] ieee dots, mostly
+# on zero blocks. Here the ten lower blocks A_IJ of a 64-token chunk are summed over K in registers (one [16, BK]
+# tile of k per row block and K block, so K is read once), the diagonal blocks are inverted by doubling
+# (`_solve_doubling` at BT = 16: four steps of two [16, 16] tensor-core dots, no per-row steps) and the rest is
+# the block recursion of a lower-triangular inverse:
+#     T_II = (I + A_II)^{-1},   T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ   (I > J)
+# Only T goes to memory. Stage 1 then makes Qg, Kd and P alone.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kkt_gates(g, beta, bos, r0, nval, ihv, HV, off):
+    """Rows r0 .. r0+15 of a chunk: their cumulative log-decay b from the chunk's start, summed in fp64 from off
+    (the sum of the chunk's earlier gates, fp64 scalar) and split as `_cum_split` splits it (fp32 hi, lo), beta,
+    and the running sum after them."""
+    rows = r0 + tl.arange(0, 16)
+    m = rows < nval
+    gg = tl.load(g + (bos + rows) * HV + ihv, mask=m, other=0.0).to(tl.float64)
+    b = tl.cumsum(gg, 0) + off
+    hi = b.to(tl.float32)
+    bb = tl.load(beta + (bos + rows) * HV + ihv, mask=m, other=0.0).to(tl.float32)
+    return hi, (b - hi.to(tl.float64)).to(tl.float32), bb, off + tl.sum(gg, 0)
+
+
+@triton.jit
+def _kkt_scale(A, hi_i, lo_i, bs_i, hi_j, lo_j, rk_j, STRICT: tl.constexpr):
+    """A block of raw K K^T sums times beta_i rk_i (bs_i), rk_j and e^{b_i - b_j}; with STRICT (a diagonal block)
+    only j < i is kept and the exponent is masked above it, where it could overflow."""
+    x = (hi_i[:, None] - hi_j[None, :]) + (lo_i[:, None] - lo_j[None, :])
+    if STRICT:
+        r = tl.arange(0, 16)
+        keep = r[:, None] > r[None, :]
+        out = tl.where(keep, A * tl.exp(tl.where(keep, x, 0.0)) * bs_i[:, None] * rk_j[None, :], 0.0)
+    else:
+        out = A * tl.exp(x) * bs_i[:, None] * rk_j[None, :]
+    return out
+
+
+@triton.jit
+def _kkt_tile(k, bos, r0, nval, col, H, K: tl.constexpr, BK: tl.constexpr):
+    """The raw [16, BK] tile of k at chunk rows r0.. and key columns col.. (input dtype; 0 past the chunk)."""
+    rows = r0 + tl.arange(0, 16)
+    p = k + (bos + rows)[:, None] * (H * K) + col + tl.arange(0, BK)[None, :]
+    return tl.load(p, mask=(rows < nval)[:, None], other=0.0)
+
+
+@triton.jit
+def _put16(p_T, x, r0, c0, BT: tl.constexpr):
+    """Store a [16, 16] block of T at (r0, c0) of the chunk's row-major [BT, BT] slot p_T, in p_T's dtype."""
+    r = tl.arange(0, 16)
+    tl.store(p_T + (r0 + r)[:, None] * BT + (c0 + r)[None, :], x.to(p_T.dtype.element_ty))
+
+
+@triton.jit
+def _kkt_solve(
+    k, g, beta, Tout, cu, chunk_seq, chunk_start,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr,
+):
+    """T = (I + A)^{-1}, A = strict_lower(beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}), of one chunk and value head
+    (grid chunks x HV), written to Tout ([chunks, HV, BT, BT] row-major, its dtype; upper blocks 0). BT in
+    {16, 32, 64}: NB = BT / 16 row blocks; blocks past NB stay zero and are never stored. K K^T is summed from
+    raw input-dtype tiles (PREC), the l2 norms entering as row and column scales rk; the solve's dots are fp32
+    at SPREC ("tf32x3": tensor cores at about fp32 accuracy)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    n, bos, nval = _chunk_coords(cu, chunk_seq, chunk_start, ic, BT)
+    p_T = Tout + (ic * HV + ihv).to(tl.int64) * BT * BT
+    col0 = ih * K
+    off = tl.sum(tl.zeros([16], dtype=tl.float64), 0)
+    hi0, lo0, bb0, off = _kkt_gates(g, beta, bos, 0, nval, ihv, HV, off)
+    hi1, lo1, bb1, off = _kkt_gates(g, beta, bos, 16, nval, ihv, HV, off)
+    hi2, lo2, bb2, off = _kkt_gates(g, beta, bos, 32, nval, ihv, HV, off)
+    hi3, lo3, bb3, off = _kkt_gates(g, beta, bos, 48, nval, ihv, HV, off)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
+    s0 = tl.zeros([16], dtype=tl.float32)
+    s1, s2, s3 = s0, s0, s0
+    # 1. the raw sums K_I K_J^T over K blocks, and the rows' squared norms
+    for c in range(0, K, BK):
+        k0 = _kkt_tile(k, bos, 0, nval, col0 + c, H, K, BK)
+        A00 += tl.dot(k0, tl.trans(k0), input_precision=PREC)
+        if L2:
+            s0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+        if BT >= 32:
+            k1 = _kkt_tile(k, bos, 16, nval, col0 + c, H, K, BK)
+            A10 += tl.dot(k1, tl.trans(k0), input_precision=PREC)
+            A11 += tl.dot(k1, tl.trans(k1), input_precision=PREC)
+            if L2:
+                s1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+        if BT == 64:
+            k2 = _kkt_tile(k, bos, 32, nval, col0 + c, H, K, BK)
+            k3 = _kkt_tile(k, bos, 48, nval, col0 + c, H, K, BK)
+            A20 += tl.dot(k2, tl.trans(k0), input_precision=PREC)
+            A21 += tl.dot(k2, tl.trans(k1), input_precision=PREC)
+            A22 += tl.dot(k2, tl.trans(k2), input_precision=PREC)
+            A30 += tl.dot(k3, tl.trans(k0), input_precision=PREC)
+            A31 += tl.dot(k3, tl.trans(k1), input_precision=PREC)
+            A32 += tl.dot(k3, tl.trans(k2), input_precision=PREC)
+            A33 += tl.dot(k3, tl.trans(k3), input_precision=PREC)
+            if L2:
+                s2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+                s3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+    # 2. row/column scales (beta, l2 norms: the reference's epsilon under the root) and the decays
+    if L2:
+        rk0, rk1, rk2, rk3 = tl.rsqrt(s0 + 1e-6), tl.rsqrt(s1 + 1e-6), tl.rsqrt(s2 + 1e-6), tl.rsqrt(s3 + 1e-6)
+    else:
+        rk0 = tl.full([16], 1.0, tl.float32)
+        rk1, rk2, rk3 = rk0, rk0, rk0
+    A00 = _kkt_scale(A00, hi0, lo0, bb0 * rk0, hi0, lo0, rk0, True)
+    T00 = _solve_doubling(A00, 16, SPREC)
+    _put16(p_T, T00, 0, 0, BT)
+    if BT >= 32:
+        A10 = _kkt_scale(A10, hi1, lo1, bb1 * rk1, hi0, lo0, rk0, False)
+        A11 = _kkt_scale(A11, hi1, lo1, bb1 * rk1, hi1, lo1, rk1, True)
+        # 3. block rows of T, each from the diagonal inverse and the rows above it
+        T11 = _solve_doubling(A11, 16, SPREC)
+        T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=SPREC), input_precision=SPREC)
+        _put16(p_T, T10, 16, 0, BT)
+        _put16(p_T, T11, 16, 16, BT)
+        _put16(p_T, z, 0, 16, BT)
+    if BT == 64:
+        A20 = _kkt_scale(A20, hi2, lo2, bb2 * rk2, hi0, lo0, rk0, False)
+        A21 = _kkt_scale(A21, hi2, lo2, bb2 * rk2, hi1, lo1, rk1, False)
+        A22 = _kkt_scale(A22, hi2, lo2, bb2 * rk2, hi2, lo2, rk2, True)
+        T22 = _solve_doubling(A22, 16, SPREC)
+        T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=SPREC), input_precision=SPREC)
+        T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=SPREC) + tl.dot(A21, T10, input_precision=SPREC),
+                      input_precision=SPREC)
+        A30 = _kkt_scale(A30, hi3, lo3, bb3 * rk3, hi0, lo0, rk0, False)
+        A31 = _kkt_scale(A31, hi3, lo3, bb3 * rk3, hi1, lo1, rk1, False)
+        A32 = _kkt_scale(A32, hi3, lo3, bb3 * rk3, hi2, lo2, rk2, False)
+        A33 = _kkt_scale(A33, hi3, lo3, bb3 * rk3, hi3, lo3, rk3, True)
+        T33 = _solve_doubling(A33, 16, SPREC)
+        T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=SPREC), input_precision=SPREC)
+        T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=SPREC) + tl.dot(A32, T21, input_precision=SPREC),
+                      input_precision=SPREC)
+        T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=SPREC) + tl.dot(A31, T10, input_precision=SPREC)
+                      + tl.dot(A32, T20, input_precision=SPREC), input_precision=SPREC)
+        _put16(p_T, T20, 32, 0, BT)
+        _put16(p_T, T21, 32, 16, BT)
+        _put16(p_T, T22, 32, 32, BT)
+        _put16(p_T, T30, 48, 0, BT)
+        _put16(p_T, T31, 48, 16, BT)
+        _put16(p_T, T32, 48, 32, BT)
+        _put16(p_T, T33, 48, 48, BT)
+        for c0 in tl.static_range(32, 64, 16):  # the upper blocks of rows 0-31
+            _put16(p_T, z, 0, c0, BT)
+            _put16(p_T, z, 16, c0, BT)
+        _put16(p_T, z, 32, 48, BT)
 
 
 # ---------------------------------------------------------------------------------------------------------------
