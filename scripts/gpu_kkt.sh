@@ -23,10 +23,10 @@ case ${1:-sweep} in
     G="[{}, {$K, \"kkt_warps\": 1, \"kkt_bk\": 32}, {$K, \"kkt_warps\": 1, \"kkt_bk\": 64}, {$K, \"kkt_warps\": 2, \"kkt_bk\": 32},
         {$K, \"kkt_warps\": 2, \"kkt_bk\": 64}, {$K, \"kkt_warps\": 1, \"kkt_bk\": 16}, {}, {$K, \"kkt_warps\": 1, \"kkt_bk\": 32}]"
     for s in 4,4096,16,128 1,32768,32,128 8,2048,32,128; do
-      timeout 100 python3 scripts/gpu_tune_gdn.py --grid "$G" --grid-fwd-only --shape $s \
-        --json "$OUT/kkt_pick_${s//,/_}.json" --max-seconds 80
+      timeout 75 python3 scripts/gpu_tune_gdn.py --grid "$G" --grid-fwd-only --shape $s \
+        --json "$OUT/kkt_pick_${s//,/_}.json" --max-seconds 55
     done
-    timeout 90 python3 scripts/gpu_profile_fwd.py --no-fla --shapes 4,4096,16,128 8,2048,32,128 \
+    timeout 60 python3 scripts/gpu_profile_fwd.py --no-fla --shapes 4,4096,16,128 \
       --tune prep_kkt=True kkt_warps=1 kkt_bk=32
     ;;
   check)
