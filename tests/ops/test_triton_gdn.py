@@ -103,9 +103,11 @@ def test_kblock_backward_four_key_blocks_match_float64(interp_results):
 
 
 # the forward prep plans (gdn.TUNE prep_variant), the other plan's kernel blocked: K-blocked (default) at several
-# chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once
+# chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once;
+# A and T in one launch (prep_kkt, the default) against A then the solve, at four key blocks and at chunk sizes 32, 16
 PREP_CASES = ["prep_kblock_bk32_gva2_T200", "prep_kblock_bk32_varlen_nol2", "prep_kblock_bk32_fp16_varlen_gva2_T150",
-              "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200"]
+              "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200", "prep_a_then_solve_gva2_T200",
+              "prep_kkt_bk16_varlen", "prep_kkt_bt32_gva2_varlen", "prep_kkt_bt16_gva2_varlen"]
 
 
 @pytest.mark.parametrize("case", PREP_CASES)
@@ -250,6 +252,23 @@ def test_whole_k_state_kernels_refuse_four_warps_on_cuda(monkeypatch, key):
     assert gdn._state_warps(key, 128, torch.device("cpu")) == 4
     monkeypatch.setitem(gdn.TUNE, key, None)
     assert gdn._state_warps(key, 128, torch.device("cuda")) == 8
+
+
+def test_kkt_settings_are_clear_errors(monkeypatch):
+    """gdn.TUNE prep_kkt needs the split K-blocked prep, and kkt_prec is one of three dot precisions."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "prep_kkt", True)
+    monkeypatch.setitem(gdn.TUNE, "prep_split", False)
+    with pytest.raises(ValueError, match=r"TUNE\['prep_kkt'\] needs the split K-blocked prep .*prep_split=False"):
+        gdn._use_kkt()
+    monkeypatch.setitem(gdn.TUNE, "prep_split", True)
+    assert gdn._use_kkt() is True
+    monkeypatch.setitem(gdn.TUNE, "kkt_prec", "bf16")
+    k = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
+    lay = gdn.layout(None, 1, 64, 64, k.device)
+    with pytest.raises(ValueError, match=r"TUNE\['kkt_prec'\]: expected 'tf32', 'tf32x3' or 'ieee', got 'bf16'"):
+        gdn._kkt_launch(k, k[..., 0].float(), k[..., 0], k, lay, 1, 1, 64, 64, True, "tf32")
 
 
 def test_unknown_solve_is_a_clear_error(monkeypatch):

@@ -59,7 +59,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": False, "kkt_warps": 4, "kkt_bk": 64,
+        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
         "kkt_prec": "tf32"}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
@@ -104,7 +104,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   blocks by doubling, T's block rows by tensor-core dots at solve_prec), so A never goes to memory and stage 1
 #   makes Qg, Kd and P alone (split K-blocked prep only); kkt_warps / kkt_bk: its warps and key block; kkt_prec:
 #   its solve's dot precision for 16-bit inputs ("tf32", "tf32x3" or "ieee"; T is stored in 16 bits for them;
-#   fp32 inputs always take "ieee")
+#   fp32 inputs always take "ieee"). Default since 2026-11-24 21:42 (H100, bf16 forward, `scripts/gpu_kkt.sh`):
+#   B4 T4096 H16 0.974 -> 0.907 ms, B1 T32768 H32 4.31 -> 4.11, B8 T2048 H32 1.89 -> 1.78; kernels 748 -> 682 us
+#   at B4 T4096 (`_kkt_solve` 96 us against stage 2's 132 plus 52 of A in stage 1); 1 warp at key block 32 (sm_90:
+#   240 registers, no spills; 4 warps 1.000 ms, 8 warps 1.205, tf32x3 1.221, ieee 1.066)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)

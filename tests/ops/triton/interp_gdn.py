@@ -112,6 +112,16 @@ def plan_case(gen, tune: dict, blocked: tuple[str, ...], **kw):
             setattr(kern, n, fn)
 
 
+def bt_case(gen, bt: int, **kw):
+    """run_case with the chunk size forced to bt (gdn._bt_for), the split prep's solve blocked."""
+    saved = _gdn._bt_for
+    _gdn._bt_for = lambda K, V, dtype, save: bt
+    try:
+        return plan_case(gen, dict(prep_kkt=True), ("_prep_fwd",), **kw)
+    finally:
+        _gdn._bt_for = saved
+
+
 def no_grad_case(gen, *, B, T, H, HV, K, V):
     """Inference (no autograd: the kernels keep no intermediates), with an initial and a final state."""
     xs = inputs(gen, B, T, H, HV, K, V, B, True, torch.float32)
@@ -200,9 +210,9 @@ def main() -> int:
     res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
     _gdn.TUNE["fwd_split_o"] = True
     # the other prep plan: one launch, the diagonal inversions one after another
-    _gdn.TUNE.update(prep_split=False, solve_interleave=False)
+    _gdn.TUNE.update(prep_split=False, solve_interleave=False, prep_kkt=False)
     res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    _gdn.TUNE.update(prep_split=True, solve_interleave=True)
+    _gdn.TUNE.update(prep_split=True, solve_interleave=True, prep_kkt=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # log-decays down to -30 a step: every exponent must keep its own precision, not |b|'s (`_cum_split`)
     res["decay30_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=30.0)
@@ -248,10 +258,20 @@ def main() -> int:
                                                               T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                               cu=[0, 15, 150], dtype=torch.float16)
     res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=16,
-                                                                  prep_split=False), kb, B=1, T=130, H=1, HV=2,
+                                                                  prep_split=False, prep_kkt=False), kb, B=1, T=130, H=1, HV=2,
                                                         K=64, V=64, l2=True, h0=True)
-    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole"), whole, B=1, T=200, H=1, HV=2, K=64,
+    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole", prep_kkt=False), whole, B=1, T=200, H=1, HV=2, K=64,
                                             V=128, l2=True, h0=True)
+    # A and T (gdn.TUNE prep_kkt, the default: `_kkt_solve`) against the split prep's A, then its solve (stage 2,
+    # `_kkt_solve` blocked); `_kkt_solve` at four key blocks of 16 over varlen, and at chunk sizes 32 and 16 (its
+    # two- and one-block forms; the chunk size is forced, as when the 64-token kernels do not fit a device)
+    res["prep_a_then_solve_gva2_T200"] = plan_case(gen, dict(prep_kkt=False), kb + ("_kkt_solve",), B=1, T=200,
+                                                   H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["prep_kkt_bk16_varlen"] = plan_case(gen, dict(prep_kkt=True, kkt_bk=16), kb, B=1, T=280, H=2, HV=2, K=64,
+                                            V=64, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
+    for bt in (32, 16):
+        res[f"prep_kkt_bt{bt}_gva2_varlen"] = bt_case(gen, bt, B=1, T=100, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                      cu=[0, 1, 40, 100])
     # the inference forward (fwd_variant "lean"), output split (`_out_fwd_raw`) and inline, each at GVA 2 over 3
     # chunks, varlen without l2norm (1, 15, 64, 70, 130 tokens), fp16 inputs with varlen and GVA, and T = 1; the
     # split plan also at K 64 V 128 GVA 4 without initial state, with its prep at two key blocks of 32, and with
@@ -270,9 +290,9 @@ def main() -> int:
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
     # the doubling solves (gdn.TUNE solve): whole tile and 16 x 16 diagonal blocks, in the training prep (forward and
     # every gradient, GVA 2 over 4 chunks with V 128) and in the lean prep (whole tile: A never leaves registers)
-    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling"), ("_prep_fwd",), B=1, T=200, H=1, HV=2,
+    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling", prep_kkt=False), ("_prep_fwd",), B=1, T=200, H=1, HV=2,
                                                 K=64, V=128, l2=True, h0=True)
-    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16"), ("_prep_fwd",), B=1, T=150, H=1, HV=2,
+    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16", prep_kkt=False), ("_prep_fwd",), B=1, T=150, H=1, HV=2,
                                                K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
