@@ -257,11 +257,11 @@ def main() -> int:
     res["prep_kblock_bk32_fp16_varlen_gva2_T150"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1,
                                                               T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                               cu=[0, 15, 150], dtype=torch.float16)
-    res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=16,
-                                                                  prep_split=False, prep_kkt=False), kb, B=1, T=130, H=1, HV=2,
-                                                        K=64, V=64, l2=True, h0=True)
-    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole", prep_kkt=False), whole, B=1, T=200, H=1, HV=2, K=64,
-                                            V=128, l2=True, h0=True)
+    one_launch = dict(prep_variant="kblock", prep_bk=16, prep_split=False, prep_kkt=False)
+    res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, one_launch, kb, B=1, T=130, H=1, HV=2, K=64, V=64,
+                                                        l2=True, h0=True)
+    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole", prep_kkt=False), whole, B=1, T=200, H=1,
+                                            HV=2, K=64, V=128, l2=True, h0=True)
     # A and T (gdn.TUNE prep_kkt, the default: `_kkt_solve`) against the split prep's A, then its solve (stage 2,
     # `_kkt_solve` blocked); `_kkt_solve` at four key blocks of 16 over varlen, and at chunk sizes 32 and 16 (its
     # two- and one-block forms; the chunk size is forced, as when the 64-token kernels do not fit a device)
@@ -290,10 +290,10 @@ def main() -> int:
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
     # the doubling solves (gdn.TUNE solve): whole tile and 16 x 16 diagonal blocks, in the training prep (forward and
     # every gradient, GVA 2 over 4 chunks with V 128) and in the lean prep (whole tile: A never leaves registers)
-    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling", prep_kkt=False), ("_prep_fwd",), B=1, T=200, H=1, HV=2,
-                                                K=64, V=128, l2=True, h0=True)
-    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16", prep_kkt=False), ("_prep_fwd",), B=1, T=150, H=1, HV=2,
-                                               K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
+    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling", prep_kkt=False), ("_prep_fwd",), B=1,
+                                                T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16", prep_kkt=False), ("_prep_fwd",), B=1,
+                                               T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
     # the forward keeps Qg and Kd (gdn.TUNE bwd_raw_qk off; the default reads raw q and k, RAW): the state backward
