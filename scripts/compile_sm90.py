@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     common = dict(K=args.k, V=args.v, BT=args.bt, L2=True, PREC=prec)
     i32 = "i32"
     prep_ptrs = dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", Tout=sd, Wbuf=sd, Ubuf=sd, Qg=sd, Kd=sd,
-                     Pb=sd, cu=i32, chunk_seq=i32, chunk_start=i32)
+                     Pb=sd, RK="fp32", cu=i32, chunk_seq=i32, chunk_start=i32)
     prep_ints = dict(H=i32, HV=i32, scale="fp32")
     jobs = {
         f"_prep_fwd(stage {st}{' il' if il else ''}{' lowp' if lp else ''})": (
@@ -160,11 +160,11 @@ def main(argv=None) -> int:
                                   hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
             dict(NCH=i32, scale="fp32", H=i32, HV=i32),
             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=not out, LOWP=lowp, OUT=out, RAWK=True), 2)
-    for bv in (64, 128):
-        jobs[f"_out_fwd_raw(BV {bv})"] = (
-            kern._out_fwd_raw, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, cu=i32, chunk_seq=i32,
-                                    chunk_start=i32), dict(scale="fp32", H=i32, HV=i32),
-            dict(common, BV=min(bv, args.v), LOWP=lowp), 1)
+    for bv, sp in ((64, False), (128, False), (64, True), (128, True)):  # STORE_P: the raw-output training forward
+        jobs[f"_out_fwd_raw(BV {bv}{' store P' if sp else ''})"] = (
+            kern._out_fwd_raw, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, Pb=sd, cu=i32,
+                                    chunk_seq=i32, chunk_start=i32), dict(scale="fp32", H=i32, HV=i32),
+            dict(common, BV=min(bv, args.v), LOWP=lowp, STORE_P=sp), 1)
     for ph in (1, 2):
         jobs[f"_chunk_bwd(phase {ph})"] = (
             kern._chunk_bwd, dict(q=dt, k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,

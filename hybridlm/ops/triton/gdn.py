@@ -60,7 +60,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
-        "kkt_prec": "tf32"}
+        "kkt_prec": "tf32", "fwd_raw_out": False, "rawout_bv": 64, "rawout_warps": 8}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -108,6 +108,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   B4 T4096 H16 0.974 -> 0.907 ms, B1 T32768 H32 4.31 -> 4.11, B8 T2048 H32 1.89 -> 1.78; kernels 748 -> 682 us
 #   at B4 T4096 (`_kkt_solve` 96 us against stage 2's 132 plus 52 of A in stage 1); 1 warp at key block 32 (sm_90:
 #   240 registers, no spills; 4 warps 1.000 ms, 8 warps 1.205, tf32x3 1.221, ieee 1.066)
+# fwd_raw_out: the training forward without the prep's stage 1 (needs prep_kkt, fwd_split_o and bwd_raw_qk):
+#   stage 3 also writes Kd and the key norms, and the output launch (`_out_fwd_raw`, rawout_bv / rawout_warps)
+#   makes Q's scales and P from the raw q and k, storing P for the backward: fla's launch structure (A and T; W and
+#   U; the state pass; the output), with no Qg written
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -330,9 +334,11 @@ def _fwd_impl(
     hb = torch.empty(NCb, HV, K, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     vn = torch.empty(Ttot, HV, V, device=dev, dtype=sd) if keep else q.new_empty(0, dtype=sd)
     prec = _prec(q.dtype)
-    Qg = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    raw_out = _use_raw_out(save)
+    Qg = torch.empty(0 if raw_out else Ttot, HV, K, device=dev, dtype=sd)
     Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
-    Pb = torch.empty(NCb, HV, BT, BT, device=dev, dtype=sd)
+    Pb = torch.empty(NCb if save or not raw_out else 0, HV, BT, BT, device=dev, dtype=sd)
+    rk = torch.empty(Ttot if raw_out else 0, HV, device=dev, dtype=f32)  # the keys' inverse norms, for the output
     if nc > 0:
         pw = TUNE["prep_warps"] or 8
         stages = ((1, TUNE["prep1_warps"] or pw), (2, TUNE["solve_warps"]), (3, TUNE["prep3_warps"] or pw)) \
@@ -342,11 +348,13 @@ def _fwd_impl(
             if kkt and stage == 2:
                 _kkt_launch(k, g, beta, Tb, lay, H, HV, K, BT, use_qk_l2norm, prec)
                 continue
+            if raw_out and stage == 1:  # Kd comes from stage 3, P from the output launch
+                continue
             fn[(nc, HV)](
-                q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+                q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, rk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
-                num_stages=TUNE["prep_stages"], WITH_A=not kkt, **extra, **_solve_args(fn),
+                num_stages=TUNE["prep_stages"], WITH_A=not kkt, KD=raw_out, **extra, **_solve_args(fn),
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
@@ -357,7 +365,10 @@ def _fwd_impl(
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
         OUT=not split,
     )
-    if split:
+    if raw_out:
+        _raw_output_pass(q, k, g, rk, hb, vn, o, Pb, lay, H, HV, K, V, BT, scale, use_qk_l2norm, prec,
+                         TUNE["fwd_lowp"] and sd != f32, save)
+    elif split:
         _output_pass(Qg, Pb, hb, vn, o, lay, HV, K, V, BT, prec, TUNE["fwd_lowp"] and sd != f32)
     if save and TUNE["bwd_raw_qk"]:  # the backward reads raw q and k instead (`_recur_bwd` RAW)
         Qg, Kd = q.new_empty(0, dtype=sd), q.new_empty(0, dtype=sd)
@@ -409,12 +420,39 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
     if split and nc > 0:
         BVo = min(TUNE["out_bv"], V)
         kern._out_fwd_raw[(V // BVo, nc, HV)](
-            q, k, g, rk, hb, vn, o, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+            q, k, g, rk, hb, vn, o, vn, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=BVo, PREC=prec, LOWP=lowp, L2=use_qk_l2norm,
             num_warps=TUNE["out_warps"], num_stages=1,
         )
     e = lambda dt: q.new_empty(0, dtype=dt)  # noqa: E731 (distinct: custom-op outputs may not alias)
     return o, ht, e(f32), e(sd), e(sd), e(sd), e(sd), e(sd), e(sd)
+
+
+def _use_raw_out(save: bool) -> bool:
+    """Whether the training forward skips the prep's stage 1 (TUNE fwd_raw_out): stage 3 writes Kd and the key
+    norms, and the output launch makes P from the raw q and k (`_out_fwd_raw`, storing P when the backward needs
+    it). That needs A from `_kkt_solve`, the output in its own launch, and (with a backward) a backward that reads
+    the raw q and k, since no Qg is made."""
+    if not TUNE["fwd_raw_out"]:
+        return False
+    need = dict(prep_kkt=True, fwd_split_o=True, **({"bwd_raw_qk": True} if save else {}))
+    bad = {key: TUNE[key] for key, want in need.items() if TUNE[key] is not want}
+    if bad:
+        raise ValueError(f"TUNE['fwd_raw_out'] needs {need}, got {bad}")
+    return True
+
+
+def _raw_output_pass(q, k, g, rk, hb, vn, o, Pb, lay: Layout, H: int, HV: int, K: int, V: int, BT: int,
+                     scale: float, l2: bool, prec: str, lowp: bool, save: bool) -> None:
+    """O of every chunk at once from the raw q and k (`_out_fwd_raw`); with save also P into Pb."""
+    if lay.nc == 0:
+        return
+    BV = min(TUNE["rawout_bv"], V)
+    kern._out_fwd_raw[(V // BV, lay.nc, HV)](
+        q, k, g, rk, hb, vn, o, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, L2=l2, STORE_P=save,
+        num_warps=TUNE["rawout_warps"], num_stages=1,
+    )
 
 
 def _use_kkt() -> bool:

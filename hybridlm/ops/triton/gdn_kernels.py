@@ -404,47 +404,57 @@ def _prep_ap_blk(q, k, g, beta, Tbuf, Qg, Kd, Pb, blk, bos, nval, ihv, ih, scale
 
 
 @triton.jit
-def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K: tl.constexpr,
+def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, Kd, RK, blk, bos, nval, ihv, ih, H, HV, K: tl.constexpr,
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
-                 PREC: tl.constexpr, LOWP: tl.constexpr):
+                 PREC: tl.constexpr, LOWP: tl.constexpr, KD: tl.constexpr):
     """Stage 3 of one chunk: W = T diag(beta rk gamma) K by K blocks, U = T diag(beta) V by V blocks (T from
-    Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands)."""
+    Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands). With KD also Kd = K^ e^{bL - b} from the same
+    k tiles, and the keys' inverse norms rk to RK [tokens, HV] (the raw-output forward has no stage 1)."""
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
-    gc, gcl, _gL, _ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
+    gc, gcl, _gL, ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
+    if KD:
+        tl.store(RK + r64 * HV + ihv, rk, mask=rmask)
     Tm = tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :])
-    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP)
+    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP,
+               Kd, rk * tl.exp(ged), KD)
 
 
 @triton.jit
 def _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, s_w, bb, ihv, ih, H, HV, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, Kd, s_k,
+               KD: tl.constexpr):
     """W = T diag(s_w) K by K blocks (s_w = beta rk gamma), U = T diag(beta) V by V blocks (Tm: T, fp32, or 16-bit
-    with LOWP)."""
+    with LOWP); with KD also Kd = diag(s_k) K (s_k = rk e^{bL - b}) from the same tiles."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     Tm_d = _op(Tm, DT, LOWP)
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
-        b_kb = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32) * s_w[:, None]
-        b_W = tl.dot(Tm_d, _op(b_kb, DT, LOWP), input_precision=PREC)
-        tl.store(Wbuf + (r64[:, None] * HV + ihv) * K + offs[None, :], b_W.to(DT), mask=rmask[:, None])
+        b_raw = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32)
+        b_W = tl.dot(Tm_d, _op(b_raw * s_w[:, None], DT, LOWP), input_precision=PREC)
+        krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
+        tl.store(Wbuf + krow, b_W.to(DT), mask=rmask[:, None])
+        if KD:
+            tl.store(Kd + krow, (b_raw * s_k[:, None]).to(Kd.dtype.element_ty), mask=rmask[:, None])
     _tu_blk(Tm_d, v, bb, Ubuf, r64, rmask, ihv, HV, V, BV, PREC, LOWP)
 
 
 @triton.jit
 def _prep_fwd_blk(
-    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
+    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, RK, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
     DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee", WITH_A: tl.constexpr = True,
+    KD: tl.constexpr = False,
 ):
     """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
     (`_prep_ap_blk`, A to Tbuf; without WITH_A no A: `_kkt_solve` then replaces stage 2), 2 the solve
-    T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit copy), 3 W, U (`_prep_wu_blk`, T from Tout);
-    0 all three in one launch. LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
+    T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit copy), 3 W, U (`_prep_wu_blk`, T from Tout;
+    with KD also Kd and the key norms RK, for the raw-output forward that skips stage 1); 0 all three in one launch.
+    LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -460,8 +470,8 @@ def _prep_fwd_blk(
     if STAGE == 0:
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 3:
-        _prep_wu_blk(k, v, g, beta, Tout, Wbuf, Ubuf, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2, PREC,
-                     LOWP)
+        _prep_wu_blk(k, v, g, beta, Tout, Wbuf, Ubuf, Kd, RK, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2,
+                     PREC, LOWP, KD and STAGE == 3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -667,7 +677,8 @@ def _prep_lean(
     else:
         tl.debug_barrier()  # A's rows are in memory before the solve reads them
         Tm = _solve_tile(p_T, BT, INTERLEAVE, DOUBLING == 2, SPREC)
-    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP)
+    _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP,
+               Wbuf, bb, False)
 
 
 @triton.jit
@@ -690,12 +701,13 @@ def _q_raw_scaled(q, b_k, rk, gc, gcl, bos, Tn, t0, col0, stride, scale, K: tl.c
 
 @triton.jit
 def _out_fwd_raw(
-    q, k, g, RK, hbuf, vnbuf, o, cu, chunk_seq, chunk_start, scale,
+    q, k, g, RK, hbuf, vnbuf, o, Pb, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOWP: tl.constexpr, L2: tl.constexpr,
+    LOWP: tl.constexpr, L2: tl.constexpr, STORE_P: tl.constexpr = False,
 ):
     """`_out_fwd` from the raw q and k and the key norms RK (the lean forward keeps no Qg or P):
-    O = diag(qs) Q S + P Vn of one chunk and V block (grid V/BV x chunks x HV; `_q_raw_scaled`)."""
+    O = diag(qs) Q S + P Vn of one chunk and V block (grid V/BV x chunks x HV; `_q_raw_scaled`). STORE_P (the
+    raw-output training forward): the first V block's program also writes P to Pb for the backward."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     iv = tl.program_id(0)
     ic = tl.program_id(1)
@@ -706,6 +718,10 @@ def _out_fwd_raw(
     rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
     b_k = _seq_load(k, bos, nval, 0, ih * K, H * K, BT, K)
     b_q, qs, P = _q_raw_scaled(q, b_k, rk, gc, gcl, bos, nval, 0, ih * K, H * K, scale, K, BT, L2, PREC)
+    if STORE_P:
+        if iv == 0:
+            tl.store(Pb + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :],
+                     P.to(Pb.dtype.element_ty))
     offs_k = tl.arange(0, K)
     offs_v = iv * BV + tl.arange(0, BV)
     S = tl.load(hbuf + (ic * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :])
