@@ -104,10 +104,12 @@ def test_kblock_backward_four_key_blocks_match_float64(interp_results):
 
 # the forward prep plans (gdn.TUNE prep_variant), the other plan's kernel blocked: K-blocked (default) at several
 # chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once;
-# A and T in one launch (prep_kkt, the default) against A then the solve, at four key blocks and at chunk sizes 32, 16
+# A and T in one launch (prep_kkt, the default) against A then the solve, at four key blocks and at chunk sizes 32, 16;
+# the forward without stage 1 (fwd_raw_out, the default: P from the output launch) against the one with it
 PREP_CASES = ["prep_kblock_bk32_gva2_T200", "prep_kblock_bk32_varlen_nol2", "prep_kblock_bk32_fp16_varlen_gva2_T150",
               "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200", "prep_a_then_solve_gva2_T200",
-              "prep_kkt_bk16_varlen", "prep_kkt_bt32_gva2_varlen", "prep_kkt_bt16_gva2_varlen"]
+              "prep_kkt_bk16_varlen", "prep_kkt_bt32_gva2_varlen", "prep_kkt_bt16_gva2_varlen",
+              "stage1_prep_gva2_T200", "raw_out_bv32_varlen_gva2"]
 
 
 @pytest.mark.parametrize("case", PREP_CASES)
@@ -269,6 +271,22 @@ def test_kkt_settings_are_clear_errors(monkeypatch):
     lay = gdn.layout(None, 1, 64, 64, k.device)
     with pytest.raises(ValueError, match=r"TUNE\['kkt_prec'\]: expected 'tf32', 'tf32x3' or 'ieee', got 'bf16'"):
         gdn._kkt_launch(k, k[..., 0].float(), k[..., 0], k, lay, 1, 1, 64, 64, True, "tf32")
+
+
+def test_raw_out_needs_its_plan(monkeypatch):
+    """gdn.TUNE fwd_raw_out needs A from `_kkt_solve`, the output in its own launch, and (training) a backward from
+    the raw q and k: any other setting is a clear error naming it."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "fwd_raw_out", True)
+    assert gdn._use_raw_out(save=True) is True
+    monkeypatch.setitem(gdn.TUNE, "bwd_raw_qk", False)
+    with pytest.raises(ValueError, match=r"TUNE\['fwd_raw_out'\] needs .*got \{'bwd_raw_qk': False\}"):
+        gdn._use_raw_out(save=True)
+    assert gdn._use_raw_out(save=False) is True  # no backward: Qg is never needed
+    monkeypatch.setitem(gdn.TUNE, "fwd_split_o", False)
+    with pytest.raises(ValueError, match=r"got \{'fwd_split_o': False\}"):
+        gdn._use_raw_out(save=False)
 
 
 def test_unknown_solve_is_a_clear_error(monkeypatch):

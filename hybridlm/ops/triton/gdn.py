@@ -60,7 +60,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
-        "kkt_prec": "tf32", "fwd_raw_out": False, "rawout_bv": 64, "rawout_warps": 8}
+        "kkt_prec": "tf32", "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -111,7 +111,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 # fwd_raw_out: the training forward without the prep's stage 1 (needs prep_kkt, fwd_split_o and bwd_raw_qk):
 #   stage 3 also writes Kd and the key norms, and the output launch (`_out_fwd_raw`, rawout_bv / rawout_warps)
 #   makes Q's scales and P from the raw q and k, storing P for the backward: fla's launch structure (A and T; W and
-#   U; the state pass; the output), with no Qg written
+#   U; the state pass; the output), with no Qg written. Default since 2026-11-24 21:53 (H100, bf16 forward,
+#   `scripts/gpu_rawout.sh`, V block 128 at 4 warps): B4 T4096 H16 0.906-0.910 -> 0.876 ms, B1 T32768 H32
+#   4.09-4.14 -> 4.01, B8 T2048 H32 1.78-1.80 -> 1.73 (V block 64 at 8 warps: +5%; V block 32 at 4 warps: a wrong
+#   o, 0.54 off, so V blocks below 64 are refused on CUDA)
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -448,6 +451,9 @@ def _raw_output_pass(q, k, g, rk, hb, vn, o, Pb, lay: Layout, H: int, HV: int, K
     if lay.nc == 0:
         return
     BV = min(TUNE["rawout_bv"], V)
+    if q.is_cuda and BV < min(64, V):
+        raise ValueError(f"TUNE['rawout_bv']: expected >= 64 on CUDA (V block 32 at 4 warps gave a wrong output on "
+                         f"an H100, 2026-11-24), got {TUNE['rawout_bv']}")
     kern._out_fwd_raw[(V // BV, lay.nc, HV)](
         q, k, g, rk, hb, vn, o, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, L2=l2, STORE_P=save,

@@ -274,7 +274,7 @@ def _tu_blk(Tm, v, bb, Ubuf, r64, rmask, ihv, HV, V: tl.constexpr, BV: tl.conste
 
 @triton.jit
 def _prep_fwd(
-    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, cu, chunk_seq, chunk_start, scale,
+    q, k, v, g, beta, Tbuf, Tout, Wbuf, Ubuf, Qg, Kd, Pb, RK, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
@@ -287,7 +287,8 @@ def _prep_fwd(
     l2-normalised here (L2) once for all later kernels.
     STAGE 0 does it all in one launch; 1, 2, 3 are three launches (Qg, Kd, P and A; the solve; W and U), each
     with fewer live tiles, so more programs share a multiprocessor. LOWP: the dots' operands (Q, K, T, V) are
-    rounded to the 16-bit storage dtype (tensor-core rate, fewer registers); T itself is always solved in fp32."""
+    rounded to the 16-bit storage dtype (tensor-core rate, fewer registers); T itself is always solved in fp32.
+    RK is unused (the K-blocked kernel's key-norm output; the launch passes the same arguments to both)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     ic = tl.program_id(0)
     ihv = tl.program_id(1)

@@ -26,6 +26,9 @@ from recompute_check import recompute_case  # noqa: E402
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
 
 F64 = torch.float64
+# the prep as before 2026-11-24 21:42: A staged in memory, then its solve (prep_kkt off), and the prep's stage 1
+# making Qg, Kd and P (fwd_raw_out off); the plans that test the solve or the one-launch and whole-K preps need it
+OLD_PREP = dict(prep_kkt=False, fwd_raw_out=False)
 
 
 def rel(a, b):
@@ -205,14 +208,15 @@ def main() -> int:
     res["K256_V256_T70"] = run_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)  # largest head dims
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
-    _gdn.TUNE["fwd_split_o"] = False  # the output computed inside the sequential kernel (the other launch plan)
+    # the output computed inside the sequential kernel (the other launch plan; it needs the prep's stage 1)
+    _gdn.TUNE.update(fwd_split_o=False, fwd_raw_out=False)
     res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
     res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
-    _gdn.TUNE["fwd_split_o"] = True
+    _gdn.TUNE.update(fwd_split_o=True, fwd_raw_out=True)
     # the other prep plan: one launch, the diagonal inversions one after another
-    _gdn.TUNE.update(prep_split=False, solve_interleave=False, prep_kkt=False)
+    _gdn.TUNE.update(prep_split=False, solve_interleave=False, prep_kkt=False, fwd_raw_out=False)
     res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    _gdn.TUNE.update(prep_split=True, solve_interleave=True, prep_kkt=True)
+    _gdn.TUNE.update(prep_split=True, solve_interleave=True, prep_kkt=True, fwd_raw_out=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # log-decays down to -30 a step: every exponent must keep its own precision, not |b|'s (`_cum_split`)
     res["decay30_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=30.0)
@@ -257,16 +261,25 @@ def main() -> int:
     res["prep_kblock_bk32_fp16_varlen_gva2_T150"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1,
                                                               T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                               cu=[0, 15, 150], dtype=torch.float16)
-    one_launch = dict(prep_variant="kblock", prep_bk=16, prep_split=False, prep_kkt=False)
+    one_launch = dict(prep_variant="kblock", prep_bk=16, prep_split=False, prep_kkt=False, fwd_raw_out=False)
     res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, one_launch, kb, B=1, T=130, H=1, HV=2, K=64, V=64,
                                                         l2=True, h0=True)
-    res["prep_whole_gva2_T200"] = plan_case(gen, dict(prep_variant="whole", prep_kkt=False), whole, B=1, T=200, H=1,
+    res["prep_whole_gva2_T200"] = plan_case(gen, dict(OLD_PREP, prep_variant="whole"), whole, B=1, T=200, H=1,
                                             HV=2, K=64, V=128, l2=True, h0=True)
     # A and T (gdn.TUNE prep_kkt, the default: `_kkt_solve`) against the split prep's A, then its solve (stage 2,
     # `_kkt_solve` blocked); `_kkt_solve` at four key blocks of 16 over varlen, and at chunk sizes 32 and 16 (its
     # two- and one-block forms; the chunk size is forced, as when the 64-token kernels do not fit a device)
-    res["prep_a_then_solve_gva2_T200"] = plan_case(gen, dict(prep_kkt=False), kb + ("_kkt_solve",), B=1, T=200,
-                                                   H=1, HV=2, K=64, V=128, l2=True, h0=True)
+    res["prep_a_then_solve_gva2_T200"] = plan_case(gen, dict(prep_kkt=False, fwd_raw_out=False),
+                                                   kb + ("_kkt_solve",), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True,
+                                                   h0=True)
+    # the training forward with the prep's stage 1 (Qg, Kd, P; gdn.TUNE fwd_raw_out off) and `_out_fwd` reading
+    # them, against the default (no stage 1; `_out_fwd_raw` makes P, here at V block 32: four programs a chunk and
+    # head, the first storing P for the backward), each with the other's output kernel blocked
+    res["stage1_prep_gva2_T200"] = plan_case(gen, dict(fwd_raw_out=False), kb + ("_out_fwd_raw",), B=1, T=200, H=1,
+                                             HV=2, K=64, V=128, l2=True, h0=True)
+    res["raw_out_bv32_varlen_gva2"] = plan_case(gen, dict(fwd_raw_out=True, rawout_bv=32), kb + ("_out_fwd",), B=1,
+                                                T=280, H=1, HV=2, K=64, V=128, l2=True, h0=True,
+                                                cu=[0, 1, 16, 80, 150, 280])
     res["prep_kkt_bk16_varlen"] = plan_case(gen, dict(prep_kkt=True, kkt_bk=16), kb, B=1, T=280, H=2, HV=2, K=64,
                                             V=64, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
     for bt in (32, 16):
@@ -290,16 +303,16 @@ def main() -> int:
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
     # the doubling solves (gdn.TUNE solve): whole tile and 16 x 16 diagonal blocks, in the training prep (forward and
     # every gradient, GVA 2 over 4 chunks with V 128) and in the lean prep (whole tile: A never leaves registers)
-    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(solve="doubling", prep_kkt=False), ("_prep_fwd",), B=1,
+    res["solve_doubling_gva2_T200"] = plan_case(gen, dict(OLD_PREP, solve="doubling"), ("_prep_fwd",), B=1,
                                                 T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
-    res["solve_doubling16_varlen"] = plan_case(gen, dict(solve="doubling16", prep_kkt=False), ("_prep_fwd",), B=1,
+    res["solve_doubling16_varlen"] = plan_case(gen, dict(OLD_PREP, solve="doubling16"), ("_prep_fwd",), B=1,
                                                T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, cu=[0, 15, 150])
     res["lean_solve_doubling_varlen"] = lean_case(gen, dict(fwd_variant="lean", solve="doubling"), B=1, T=150, H=1,
                                                   HV=2, K=64, V=64, cu=[0, 15, 150])
     # the forward keeps Qg and Kd (gdn.TUNE bwd_raw_qk off; the default reads raw q and k, RAW): the state backward
     # from the saved scaled tiles with GVA 2, l2norm and an initial state over 4 chunks; varlen without l2norm; fp16
     # varlen with GVA 2
-    saved = dict(bwd_raw_qk=False)
+    saved = dict(bwd_raw_qk=False, fwd_raw_out=False)
     res["saved_qk_gva2_T200"] = plan_case(gen, saved, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
     res["saved_qk_varlen_nol2"] = plan_case(gen, saved, (), B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
                                             cu=[0, 15, 150])
