@@ -197,6 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-tune", default=None, help="JSON object merged into kda.TUNE before the cases run (for "
                     "example '{\"bk\": 16}')")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
+    ap.add_argument("--seed", type=int, default=None, help="the inputs' seed (default: fresh); with the same --part "
+                    "it repeats an earlier run's inputs case for case")
+    ap.add_argument("--gdn-tune", default=None, help="JSON object merged into gdn.TUNE before the cases run (to "
+                    "compare launch plans on the same --seed)")
     args = ap.parse_args(argv)
     if args.merge:
         return _merge(args.merge)
@@ -210,7 +214,9 @@ def main(argv=None) -> int:
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    seed = torch.seed() % 2**31
+    if args.gdn_tune is not None:
+        _gdn.update_tune(json.loads(args.gdn_tune), "--gdn-tune")
+    seed = torch.seed() % 2**31 if args.seed is None else args.seed
     gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"seed {seed}; device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     cases = []
