@@ -60,7 +60,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
-        "kkt_prec": "tf32", "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4}
+        "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -104,7 +104,8 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   blocks by doubling, T's block rows by tensor-core dots at solve_prec), so A never goes to memory and stage 1
 #   makes Qg, Kd and P alone (split K-blocked prep only); kkt_warps / kkt_bk: its warps and key block; kkt_prec:
 #   its solve's dot precision for 16-bit inputs ("tf32", "tf32x3" or "ieee"; T is stored in 16 bits for them;
-#   fp32 inputs always take "ieee"). Default since 2026-11-24 21:42 (H100, bf16 forward, `scripts/gpu_kkt.sh`):
+#   fp32 inputs always take "ieee"); kkt_diag_prec: the diagonal blocks' doubling alone (None: kkt_prec).
+#   Default since 2026-11-24 21:42 (H100, bf16 forward, `scripts/gpu_kkt.sh`):
 #   B4 T4096 H16 0.974 -> 0.907 ms, B1 T32768 H32 4.31 -> 4.11, B8 T2048 H32 1.89 -> 1.78; kernels 748 -> 682 us
 #   at B4 T4096 (`_kkt_solve` 96 us against stage 2's 132 plus 52 of A in stage 1); 1 warp at key block 32 (sm_90:
 #   240 registers, no spills; 4 warps 1.000 ms, 8 warps 1.205, tf32x3 1.221, ieee 1.066)
@@ -473,13 +474,16 @@ def _use_kkt() -> bool:
 def _kkt_launch(k, g, beta, Tb, lay: Layout, H: int, HV: int, K: int, BT: int, l2: bool, prec: str) -> None:
     """T = (I + A)^{-1} of every chunk and value head into Tb, from k, g and beta (`_kkt_solve`)."""
     bk = key_block(TUNE, "kkt_bk", K)
-    if TUNE["kkt_prec"] not in ("tf32", "tf32x3", "ieee"):
-        raise ValueError(f"TUNE['kkt_prec']: expected 'tf32', 'tf32x3' or 'ieee', got {TUNE['kkt_prec']!r}")
+    for key in ("kkt_prec", "kkt_diag_prec"):
+        if TUNE[key] not in ("tf32", "tf32x3", "ieee") and not (key == "kkt_diag_prec" and TUNE[key] is None):
+            raise ValueError(f"TUNE['{key}']: expected 'tf32', 'tf32x3' or 'ieee', got {TUNE[key]!r}")
     f32 = k.dtype == torch.float32
+    dprec = TUNE["kkt_diag_prec"] or TUNE["kkt_prec"]
     kern._kkt_solve[(lay.nc, HV)](
         k, g, beta, Tb, lay.cu_t, lay.chunk_seq, lay.chunk_start,
         H=H, HV=HV, K=K, BT=BT, BK=min(bk, 32) if f32 else bk, L2=l2, PREC=prec,
-        SPREC="ieee" if f32 else TUNE["kkt_prec"], num_warps=TUNE["kkt_warps"], num_stages=1,
+        SPREC="ieee" if f32 else TUNE["kkt_prec"], DPREC="ieee" if f32 else dprec, num_warps=TUNE["kkt_warps"],
+        num_stages=1,
     )
 
 

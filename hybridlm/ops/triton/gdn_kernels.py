@@ -534,13 +534,14 @@ def _put16(p_T, x, r0, c0, BT: tl.constexpr):
 def _kkt_solve(
     k, g, beta, Tout, cu, chunk_seq, chunk_start,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr,
+    SPREC: tl.constexpr, DPREC: tl.constexpr,
 ):
     """T = (I + A)^{-1}, A = strict_lower(beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}), of one chunk and value head
     (grid chunks x HV), written to Tout ([chunks, HV, BT, BT] row-major, its dtype; upper blocks 0). BT in
     {16, 32, 64}: NB = BT / 16 row blocks; blocks past NB stay zero and are never stored. K K^T is summed from
     raw input-dtype tiles (PREC), the l2 norms entering as row and column scales rk; the solve's dots are fp32
-    at SPREC ("tf32x3": tensor cores at about fp32 accuracy)."""
+    at DPREC for the diagonal blocks' doubling and SPREC for the block rows ("tf32x3": tensor cores at about fp32
+    accuracy; "tf32": one pass, ~1e-3)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -588,13 +589,13 @@ def _kkt_solve(
         rk0 = tl.full([16], 1.0, tl.float32)
         rk1, rk2, rk3 = rk0, rk0, rk0
     A00 = _kkt_scale(A00, hi0, lo0, bb0 * rk0, hi0, lo0, rk0, True)
-    T00 = _solve_doubling(A00, 16, SPREC)
+    T00 = _solve_doubling(A00, 16, DPREC)
     _put16(p_T, T00, 0, 0, BT)
     if BT >= 32:
         A10 = _kkt_scale(A10, hi1, lo1, bb1 * rk1, hi0, lo0, rk0, False)
         A11 = _kkt_scale(A11, hi1, lo1, bb1 * rk1, hi1, lo1, rk1, True)
         # 3. block rows of T, each from the diagonal inverse and the rows above it
-        T11 = _solve_doubling(A11, 16, SPREC)
+        T11 = _solve_doubling(A11, 16, DPREC)
         T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=SPREC), input_precision=SPREC)
         _put16(p_T, T10, 16, 0, BT)
         _put16(p_T, T11, 16, 16, BT)
@@ -603,7 +604,7 @@ def _kkt_solve(
         A20 = _kkt_scale(A20, hi2, lo2, bb2 * rk2, hi0, lo0, rk0, False)
         A21 = _kkt_scale(A21, hi2, lo2, bb2 * rk2, hi1, lo1, rk1, False)
         A22 = _kkt_scale(A22, hi2, lo2, bb2 * rk2, hi2, lo2, rk2, True)
-        T22 = _solve_doubling(A22, 16, SPREC)
+        T22 = _solve_doubling(A22, 16, DPREC)
         T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=SPREC), input_precision=SPREC)
         T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=SPREC) + tl.dot(A21, T10, input_precision=SPREC),
                       input_precision=SPREC)
@@ -611,7 +612,7 @@ def _kkt_solve(
         A31 = _kkt_scale(A31, hi3, lo3, bb3 * rk3, hi1, lo1, rk1, False)
         A32 = _kkt_scale(A32, hi3, lo3, bb3 * rk3, hi2, lo2, rk2, False)
         A33 = _kkt_scale(A33, hi3, lo3, bb3 * rk3, hi3, lo3, rk3, True)
-        T33 = _solve_doubling(A33, 16, SPREC)
+        T33 = _solve_doubling(A33, 16, DPREC)
         T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=SPREC), input_precision=SPREC)
         T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=SPREC) + tl.dot(A32, T21, input_precision=SPREC),
                       input_precision=SPREC)
