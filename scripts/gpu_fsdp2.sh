@@ -6,7 +6,8 @@
 #   two64 / one64: the same pair at 64 rows per GPU (scaling once the GPU is busy)
 #   two325 / one325: the gpu-325m preset (the shape of bench train's model, byte vocabulary), 4 rows x 4096 tokens
 #     per GPU, 30 steps: a model large enough that FSDP's per-block work is not the step
-#   >= 1.8x tokens/s is needed at one of the three pairs
+#   two325nr / two325t: two325 with --no-reshard-after-forward / with --threads 16 (only when RUNS names them)
+#   >= 1.8x tokens/s is needed at one of the pairs
 # tokens/s is each run's summary.json "tokens_per_s": the median over the steps after the first ten.
 # No eval on the way, no sample; the final eval is cut to 64k tokens and the end checkpoints are deleted after.
 #
@@ -50,8 +51,13 @@ for run in ${RUNS:-two16 one32 one16 two64 one64 two325 one325}; do
     two64) train two64 "${TWO[@]}" --batch-size 64 ;;
     one64) train one64 "${ONE[@]}" --batch-size 64 ;;
     two325) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train two325 "${TWO[@]}" --batch-size 4; COMMON=("${C30[@]}") ;;
+    # the 2026-11-24 22:35 leads for two325's 1.08x: one all-gather per block a step; the ranks' CPU threads
+    two325nr) C30=("${COMMON[@]}"); COMMON=("${C325[@]}")
+              train two325nr "${TWO[@]}" --batch-size 4 --no-reshard-after-forward; COMMON=("${C30[@]}") ;;
+    two325t) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train two325t "${TWO[@]}" --batch-size 4 --threads 16
+             COMMON=("${C30[@]}") ;;
     one325) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train one325 "${ONE[@]}" --batch-size 4; COMMON=("${C30[@]}") ;;
-    *) echo "RUNS: unknown run $run (expected two16 one32 one16 two64 one64 two325 one325)"; exit 2 ;;
+    *) echo "RUNS: unknown run $run (expected two16 one32 one16 two64 one64 two325 one325 two325nr two325t)"; exit 2 ;;
   esac
 done
 
@@ -61,7 +67,8 @@ import json, os, sys
 d = sys.argv[1]
 runs = {"two16": "2 GPUs x 16 (FSDP2)", "one32": "1 GPU x 32", "one16": "1 GPU x 16",
         "two64": "2 GPUs x 64 (FSDP2)", "one64": "1 GPU x 64", "two325": "325M: 2 GPUs x 4 x 4096 (FSDP2)",
-        "one325": "325M: 1 GPU x 4 x 4096"}
+        "one325": "325M: 1 GPU x 4 x 4096", "two325nr": "325M: 2 GPUs, --no-reshard-after-forward",
+        "two325t": "325M: 2 GPUs, --threads 16"}
 s = {}
 for name in runs:
     try:
@@ -88,7 +95,8 @@ def ratio(a, b):
 la, lb = s["two16"].get("final_train_loss"), s["one32"].get("final_train_loss")
 diff = abs(la - lb) if la is not None and lb is not None else None
 scales = {"two16 / one16": ratio("two16", "one16"), "two64 / one64": ratio("two64", "one64"),
-          "two325 / one325": ratio("two325", "one325")}
+          "two325 / one325": ratio("two325", "one325"), "two325nr / one325": ratio("two325nr", "one325"),
+          "two325t / one325": ratio("two325t", "one325")}
 best = max((v for v in scales.values() if v), default=None)
 res.update(loss_abs_diff=diff, scalings=scales, scaling_vs_one32=ratio("two16", "one32"))
 ok = diff is not None and diff <= 1e-2 and best is not None and best >= 1.8

@@ -110,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-linear", action="store_true",
                    help="the linear layers' recurrences keep only their inputs and rerun their forward in the "
                    "backward (less memory than the default, far less extra compute than --activation-checkpointing)")
+    g.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="FSDP2 (torchrun): keep each block's gathered parameters from the forward to the backward "
+                   "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
+                   "on every GPU)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the cores not already busy, by the 1-minute load average)")
 
@@ -380,7 +384,9 @@ def train(args) -> dict:
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if dist.enabled:
-        apply_fsdp(model, bf16)
+        apply_fsdp(model, bf16, reshard_after_forward=not args.no_reshard_after_forward)
+    elif args.no_reshard_after_forward:
+        raise TrainError("--no-reshard-after-forward: applies to FSDP2 runs under torchrun; this run has one process")
     fwd_model = torch.compile(model) if args.compile else model
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
 

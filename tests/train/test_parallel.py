@@ -77,3 +77,26 @@ def test_median_tokens_per_s_drops_the_warm_up_steps():
     assert median_tokens_per_s([1.0, 9.0, 3.0, 4.0], warmup=10) == (3.5, 2)  # at most half dropped
     assert median_tokens_per_s([2.0], warmup=10) == (2.0, 1)
     assert median_tokens_per_s([]) == (None, 0)
+
+
+def test_reshard_after_forward_reaches_every_block(small_corpus):
+    """--no-reshard-after-forward: apply_fsdp passes reshard_after_forward=False to each block's fully_shard (the
+    root keeps FSDP's default); a one-process run with the flag is a clear error, not a silently ignored flag."""
+    import argparse
+
+    from hybridlm.train.errors import TrainError
+    from hybridlm.train.main import add_arguments, train
+    from hybridlm.train.parallel import apply_fsdp, find_blocks
+    from hybridlm.train.presets import build_config
+
+    model = HybridLM(build_config("test-micro", None, "cpu")[0])
+    calls = []
+    apply_fsdp(model, True, reshard_after_forward=False, fully_shard=lambda m, **kw: calls.append((m, kw)))
+    assert [m for m, _ in calls] == list(find_blocks(model)) + [model]
+    assert all(kw["reshard_after_forward"] is False for _, kw in calls[:-1])
+    assert "reshard_after_forward" not in calls[-1][1] and "mp_policy" in calls[-1][1]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*ARGS, "--data", small_corpus, "--no-reshard-after-forward"])
+    with pytest.raises(TrainError, match="--no-reshard-after-forward: applies to FSDP2 runs under torchrun"):
+        train(args)
