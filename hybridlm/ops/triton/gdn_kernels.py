@@ -6,10 +6,10 @@ sequence n spans [cu[n], cu[n+1]), and chunks of BT tokens start at each sequenc
 index of sequence n's first chunk. Value head hv reads key head hv // G (GVA).
 
 Per chunk (b = cumsum of g inside the chunk, gamma = e^b, bL = b at the chunk's last token):
-    A = strict_lower(diag(beta) K K^T * e^{b_i - b_j}),   T = (I + A)^{-1}     (forward substitution)
-    W = T diag(beta gamma) K,   U = T diag(beta) V              (kernels `_prep_fwd`, K-blocked `_prep_fwd_blk`)
-    Vn = U - W S,   O = diag(gamma) Q S + (Q K^T * e^{b_i - b_j}, j <= i) Vn     (kernel `_recur_fwd`)
-    S' = e^{bL} S + (K * e^{bL - b})^T Vn
+    A = strict_lower(diag(beta) K K^T * e^{b_i - b_j}),   T = (I + A)^{-1}     (`_kkt_solve`, by 16 x 16 blocks)
+    W = T diag(beta gamma) K,   U = T diag(beta) V              (`_prep_fwd_blk` stage 3, with Kd; or `_prep_fwd`)
+    Vn = U - W S,   S' = e^{bL} S + (K * e^{bL - b})^T Vn        (kernel `_recur_fwd`, serial over chunks)
+    O = diag(gamma) Q S + (Q K^T * e^{b_i - b_j}, j <= i) Vn      (`_out_fwd_raw`, all chunks at once)
 Backward: `_recur_bwd` runs the state-gradient recurrence in reverse (dVn, dS per chunk), then the chunk backward
 turns them into dq, dk, dv, dg, dbeta chunk by chunk (all chunks in parallel): by default `_chunk_bwd_state_blk`
 and `_chunk_bwd_out_blk` (K-blocked), or the whole-K plans `_chunk_bwd_state` / `_chunk_bwd_out`, `_chunk_bwd`.
