@@ -107,6 +107,9 @@ def main(argv=None) -> int:
         jobs[f"_kkt_solve(bk {bk})"] = (
             kern._kkt_solve, dict(k=dt, g="fp32", beta=dt, Tout=sd, cu=i32, chunk_seq=i32, chunk_start=i32),
             dict(H=i32, HV=i32), dict(K=args.k, BT=args.bt, BK=bk, L2=True, PREC=prec, SPREC="tf32", DPREC="tf32"), 1)
+    for sp in ("tf32", "ieee"):  # the in-memory block solve (kda.TUNE solve_blocks)
+        jobs[f"_solve_blocks({sp})"] = (kern._solve_blocks, dict(Tbuf="fp32"), dict(HV=i32),
+                                        dict(BT=args.bt, DPREC=sp, SPREC=sp), 1)
     for sp, mode in ((sp, m) for sp in ("tf32x3", "ieee") for m in (1, 2)):  # gdn.TUNE solve, solve_prec
         jobs[f"_prep_fwd_blk(stage 2 doubling{'16' if mode == 2 else ''} {sp})"] = (
             kern._prep_fwd_blk, prep_ptrs, prep_ints,

@@ -588,30 +588,44 @@ def _kkt_solve(
     else:
         rk0 = tl.full([16], 1.0, tl.float32)
         rk1, rk2, rk3 = rk0, rk0, rk0
-    A00 = _kkt_scale(A00, hi0, lo0, bb0 * rk0, hi0, lo0, rk0, True)
+    # 3. T by blocks, each block of A scaled just before its first use
+    _t_from_blocks(p_T, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, hi0, lo0, bb0 * rk0, rk0,
+                   hi1, lo1, bb1 * rk1, rk1, hi2, lo2, bb2 * rk2, rk2, hi3, lo3, bb3 * rk3, rk3, BT, DPREC, SPREC)
+
+
+@triton.jit
+def _t_from_blocks(p_T, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, hi0, lo0, r0, c0, hi1, lo1, r1, c1,
+                   hi2, lo2, r2, c2, hi3, lo3, r3, c3, BT: tl.constexpr, DPREC: tl.constexpr, SPREC: tl.constexpr):
+    """T = (I + A)^{-1} from the ten lower [16, 16] blocks of an unscaled A (blocks past BT / 16 unused): block IJ
+    is first scaled by `_kkt_scale` (rows r_I, columns c_J, decays e^{b_i - b_j} from the hi/lo parts; the diagonal
+    blocks strictly lower), then T is stored to the chunk's row-major [BT, BT] slot p_T with zeros above the
+    diagonal blocks: the diagonal blocks by doubling at DPREC, block row I from the rows above it at SPREC. Each
+    block is scaled where it is first needed (measured order: scaling all ten first took 255 registers instead of
+    240 at one warp, sm_90)."""
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    A00 = _kkt_scale(A00, hi0, lo0, r0, hi0, lo0, c0, True)
     T00 = _solve_doubling(A00, 16, DPREC)
     _put16(p_T, T00, 0, 0, BT)
     if BT >= 32:
-        A10 = _kkt_scale(A10, hi1, lo1, bb1 * rk1, hi0, lo0, rk0, False)
-        A11 = _kkt_scale(A11, hi1, lo1, bb1 * rk1, hi1, lo1, rk1, True)
-        # 3. block rows of T, each from the diagonal inverse and the rows above it
+        A10 = _kkt_scale(A10, hi1, lo1, r1, hi0, lo0, c0, False)
+        A11 = _kkt_scale(A11, hi1, lo1, r1, hi1, lo1, c1, True)
         T11 = _solve_doubling(A11, 16, DPREC)
         T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=SPREC), input_precision=SPREC)
         _put16(p_T, T10, 16, 0, BT)
         _put16(p_T, T11, 16, 16, BT)
         _put16(p_T, z, 0, 16, BT)
     if BT == 64:
-        A20 = _kkt_scale(A20, hi2, lo2, bb2 * rk2, hi0, lo0, rk0, False)
-        A21 = _kkt_scale(A21, hi2, lo2, bb2 * rk2, hi1, lo1, rk1, False)
-        A22 = _kkt_scale(A22, hi2, lo2, bb2 * rk2, hi2, lo2, rk2, True)
+        A20 = _kkt_scale(A20, hi2, lo2, r2, hi0, lo0, c0, False)
+        A21 = _kkt_scale(A21, hi2, lo2, r2, hi1, lo1, c1, False)
+        A22 = _kkt_scale(A22, hi2, lo2, r2, hi2, lo2, c2, True)
         T22 = _solve_doubling(A22, 16, DPREC)
         T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=SPREC), input_precision=SPREC)
         T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=SPREC) + tl.dot(A21, T10, input_precision=SPREC),
                       input_precision=SPREC)
-        A30 = _kkt_scale(A30, hi3, lo3, bb3 * rk3, hi0, lo0, rk0, False)
-        A31 = _kkt_scale(A31, hi3, lo3, bb3 * rk3, hi1, lo1, rk1, False)
-        A32 = _kkt_scale(A32, hi3, lo3, bb3 * rk3, hi2, lo2, rk2, False)
-        A33 = _kkt_scale(A33, hi3, lo3, bb3 * rk3, hi3, lo3, rk3, True)
+        A30 = _kkt_scale(A30, hi3, lo3, r3, hi0, lo0, c0, False)
+        A31 = _kkt_scale(A31, hi3, lo3, r3, hi1, lo1, c1, False)
+        A32 = _kkt_scale(A32, hi3, lo3, r3, hi2, lo2, c2, False)
+        A33 = _kkt_scale(A33, hi3, lo3, r3, hi3, lo3, c3, True)
         T33 = _solve_doubling(A33, 16, DPREC)
         T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=SPREC), input_precision=SPREC)
         T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=SPREC) + tl.dot(A32, T21, input_precision=SPREC),
@@ -625,10 +639,39 @@ def _kkt_solve(
         _put16(p_T, T31, 48, 16, BT)
         _put16(p_T, T32, 48, 32, BT)
         _put16(p_T, T33, 48, 48, BT)
-        for c0 in tl.static_range(32, 64, 16):  # the upper blocks of rows 0-31
-            _put16(p_T, z, 0, c0, BT)
-            _put16(p_T, z, 16, c0, BT)
+        for c in tl.static_range(32, 64, 16):  # the upper blocks of rows 0-31
+            _put16(p_T, z, 0, c, BT)
+            _put16(p_T, z, 16, c, BT)
         _put16(p_T, z, 32, 48, BT)
+
+
+@triton.jit
+def _solve_blocks(Tbuf, HV, BT: tl.constexpr, DPREC: tl.constexpr, SPREC: tl.constexpr):
+    """T = (I + A)^{-1} in place of A (fp32, one row-major [BT, BT] slot per chunk and value head; grid chunks x
+    HV), by `_t_from_blocks` (its scales all 1, its exponents 0): A's ten lower [16, 16] blocks are read into
+    registers first, so T can overwrite them; entries on and above the diagonal are ignored. For a prep that
+    stages A in memory (KDA's: kda.TUNE solve_blocks), in place of `_solve_ut`'s row substitution and [16, BT]
+    ieee block rows."""
+    p_T = Tbuf + (tl.program_id(0) * HV + tl.program_id(1)).to(tl.int64) * BT * BT
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    A00 = _blk(p_T, 0, 0, BT)
+    A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z
+    if BT >= 32:
+        A10 = _blk(p_T, 16, 0, BT)
+        A11 = _blk(p_T, 16, 16, BT)
+    if BT == 64:
+        A20 = _blk(p_T, 32, 0, BT)
+        A21 = _blk(p_T, 32, 16, BT)
+        A22 = _blk(p_T, 32, 32, BT)
+        A30 = _blk(p_T, 48, 0, BT)
+        A31 = _blk(p_T, 48, 16, BT)
+        A32 = _blk(p_T, 48, 32, BT)
+        A33 = _blk(p_T, 48, 48, BT)
+    tl.debug_barrier()  # every read of A is done before T overwrites it
+    o = tl.zeros([16], dtype=tl.float32)  # no decay (exponent 0) and unit scales: A is already scaled
+    u = o + 1.0
+    _t_from_blocks(p_T, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, o, o, u, u, o, o, u, u, o, o, u, u,
+                   o, o, u, u, BT, DPREC, SPREC)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -64,7 +64,12 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None}
+        "sub_bk": None, "solve_blocks": False}
+# solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
+#   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
+#   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
+#   ieee block rows, 194 us of a 5.74 ms forward+backward at B4 T4096 H16, 2026-11-24 10:48). Not yet timed on a GPU:
+#   off by default
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 
@@ -191,8 +196,14 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=_bk(K, mode), L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
-    kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
-                        num_stages=1)
+    if TUNE["solve_blocks"]:
+        f32 = q.dtype == torch.float32
+        sp = "ieee" if f32 else gdn.TUNE["kkt_prec"]
+        dp = "ieee" if f32 else (gdn.TUNE["kkt_diag_prec"] or sp)
+        kern._solve_blocks[grid](Tb, HV, BT=BT, DPREC=dp, SPREC=sp, num_warps=1, num_stages=1)
+    else:
+        kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],
+                            num_stages=1)
     kk._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64),
                           L2=l2, PREC=prec, LOWP=TUNE["prep_lowp"] and sd != torch.float32,
                           num_warps=TUNE["prep_warps"], num_stages=1)

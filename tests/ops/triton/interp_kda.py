@@ -97,6 +97,23 @@ def launch_plan(**tune):
         _kda.TUNE.update(old)
 
 
+@contextlib.contextmanager
+def _blocked_kda_solve():
+    """`_kda_solve` replaced by a stand-in that fails the case if launched (the plan under test must not use it)."""
+    from hybridlm.ops.triton import kda_kernels as kk
+
+    class Blocked:
+        def __getitem__(self, grid):
+            raise AssertionError("_kda_solve launched, but kda.TUNE solve_blocks is on")
+
+    saved = kk._kda_solve
+    kk._kda_solve = Blocked()
+    try:
+        yield
+    finally:
+        kk._kda_solve = saved
+
+
 def main() -> int:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -174,6 +191,12 @@ def main() -> int:
     with launch_plan(bk=16):
         res["bk16_varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                    cu=[0, 1, 16, 80, 150], decay=30.0)
+    # the UT solve by [16, 16] blocks in registers (kda.TUNE solve_blocks; `_kda_solve` blocked): GVA 2 over varlen
+    # chunks (64-token chunks, partial ones), and K = V = 256, whose fp32 chunks are 32 tokens (two row blocks)
+    with launch_plan(solve_blocks=True), _blocked_kda_solve():
+        res["solve_blocks_varlen_gva2"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                     cu=[0, 15, 150])
+        res["solve_blocks_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # fp16 inputs: the 16-bit paths (W, U, states, Vn, Qg, Kd, P stored in fp16; 16-bit dot operands in the
     # recurrences and the backward). The interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not.
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
