@@ -23,7 +23,9 @@
 # fla, one GPU), fsdp2 (scripts/gpu_fsdp2.sh: two GPUs vs one, loss and tokens/s), kdasan (compute-sanitizer
 # memcheck over the two KDA settings that stopped with an illegal memory access, bwd_lowp off and bwd_warps 4: since
 # 2026-11-24 both are refused on CUDA with a ValueError, so the step now shows that refusal),
-# swiglu (the fused SwiGLU kernel's GPU check and timing row). Any other STEP runs as a bash command.
+# swiglu (the fused SwiGLU kernel's GPU check and timing row), kktacc (scripts/gpu_kkt_accuracy.py: the GDN
+# solve's dot precisions against float64 over 8 seeds), kdasolve (kda.TUNE solve_blocks on both gate kinds).
+# Any other STEP runs as a bash command.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -116,6 +118,12 @@ for spec in "$@"; do
     kdasan) cmd=(bash -c "for v in exact_nolowp dot_w4; do compute-sanitizer --tool memcheck --print-limit 5 \
                  python3 scripts/gpu_kda_state_dot.py --variants \$v --no-time 2>&1 | grep -v 'Host Frame' | head -n 60; done") ;;
     swiglu) cmd=(python3 scripts/gpu_check_glue.py --only swiglu --json "$OUT/swiglu.json") ;;
+    kktacc) cmd=(python3 scripts/gpu_kkt_accuracy.py --seeds 8 --json "$OUT/kkt_acc.json") ;;
+    kdasolve) # KDA's UT solve by blocks (kda.TUNE solve_blocks) against _kda_solve, the bench's gates then a fresh
+          # layer's, ours only
+          cmd=(bash -c "for gates in bench init; do python3 scripts/gpu_tune_kda.py --no-fla --gates \$gates \
+                 --grid '[{}, {\"solve_blocks\": true}, {}, {\"solve_blocks\": true}]' \
+                 --json $OUT/kdasolve_\$gates.json --max-seconds 120; done") ;;
     *) cmd=(bash -c "$step") ;;  # its log is $OUT/cmdN.log (N counts the free-form steps from 1)
   esac
   log=$step
