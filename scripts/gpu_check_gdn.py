@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if args.gdn_tune is not None:
-        _gdn.update_tune(json.loads(args.gdn_tune), "--gdn-tune")
+        _gdn.TUNE.update(tune_settings(_gdn.TUNE, json.loads(args.gdn_tune), "--gdn-tune"))
     seed = torch.seed() % 2**31 if args.seed is None else args.seed
     gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"seed {seed}; device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)

@@ -101,7 +101,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
 #   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
 # prep_kkt: A and its solve in one launch by [16, 16] blocks (`_kkt_solve`: K K^T from k in registers, diagonal
-#   blocks by doubling, T's block rows by tensor-core dots at solve_prec), so A never goes to memory and stage 1
+#   blocks by doubling, T's block rows by tensor-core dots at kkt_prec), so A never goes to memory and stage 1
 #   makes Qg, Kd and P alone (split K-blocked prep only); kkt_warps / kkt_bk: its warps and key block; kkt_prec:
 #   its solve's dot precision for 16-bit inputs ("tf32", "tf32x3" or "ieee"; T is stored in 16 bits for them;
 #   fp32 inputs always take "ieee"); kkt_diag_prec: the diagonal blocks' doubling alone (None: kkt_prec).
@@ -474,17 +474,24 @@ def _use_kkt() -> bool:
 def _kkt_launch(k, g, beta, Tb, lay: Layout, H: int, HV: int, K: int, BT: int, l2: bool, prec: str) -> None:
     """T = (I + A)^{-1} of every chunk and value head into Tb, from k, g and beta (`_kkt_solve`)."""
     bk = key_block(TUNE, "kkt_bk", K)
+    dprec, sprec = block_solve_precs(k.dtype)
+    kern._kkt_solve[(lay.nc, HV)](
+        k, g, beta, Tb, lay.cu_t, lay.chunk_seq, lay.chunk_start,
+        H=H, HV=HV, K=K, BT=BT, BK=min(bk, 32) if k.dtype == torch.float32 else bk, L2=l2, PREC=prec,
+        SPREC=sprec, DPREC=dprec, num_warps=TUNE["kkt_warps"], num_stages=1,
+    )
+
+
+def block_solve_precs(dtype: torch.dtype) -> tuple[str, str]:
+    """(diagonal blocks' precision, block rows' precision) of the [16, 16]-block UT solve (`_t_from_blocks`: GDN's
+    `_kkt_solve`, KDA's `_solve_blocks`) for inputs of `dtype`: IEEE for fp32, else TUNE kkt_diag_prec (None:
+    kkt_prec) and kkt_prec, each checked."""
     for key in ("kkt_prec", "kkt_diag_prec"):
         if TUNE[key] not in ("tf32", "tf32x3", "ieee") and not (key == "kkt_diag_prec" and TUNE[key] is None):
             raise ValueError(f"TUNE['{key}']: expected 'tf32', 'tf32x3' or 'ieee', got {TUNE[key]!r}")
-    f32 = k.dtype == torch.float32
-    dprec = TUNE["kkt_diag_prec"] or TUNE["kkt_prec"]
-    kern._kkt_solve[(lay.nc, HV)](
-        k, g, beta, Tb, lay.cu_t, lay.chunk_seq, lay.chunk_start,
-        H=H, HV=HV, K=K, BT=BT, BK=min(bk, 32) if f32 else bk, L2=l2, PREC=prec,
-        SPREC="ieee" if f32 else TUNE["kkt_prec"], DPREC="ieee" if f32 else dprec, num_warps=TUNE["kkt_warps"],
-        num_stages=1,
-    )
+    if dtype == torch.float32:
+        return "ieee", "ieee"
+    return TUNE["kkt_diag_prec"] or TUNE["kkt_prec"], TUNE["kkt_prec"]
 
 
 def _solve_args(fn) -> dict:

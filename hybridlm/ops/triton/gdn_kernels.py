@@ -519,8 +519,7 @@ def _kkt_scale(A, hi_i, lo_i, bs_i, hi_j, lo_j, rk_j, STRICT: tl.constexpr):
 def _kkt_tile(k, bos, r0, nval, col, H, K: tl.constexpr, BK: tl.constexpr):
     """The raw [16, BK] tile of k at chunk rows r0.. and key columns col.. (input dtype; 0 past the chunk)."""
     rows = r0 + tl.arange(0, 16)
-    p = k + (bos + rows)[:, None] * (H * K) + col + tl.arange(0, BK)[None, :]
-    return tl.load(p, mask=(rows < nval)[:, None], other=0.0)
+    return _load_raw(k, bos + rows, rows < nval, H * K, col, tl.arange(0, BK))
 
 
 @triton.jit

@@ -197,9 +197,7 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
                               BK=_bk(K, mode), L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
                               num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
     if TUNE["solve_blocks"]:
-        f32 = q.dtype == torch.float32
-        sp = "ieee" if f32 else gdn.TUNE["kkt_prec"]
-        dp = "ieee" if f32 else (gdn.TUNE["kkt_diag_prec"] or sp)
+        dp, sp = gdn.block_solve_precs(q.dtype)
         kern._solve_blocks[grid](Tb, HV, BT=BT, DPREC=dp, SPREC=sp, num_warps=1, num_stages=1)
     else:
         kk._kda_solve[grid](Tb, HV, BT=BT, INTERLEAVE=gdn.TUNE["solve_interleave"], num_warps=TUNE["solve_warps"],

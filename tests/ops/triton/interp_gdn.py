@@ -8,6 +8,7 @@ every run (seed printed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -97,22 +98,38 @@ class _Blocked:
         raise AssertionError(f"{self.name} launched, but the plan under test does not use it")
 
 
+@contextlib.contextmanager
+def tune_plan(**tune):
+    """gdn.TUNE with `tune` merged in, restored afterwards."""
+    saved = dict(_gdn.TUNE)
+    _gdn.TUNE.update(tune)
+    try:
+        yield
+    finally:
+        _gdn.TUNE.clear()
+        _gdn.TUNE.update(saved)
+
+
+@contextlib.contextmanager
+def blocked_kernels(module, names: tuple[str, ...]):
+    """The kernels `names` of `module` replaced by `_Blocked` stand-ins, restored afterwards."""
+    saved = {n: getattr(module, n) for n in names}
+    for n in names:
+        setattr(module, n, _Blocked(n))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+
+
 def plan_case(gen, tune: dict, blocked: tuple[str, ...], **kw):
     """run_case under the launch plan `tune`, with the kernels of the other plans blocked (so the case
     fails if the settings silently fall back to another plan); restores TUNE and the kernels afterwards."""
     from hybridlm.ops.triton import gdn_kernels as kern
 
-    saved_tune, saved_kern = dict(_gdn.TUNE), {n: getattr(kern, n) for n in blocked}
-    _gdn.TUNE.update(tune)
-    for n in blocked:
-        setattr(kern, n, _Blocked(n))
-    try:
+    with tune_plan(**tune), blocked_kernels(kern, blocked):
         return run_case(gen, **kw)
-    finally:
-        _gdn.TUNE.clear()
-        _gdn.TUNE.update(saved_tune)
-        for n, fn in saved_kern.items():
-            setattr(kern, n, fn)
 
 
 def bt_case(gen, bt: int, **kw):
@@ -146,19 +163,9 @@ def lean_case(gen, tune: dict, *, B, T, H, HV, K, V, l2=True, cu=None, dtype=tor
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     from hybridlm.ops.triton import gdn_kernels as kern
 
-    saved_tune, saved_kern = dict(_gdn.TUNE), {n: getattr(kern, n) for n in ("_prep_fwd", "_prep_fwd_blk")}
-    _gdn.TUNE.update(tune)
-    for n in saved_kern:
-        setattr(kern, n, _Blocked(n))
-    try:
-        with torch.no_grad():
-            o, ht = chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5] if h0 else None,
-                                           output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2)
-    finally:
-        _gdn.TUNE.clear()
-        _gdn.TUNE.update(saved_tune)
-        for n, fn in saved_kern.items():
-            setattr(kern, n, fn)
+    with tune_plan(**tune), blocked_kernels(kern, ("_prep_fwd", "_prep_fwd_blk")), torch.no_grad():
+        o, ht = chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], initial_state=xs[5] if h0 else None,
+                                       output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2)
     d = [x.to(F64) for x in xs]
     with torch.no_grad():
         o2, ht2 = gated_delta_rule(*d[:3], g=d[3], beta=d[4], initial_state=d[5] if h0 else None,
@@ -209,14 +216,12 @@ def main() -> int:
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
     # the output computed inside the sequential kernel (the other launch plan; it needs the prep's stage 1)
-    _gdn.TUNE.update(fwd_split_o=False, fwd_raw_out=False)
-    res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
-    _gdn.TUNE.update(fwd_split_o=True, fwd_raw_out=True)
+    with tune_plan(fwd_split_o=False, fwd_raw_out=False):
+        res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
+        res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
     # the other prep plan: one launch, the diagonal inversions one after another
-    _gdn.TUNE.update(prep_split=False, solve_interleave=False, prep_kkt=False, fwd_raw_out=False)
-    res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    _gdn.TUNE.update(prep_split=True, solve_interleave=True, prep_kkt=True, fwd_raw_out=True)
+    with tune_plan(**OLD_PREP, prep_split=False, solve_interleave=False):
+        res["one_launch_prep_one_by_one_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True)
     res["T1"] = run_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # log-decays down to -30 a step: every exponent must keep its own precision, not |b|'s (`_cum_split`)
     res["decay30_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=30.0)
@@ -261,7 +266,7 @@ def main() -> int:
     res["prep_kblock_bk32_fp16_varlen_gva2_T150"] = plan_case(gen, dict(prep_variant="kblock", prep_bk=32), kb, B=1,
                                                               T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                               cu=[0, 15, 150], dtype=torch.float16)
-    one_launch = dict(prep_variant="kblock", prep_bk=16, prep_split=False, prep_kkt=False, fwd_raw_out=False)
+    one_launch = dict(OLD_PREP, prep_variant="kblock", prep_bk=16, prep_split=False)
     res["prep_kblock_one_launch_bk16_T130"] = plan_case(gen, one_launch, kb, B=1, T=130, H=1, HV=2, K=64, V=64,
                                                         l2=True, h0=True)
     res["prep_whole_gva2_T200"] = plan_case(gen, dict(OLD_PREP, prep_variant="whole"), whole, B=1, T=200, H=1,

@@ -17,10 +17,11 @@ import torch  # noqa: E402
 from hybridlm.ops import kda  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
 from hybridlm.ops.triton import kda as _kda  # noqa: E402
+from hybridlm.ops.triton import kda_kernels as _kk  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interp_gdn import cliff_bounds  # noqa: E402
+from interp_gdn import blocked_kernels, cliff_bounds  # noqa: E402
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -95,23 +96,6 @@ def launch_plan(**tune):
     finally:
         _kda.TUNE.clear()
         _kda.TUNE.update(old)
-
-
-@contextlib.contextmanager
-def _blocked_kda_solve():
-    """`_kda_solve` replaced by a stand-in that fails the case if launched (the plan under test must not use it)."""
-    from hybridlm.ops.triton import kda_kernels as kk
-
-    class Blocked:
-        def __getitem__(self, grid):
-            raise AssertionError("_kda_solve launched, but kda.TUNE solve_blocks is on")
-
-    saved = kk._kda_solve
-    kk._kda_solve = Blocked()
-    try:
-        yield
-    finally:
-        kk._kda_solve = saved
 
 
 def main() -> int:
@@ -193,7 +177,7 @@ def main() -> int:
                                                    cu=[0, 1, 16, 80, 150], decay=30.0)
     # the UT solve by [16, 16] blocks in registers (kda.TUNE solve_blocks; `_kda_solve` blocked): GVA 2 over varlen
     # chunks (64-token chunks, partial ones), and K = V = 256, whose fp32 chunks are 32 tokens (two row blocks)
-    with launch_plan(solve_blocks=True), _blocked_kda_solve():
+    with launch_plan(solve_blocks=True), blocked_kernels(_kk, ("_kda_solve",)):
         res["solve_blocks_varlen_gva2"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                      cu=[0, 15, 150])
         res["solve_blocks_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
