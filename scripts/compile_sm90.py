@@ -101,6 +101,11 @@ def main(argv=None) -> int:
             jobs[f"_prep_fwd_blk(stage {st}, bk {bk}{' lowp' if lp else ''})"] = (
                 kern._prep_fwd_blk, prep_ptrs, prep_ints,
                 dict(common, BK=bk, BV=min(64, args.v), STAGE=st, INTERLEAVE=True, LOWP=lp and lowp), 1)
+        # stage 3 of the raw-output forward (gdn.TUNE fwd_raw_out): KD 1 writes Kd, KD 2 its row scales (state_raw_k)
+        for kd in (1, 2):
+            jobs[f"_prep_fwd_blk(stage 3, bk {bk} lowp KD {kd})"] = (
+                kern._prep_fwd_blk, dict(prep_ptrs, Kd=sd if kd == 1 else "fp32"), prep_ints,
+                dict(common, BK=bk, BV=min(64, args.v), STAGE=3, INTERLEAVE=True, LOWP=lowp, KD=kd, WITH_A=False), 1)
     jobs["_prep_fwd_blk(stage 2 il)"] = (kern._prep_fwd_blk, prep_ptrs, prep_ints,
                                          dict(common, BK=64, BV=min(64, args.v), STAGE=2, INTERLEAVE=True), 1)
     for bk in (32, 64):  # A and its solve in one launch (gdn.TUNE prep_kkt, kkt_bk)
@@ -133,6 +138,9 @@ def main(argv=None) -> int:
                        dict(NCH=i32, H=i32, HV=i32),
                        dict(common, BV=args.bv, HAS_DHT=False, STORE_DH0=False, LOWP=lowp), 2),
     })
+    # the state pass on raw k with W/U's key scales (gdn.TUNE state_raw_k): Kd is the raw k, Pb s_k [tokens, HV]
+    fn, ptrs, ints, cx, stages = jobs["_recur_fwd(state)"]
+    jobs["_recur_fwd(state raw k)"] = (fn, dict(ptrs, Kd=dt, Pb="fp32"), ints, dict(cx, SK=True), stages)
     # the state backward from raw q and k (gdn.TUNE bwd_raw_qk): Qg, Kd are the raw [tokens, H, K] inputs
     fn, ptrs, ints, cx, stages = jobs["_recur_bwd"]
     jobs["_recur_bwd raw"] = (fn, dict(ptrs, Qg=dt, Kd=dt), dict(ints, scale="fp32"), dict(cx, L2=True, RAW=True),

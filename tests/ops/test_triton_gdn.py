@@ -105,11 +105,13 @@ def test_kblock_backward_four_key_blocks_match_float64(interp_results):
 # the forward prep plans (gdn.TUNE prep_variant), the other plan's kernel blocked: K-blocked (default) at several
 # chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once;
 # A and T in one launch (prep_kkt, the default) against A then the solve, at four key blocks and at chunk sizes 32, 16;
-# the forward without stage 1 (fwd_raw_out, the default: P from the output launch) against the one with it
+# the forward without stage 1 (fwd_raw_out, the default: P from the output launch) against the one with it; the
+# state pass on raw k (state_raw_k)
 PREP_CASES = ["prep_kblock_bk32_gva2_T200", "prep_kblock_bk32_varlen_nol2", "prep_kblock_bk32_fp16_varlen_gva2_T150",
               "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200", "prep_a_then_solve_gva2_T200",
               "prep_kkt_bk16_varlen", "prep_kkt_bt32_gva2_varlen", "prep_kkt_bt16_gva2_varlen",
-              "stage1_prep_gva2_T200", "raw_out_bv32_varlen_gva2"]
+              "stage1_prep_gva2_T200", "raw_out_bv32_varlen_gva2", "state_raw_k_varlen_gva2",
+              "state_raw_k_fp16_nol2_gva2_T150"]
 
 
 @pytest.mark.parametrize("case", PREP_CASES)
@@ -287,6 +289,19 @@ def test_raw_out_needs_its_plan(monkeypatch):
     monkeypatch.setitem(gdn.TUNE, "fwd_split_o", False)
     with pytest.raises(ValueError, match=r"got \{'fwd_split_o': False\}"):
         gdn._use_raw_out(save=False)
+
+
+def test_state_raw_k_needs_raw_out(monkeypatch):
+    """gdn.TUNE state_raw_k takes its key scales from the raw-output forward's W/U launch: without fwd_raw_out it is
+    a clear error, not a setting that silently does nothing."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "state_raw_k", True)
+    monkeypatch.setitem(gdn.TUNE, "fwd_raw_out", False)
+    q = torch.zeros(1, 64, 1, 64)
+    g, beta = torch.zeros(1, 64, 1), torch.ones(1, 64, 1)
+    with pytest.raises(ValueError, match=r"TUNE\['state_raw_k'\] needs TUNE\['fwd_raw_out'\].*got fwd_raw_out=False"):
+        gdn._fwd_impl(q, q, q, g, beta, None, None, 0.125, True, False, True, 64)
 
 
 def test_unknown_solve_is_a_clear_error(monkeypatch):

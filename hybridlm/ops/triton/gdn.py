@@ -60,7 +60,8 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
-        "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4}
+        "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4,
+        "state_raw_k": False}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -116,6 +117,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   `scripts/gpu_rawout.sh`, V block 128 at 4 warps): B4 T4096 H16 0.906-0.910 -> 0.876 ms, B1 T32768 H32
 #   4.09-4.14 -> 4.01, B8 T2048 H32 1.78-1.80 -> 1.73 (V block 64 at 8 warps: +5%; V block 32 at 4 warps: a wrong
 #   o, 0.54 off, so V blocks below 64 are refused on CUDA)
+# state_raw_k: with fwd_raw_out, W/U's launch writes no Kd tile ([tokens, HV, K] 16-bit, ~58 us of its 200 at B4
+#   T4096 H16, 2026-11-24), only its row scales s_k = rk e^{bL - b} ([tokens, HV] fp32); the state pass reads the raw
+#   k (per key head) and multiplies Vn's rows by s_k before its state-update dot (`_recur_fwd` SK): one [BT, BV]
+#   product more on the serial chain. Off until timed
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -340,7 +345,11 @@ def _fwd_impl(
     prec = _prec(q.dtype)
     raw_out = _use_raw_out(save)
     Qg = torch.empty(0 if raw_out else Ttot, HV, K, device=dev, dtype=sd)
-    Kd = torch.empty(Ttot, HV, K, device=dev, dtype=sd)
+    if TUNE["state_raw_k"] and not raw_out:
+        raise ValueError("TUNE['state_raw_k'] needs TUNE['fwd_raw_out'] (the s_k scales come from its W/U launch), "
+                         f"got fwd_raw_out={TUNE['fwd_raw_out']!r}")
+    sk_only = raw_out and TUNE["state_raw_k"]  # Kd as its row scales s_k [tokens, HV] fp32; the state pass reads k
+    Kd = torch.empty(Ttot, HV, device=dev, dtype=f32) if sk_only else torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb if save or not raw_out else 0, HV, BT, BT, device=dev, dtype=sd)
     rk = torch.empty(Ttot if raw_out else 0, HV, device=dev, dtype=f32)  # the keys' inverse norms, for the output
     if nc > 0:
@@ -358,16 +367,17 @@ def _fwd_impl(
                 q, k, v, g, beta, Ab, Tb, Wb, Ub, Qg, Kd, Pb, rk, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
                 H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, STAGE=stage,
                 INTERLEAVE=TUNE["solve_interleave"], LOWP=TUNE["prep_lowp"] and sd != f32, num_warps=warps,
-                num_stages=TUNE["prep_stages"], WITH_A=not kkt, KD=raw_out, **extra, **_solve_args(fn),
+                num_stages=TUNE["prep_stages"], WITH_A=not kkt, KD=(2 if sk_only else 1) if raw_out else 0, **extra,
+                **_solve_args(fn),
             )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev)
     kern._recur_fwd[(V // BV, N * HV)](
-        g, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
+        g, Wb, Ub, Qg, *((k, Kd) if sk_only else (Kd, Pb)), o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
+        scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
         LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
-        OUT=not split,
+        OUT=not split, SK=sk_only,
     )
     if raw_out:
         _raw_output_pass(q, k, g, rk, hb, vn, o, Pb, lay, H, HV, K, V, BT, scale, use_qk_l2norm, prec,

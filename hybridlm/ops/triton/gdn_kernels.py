@@ -409,18 +409,21 @@ def _prep_wu_blk(k, v, g, beta, Tbuf, Wbuf, Ubuf, Kd, RK, blk, bos, nval, ihv, i
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr,
                  PREC: tl.constexpr, LOWP: tl.constexpr, KD: tl.constexpr):
     """Stage 3 of one chunk: W = T diag(beta rk gamma) K by K blocks, U = T diag(beta) V by V blocks (T from
-    Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands). With KD also Kd = K^ e^{bL - b} from the same
-    k tiles, and the keys' inverse norms rk to RK [tokens, HV] (the raw-output forward has no stage 1)."""
+    Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands). KD (the raw-output forward, which has no stage
+    1): the keys' inverse norms rk to RK [tokens, HV], and with KD 1 Kd = K^ e^{bL - b} from the same k tiles, with
+    KD 2 only its row scales s_k = rk e^{bL - b} to Kd as [tokens, HV] fp32 (the state pass then reads raw k)."""
     rows = tl.arange(0, BT)
     rmask = rows < nval
     r64 = bos + rows
     gc, gcl, _gL, ged, bb = _chunk_gates(g, beta, r64, rmask, ihv, HV)
     rk = _row_inv_norms(k, r64, rmask, H * K, ih * K, K, BK, BT, L2)
-    if KD:
+    if KD != 0:
         tl.store(RK + r64 * HV + ihv, rk, mask=rmask)
+    if KD == 2:
+        tl.store(Kd + r64 * HV + ihv, rk * tl.exp(ged), mask=rmask)
     Tm = tl.load(Tbuf + blk * BT * BT + rows[:, None] * BT + rows[None, :])
     _wu_from_t(Tm, k, v, Wbuf, Ubuf, r64, rmask, bb * rk * tl.exp(gc), bb, ihv, ih, H, HV, K, V, BK, BV, PREC, LOWP,
-               Kd, rk * tl.exp(ged), KD)
+               Kd, rk * tl.exp(ged), KD == 1)
 
 
 @triton.jit
@@ -449,12 +452,13 @@ def _prep_fwd_blk(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
     STAGE: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False, LOWP: tl.constexpr = False,
     DOUBLING: tl.constexpr = 0, SPREC: tl.constexpr = "ieee", WITH_A: tl.constexpr = True,
-    KD: tl.constexpr = False,
+    KD: tl.constexpr = 0,
 ):
     """The K-blocked `_prep_fwd` (same outputs, same launch grid chunks x HV): STAGE 1 Qg, Kd, P, A
     (`_prep_ap_blk`, A to Tbuf; without WITH_A no A: `_kkt_solve` then replaces stage 2), 2 the solve
     T = (I + A)^{-1} into Tout (`_solve_ut`; Tbuf itself or a 16-bit copy), 3 W, U (`_prep_wu_blk`, T from Tout;
-    with KD also Kd and the key norms RK, for the raw-output forward that skips stage 1); 0 all three in one launch.
+    with KD also the key norms RK and Kd (KD 1) or Kd's row scales (KD 2), for the raw-output forward that skips
+    stage 1); 0 all three in one launch.
     LOWP applies to stage 3's dots (stage 1 always takes the inputs' own dtype)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
@@ -472,7 +476,7 @@ def _prep_fwd_blk(
         tl.debug_barrier()
     if STAGE == 0 or STAGE == 3:
         _prep_wu_blk(k, v, g, beta, Tout, Wbuf, Ubuf, Kd, RK, blk, bos, nval, ihv, ih, H, HV, K, V, BT, BK, BV, L2,
-                     PREC, LOWP, KD and STAGE == 3)
+                     PREC, LOWP, KD if STAGE == 3 else 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -813,6 +817,7 @@ def _recur_fwd(
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE: tl.constexpr, LOWP: tl.constexpr,
     CHANNEL: tl.constexpr = False, OUT: tl.constexpr = True, RAWK: tl.constexpr = False, L2: tl.constexpr = False,
+    SK: tl.constexpr = False,
 ):
     """Carries the state S [K, BV] over one sequence's chunks, streaming the tiles `_prep_fwd` made:
     Vn = U - W S, O = Qg S + P Vn, S <- e^{bL} S + Kd^T Vn. With LOWP the dot operands are in the 16-bit
@@ -822,12 +827,16 @@ def _recur_fwd(
     states and Vn; needs STORE): the serial path then holds two dots per chunk instead of four. RAWK (the lean
     inference forward, not with CHANNEL): Kd and Qg are the raw k and q ([tokens, H, K]) and Pb the keys' inverse
     norms [tokens, HV] fp32 (`_prep_lean`'s RK); the key scales rk e^{bL - b} multiply Vn's rows in the state update,
-    and with OUT, Q's scales and P are made here (`_q_raw_scaled`)."""
+    and with OUT, Q's scales and P are made here (`_q_raw_scaled`). SK (the training forward with gdn.TUNE
+    state_raw_k, state only): Kd is the raw k [tokens, H, K] and Pb the key scales s_k = rk e^{bL - b} [tokens, HV]
+    fp32 that W/U's launch wrote; they multiply Vn's rows in the state update, one [BT, BV] product per chunk."""
+    tl.static_assert(not (SK and (RAWK or CHANNEL or OUT)), "SK is the state-only GDN pass")
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
     n = inh // HV
     ihv = inh % HV
+    ih = ihv // (HV // H)
     bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1).to(tl.int64)
     Tn = (eos - bos).to(tl.int32)
@@ -857,11 +866,12 @@ def _recur_fwd(
             dec = tl.exp(tl.sum(gs, 0))
         W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
         if RAWK:  # raw keys: their scales rk e^{bL - b} go onto Vn's rows in the state update instead
-            ih = ihv // (HV // H)
             gc, gcl, _gL, ged = _cum_split(gs)
             rk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
             sk = rk * tl.exp(ged)
-        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK else ihv) * K, (H if RAWK else HV) * K, BT, K)
+        if SK:  # raw keys, their scales made by W/U's launch
+            sk = tl.load(Pb + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0)
+        kd = _seq_load(Kd, bos, Tn, t0, (ih if RAWK or SK else ihv) * K, (H if RAWK or SK else HV) * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         S_d = _op(S, DT, LOWP)
         vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), S_d, input_precision=PREC)
@@ -878,7 +888,7 @@ def _recur_fwd(
                 oo = tl.dot(_op(qg, DT, LOWP), S_d, input_precision=PREC)
             oo += tl.dot(_op(P, DT, LOWP), vn_d, input_precision=PREC)
             _seq_store(o, oo, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        if RAWK:
+        if RAWK or SK:
             S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), _op(vn * sk[:, None], DT, LOWP), input_precision=PREC)
         else:
             S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), vn_d, input_precision=PREC)

@@ -64,12 +64,15 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None, "solve_blocks": False}
+        "sub_bk": None, "solve_blocks": True}
 # solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
 #   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
 #   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
-#   ieee block rows, 194 us of a 5.74 ms forward+backward at B4 T4096 H16, 2026-11-24 10:48). Not yet timed on a GPU:
-#   off by default
+#   ieee block rows, 194 us of a 5.74 ms forward+backward at B4 T4096 H16, 2026-11-24 10:48). Default since
+#   2026-11-25 00:13 (H100, bf16, B4 T4096 H16, a fresh layer's gates, `kdasolve` step of scripts/gpu_call.sh,
+#   off/on twice): forward 2.544 / 2.480 -> 2.387 / 2.357 ms, forward+backward 9.000 / 8.878 -> 8.791 / 8.747,
+#   worst error dg 3.49e-3 -> 3.48e-3 (predicted ~-0.1 ms of the forward). The bench gates' rows of that step did
+#   not run (its time went to compiling); the solve does not depend on the gates
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 

@@ -285,6 +285,12 @@ def main() -> int:
     res["raw_out_bv32_varlen_gva2"] = plan_case(gen, dict(fwd_raw_out=True, rawout_bv=32), kb + ("_out_fwd",), B=1,
                                                 T=280, H=1, HV=2, K=64, V=128, l2=True, h0=True,
                                                 cu=[0, 1, 16, 80, 150, 280])
+    # the state pass on raw k with W/U's row scales s_k (state_raw_k): GVA 2 over varlen (the key head's k read by
+    # both value heads), and fp16 without the l2 norm (the 16-bit operand vn * s_k)
+    res["state_raw_k_varlen_gva2"] = plan_case(gen, dict(state_raw_k=True), kb, B=1, T=280, H=1, HV=2, K=64,
+                                               V=128, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
+    res["state_raw_k_fp16_nol2_gva2_T150"] = plan_case(gen, dict(state_raw_k=True), kb, B=1, T=150, H=1, HV=2,
+                                                       K=64, V=64, l2=False, h0=True, dtype=torch.float16)
     res["prep_kkt_bk16_varlen"] = plan_case(gen, dict(prep_kkt=True, kkt_bk=16), kb, B=1, T=280, H=2, HV=2, K=64,
                                             V=64, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
     for bt in (32, 16):

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 from hybridlm.ops import kda  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
+from hybridlm.ops.triton import gdn_kernels as _gk  # noqa: E402
 from hybridlm.ops.triton import kda as _kda  # noqa: E402
-from hybridlm.ops.triton import kda_kernels as _kk  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -175,12 +175,12 @@ def main() -> int:
     with launch_plan(bk=16):
         res["bk16_varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                                    cu=[0, 1, 16, 80, 150], decay=30.0)
-    # the UT solve by [16, 16] blocks in registers (kda.TUNE solve_blocks; `_kda_solve` blocked): GVA 2 over varlen
-    # chunks (64-token chunks, partial ones), and K = V = 256, whose fp32 chunks are 32 tokens (two row blocks)
-    with launch_plan(solve_blocks=True), blocked_kernels(_kk, ("_kda_solve",)):
-        res["solve_blocks_varlen_gva2"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                     cu=[0, 15, 150])
-        res["solve_blocks_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
+    # the UT solve by row substitution (`_kda_solve`, kda.TUNE solve_blocks off; the default block solve blocked):
+    # GVA 2 over varlen chunks (64-token chunks, partial ones), and K = V = 256, whose fp32 chunks are 32 tokens
+    with launch_plan(solve_blocks=False), blocked_kernels(_gk, ("_solve_blocks",)):
+        res["row_solve_varlen_gva2"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                                  cu=[0, 15, 150])
+        res["row_solve_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # fp16 inputs: the 16-bit paths (W, U, states, Vn, Qg, Kd, P stored in fp16; 16-bit dot operands in the
     # recurrences and the backward). The interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not.
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
