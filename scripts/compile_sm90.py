@@ -171,6 +171,11 @@ def main(argv=None) -> int:
                                   hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
             dict(NCH=i32, scale="fp32", H=i32, HV=i32),
             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=not out, LOWP=lowp, OUT=out, RAWK=True), 2)
+    for bv, bk in ((64, 64), (128, 64), (128, 32)):  # the output by key blocks (gdn.TUNE rawout_bk), P stored
+        jobs[f"_out_fwd_raw_blk(BV {bv}, BK {bk})"] = (
+            kern._out_fwd_raw_blk, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, Pb=sd, cu=i32,
+                                        chunk_seq=i32, chunk_start=i32), dict(scale="fp32", H=i32, HV=i32),
+            dict(common, BV=min(bv, args.v), BK=bk, LOWP=lowp, STORE_P=True), 2)
     for bv, sp in ((64, False), (128, False), (64, True), (128, True)):  # STORE_P: the raw-output training forward
         jobs[f"_out_fwd_raw(BV {bv}{' store P' if sp else ''})"] = (
             kern._out_fwd_raw, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, Pb=sd, cu=i32,

@@ -291,6 +291,13 @@ def main() -> int:
                                                V=128, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
     res["state_raw_k_fp16_nol2_gva2_T150"] = plan_case(gen, dict(state_raw_k=True), kb, B=1, T=150, H=1, HV=2,
                                                        K=64, V=64, l2=False, h0=True, dtype=torch.float16)
+    # the output launch by key blocks (rawout_bk): two blocks of 32 over varlen with GVA 2, and fp16 without the l2 norm
+    res["raw_out_bk32_varlen_gva2"] = plan_case(gen, dict(rawout_bk=32), kb + ("_out_fwd", "_out_fwd_raw"), B=1,
+                                                T=280, H=1, HV=2, K=64, V=128, l2=True, h0=True,
+                                                cu=[0, 1, 16, 80, 150, 280])
+    res["raw_out_bk32_fp16_nol2_T150"] = plan_case(gen, dict(rawout_bk=32), kb + ("_out_fwd", "_out_fwd_raw"), B=1,
+                                                   T=150, H=1, HV=2, K=64, V=64, l2=False, h0=True,
+                                                   dtype=torch.float16)
     res["prep_kkt_bk16_varlen"] = plan_case(gen, dict(prep_kkt=True, kkt_bk=16), kb, B=1, T=280, H=2, HV=2, K=64,
                                             V=64, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
     for bt in (32, 16):
