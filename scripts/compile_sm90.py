@@ -30,11 +30,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 
 
-def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=None):
+def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=None, dump=None):
     """div16: argument names the launcher would specialise as multiples of 16 (pointers from torch allocations,
     ints like H = 16): without that hint the loads and stores are not vectorised (one 64-bit address per element,
     so far more registers than a real launch uses). maxnreg: the launch option of that name (ptxas' register cap
-    per thread; None: ptxas takes up to 255 at 8 warps, whatever the occupancy)."""
+    per thread; None: ptxas takes up to 255 at 8 warps, whatever the occupancy). dump: a path prefix to write the
+    kernel's TTGIR and PTX to (`.ttgir`, `.ptx`: which MMA each dot became, its layouts, the async copies)."""
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages}
@@ -42,6 +43,10 @@ def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=No
         opts["maxnreg"] = maxnreg
     k = triton.compile(src, target=TARGET, options=opts)
     res = {"shared": k.metadata.shared}
+    if dump:
+        for ext in ("ttgir", "ptx"):
+            with open(f"{dump}.{ext}", "w") as f:
+                f.write(k.asm[ext])
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.cubin")
         with open(p, "wb") as f:
@@ -72,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--maxnreg", type=int, default=128, help="register cap of the capped K-blocked chunk-backward "
                     "jobs (gdn.TUNE bwd_maxnreg)")
+    ap.add_argument("--dump", default=None, help="write each kernel's TTGIR and PTX into this folder")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
     ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
                     "16: divisibility hint, as Triton's launcher specialises ints)")
@@ -171,11 +177,6 @@ def main(argv=None) -> int:
                                   hbuf=sd, vnbuf=sd, cu=i32, chunk_off=i32),
             dict(NCH=i32, scale="fp32", H=i32, HV=i32),
             dict(common, BV=args.bv, HAS_H0=False, STORE_HT=False, STORE=not out, LOWP=lowp, OUT=out, RAWK=True), 2)
-    for bv, bk in ((64, 64), (128, 64), (128, 32)):  # the output by key blocks (gdn.TUNE rawout_bk), P stored
-        jobs[f"_out_fwd_raw_blk(BV {bv}, BK {bk})"] = (
-            kern._out_fwd_raw_blk, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, Pb=sd, cu=i32,
-                                        chunk_seq=i32, chunk_start=i32), dict(scale="fp32", H=i32, HV=i32),
-            dict(common, BV=min(bv, args.v), BK=bk, LOWP=lowp, STORE_P=True), 2)
     for bv, sp in ((64, False), (128, False), (64, True), (128, True)):  # STORE_P: the raw-output training forward
         jobs[f"_out_fwd_raw(BV {bv}{' store P' if sp else ''})"] = (
             kern._out_fwd_raw, dict(q=dt, k=dt, g="fp32", RK="fp32", hbuf=sd, vnbuf=sd, o=dt, Pb=sd, cu=i32,
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
                     if n not in consts and defaults[n] is not inspect.Parameter.empty:
                         consts[n] = defaults[n]  # as the launcher does when the call leaves it out
             try:
-                r = compile_one(fn, sig, consts, w, stages, div16, *cap)
+                dump = os.path.join(args.dump, re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}_w{w}")) if args.dump else None
+                r = compile_one(fn, sig, consts, w, stages, div16, *cap, dump=dump)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
                 print(f"{name:42} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")

@@ -17,7 +17,7 @@ from gpu_check_gdn import check
 from hybridlm.ops.triton import gdn
 
 PLANS = {"tf32 (default)": {}, "diag tf32x3": {"kkt_diag_prec": "tf32x3"}, "tf32x3": {"kkt_prec": "tf32x3"},
-         "before (A in memory, fp32 solve)": {"prep_kkt": False, "fwd_raw_out": False}}
+         "before (A in memory, fp32 solve)": {"prep_kkt": False, "fwd_raw_out": False, "state_raw_k": False}}
 CASES = {"T200 H2 HV2 K256 V256": dict(B=1, T=200, H=2, HV=2, K=256, V=256),
          "T1000 B2 H2 HV4 K128 V128": dict(B=2, T=1000, H=2, HV=4, K=128, V=128)}
 

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     # the four diagonal inversions in one loop; prep_lowp: 16-bit operands for the prep's dots; prep_variant: the
     # whole-K prep (the default measured on 2026-11-23, first) or the K-blocked one (prep_bk key channels a block)
     default = dict(fwd_split_o=True, prep_split=True, solve_interleave=True, prep_lowp=False, fwd_bv=None,
-                   prep_variant="whole", prep_kkt=False, fwd_raw_out=False)
+                   prep_variant="whole", prep_kkt=False, fwd_raw_out=False, state_raw_k=False)
     kb = dict(default, prep_variant="kblock", prep_bk=64)
     fwd_grid = [default, kb, dict(kb, prep_bk=32), dict(kb, prep_split=False), dict(kb, prep_lowp=True),
                 dict(kb, prep_stages=2), dict(kb, prep_warps=4), dict(default, solve_interleave=False),
@@ -214,7 +214,7 @@ def _lean_sweep(args, measure, rows, xs, shape, base) -> int:
     # out_bv 128) 1.059 vs saved 1.066. 22:40 (prep launches timed one by one): the solve alone ~196 us of the
     # forward's ~840, solve_warps 2 152 us. Now: the doubling solves, fewer solve warps, 16-bit W/U operands
     # these rows compare the split prep's solve settings
-    saved = dict(fwd_variant="saved", prep_kkt=False, fwd_raw_out=False)
+    saved = dict(fwd_variant="saved", prep_kkt=False, fwd_raw_out=False, state_raw_k=False)
     lean = dict(fwd_variant="lean", lean_warps=4, out_warps=4, out_bv=128)
     grid = [saved, dict(saved, solve_warps=2), dict(saved, solve_warps=1), dict(saved, solve="doubling16"),
             dict(saved, solve="doubling16", solve_warps=2), dict(saved, solve="doubling"),

@@ -106,12 +106,12 @@ def test_kblock_backward_four_key_blocks_match_float64(interp_results):
 # chunks with GVA, varlen without l2norm, fp16 inputs and in one launch at four key blocks; the whole-K kernel once;
 # A and T in one launch (prep_kkt, the default) against A then the solve, at four key blocks and at chunk sizes 32, 16;
 # the forward without stage 1 (fwd_raw_out, the default: P from the output launch) against the one with it; the
-# state pass on raw k (state_raw_k); the output launch by key blocks (rawout_bk)
+# state pass on the Kd tile (state_raw_k off; the default reads raw k)
 PREP_CASES = ["prep_kblock_bk32_gva2_T200", "prep_kblock_bk32_varlen_nol2", "prep_kblock_bk32_fp16_varlen_gva2_T150",
               "prep_kblock_one_launch_bk16_T130", "prep_whole_gva2_T200", "prep_a_then_solve_gva2_T200",
               "prep_kkt_bk16_varlen", "prep_kkt_bt32_gva2_varlen", "prep_kkt_bt16_gva2_varlen",
-              "stage1_prep_gva2_T200", "raw_out_bv32_varlen_gva2", "state_raw_k_varlen_gva2",
-              "state_raw_k_fp16_nol2_gva2_T150", "raw_out_bk32_varlen_gva2", "raw_out_bk32_fp16_nol2_T150"]
+              "stage1_prep_gva2_T200", "raw_out_bv32_varlen_gva2", "kd_tile_state_varlen_gva2",
+              "kd_tile_state_fp16_nol2_gva2_T150"]
 
 
 @pytest.mark.parametrize("case", PREP_CASES)

@@ -61,7 +61,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
         "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4,
-        "state_raw_k": False, "rawout_bk": None, "rawout_stages": 2}
+        "state_raw_k": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -120,11 +120,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 # state_raw_k: with fwd_raw_out, W/U's launch writes no Kd tile ([tokens, HV, K] 16-bit, ~58 us of its 200 at B4
 #   T4096 H16, 2026-11-24), only its row scales s_k = rk e^{bL - b} ([tokens, HV] fp32); the state pass reads the raw
 #   k (per key head) and multiplies Vn's rows by s_k before its state-update dot (`_recur_fwd` SK): one [BT, BV]
-#   product more on the serial chain. Off until timed
-# rawout_bk: the output launch by key blocks of this size (`_out_fwd_raw_blk`: Q K^T, Q S and q's norms summed over
-#   [BT, rawout_bk] tiles, rawout_stages pipeline stages) instead of whole [BT, K] tiles loaded at once (None; one
-#   stage). Predicted from bytes: the launch moves ~104 KB per chunk and head, 142 us at copy speed at B4 T4096 H16,
-#   where it took 192 (fla's, which loops over key blocks of 64, 155 us for ~96 KB). Off until timed
+#   product more on the serial chain. Default since 2026-11-25 00:30 (H100, bf16 forward, `scripts/gpu_sk_out.sh`,
+#   off/on twice): B4 T4096 H16 0.877 / 0.872 -> 0.856 / 0.850 ms, B8 T2048 H32 1.749 / 1.733 -> 1.708 / 1.697,
+#   B1 T32768 H32 4.058 / 4.001 -> 4.061 / 4.006; kernels at B4 T4096 H16: W/U 190 -> 160 us, state pass 190 -> 202
+#   (sm_90: 94 registers against 82); o error 3.73e-3 -> 3.71e-3
 # tests set this: kernel outputs are filled with NaN before each launch, so an unwritten element shows
 POISON = False
 # (K, V, dtype, "fwd" | "bwd") -> the largest chunk size whose kernels fit this device (found on first use)
@@ -351,7 +350,7 @@ def _fwd_impl(
     Qg = torch.empty(0 if raw_out else Ttot, HV, K, device=dev, dtype=sd)
     if TUNE["state_raw_k"] and not raw_out:
         raise ValueError("TUNE['state_raw_k'] needs TUNE['fwd_raw_out'] (the s_k scales come from its W/U launch), "
-                         f"got fwd_raw_out={TUNE['fwd_raw_out']!r}")
+                         f"got fwd_raw_out={TUNE['fwd_raw_out']!r}; set state_raw_k=False with it")
     sk_only = raw_out and TUNE["state_raw_k"]  # Kd as its row scales s_k [tokens, HV] fp32; the state pass reads k
     Kd = torch.empty(Ttot, HV, device=dev, dtype=f32) if sk_only else torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb if save or not raw_out else 0, HV, BT, BT, device=dev, dtype=sd)
@@ -462,22 +461,20 @@ def _use_raw_out(save: bool) -> bool:
 
 def _raw_output_pass(q, k, g, rk, hb, vn, o, Pb, lay: Layout, H: int, HV: int, K: int, V: int, BT: int,
                      scale: float, l2: bool, prec: str, lowp: bool, save: bool) -> None:
-    """O of every chunk at once from the raw q and k (`_out_fwd_raw`, or by key blocks `_out_fwd_raw_blk` with
-    TUNE rawout_bk); with save also P into Pb."""
+    """O of every chunk at once from the raw q and k (`_out_fwd_raw`); with save also P into Pb."""
     if lay.nc == 0:
         return
     BV = min(TUNE["rawout_bv"], V)
     if q.is_cuda and BV < min(64, V):
         raise ValueError(f"TUNE['rawout_bv']: expected >= 64 on CUDA (V block 32 at 4 warps gave a wrong output on "
                          f"an H100, 2026-11-24), got {TUNE['rawout_bv']}")
-    args = (q, k, g, rk, hb, vn, o, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale)
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, L2=l2, STORE_P=save,
-                  num_warps=TUNE["rawout_warps"])
-    if TUNE["rawout_bk"]:
-        kern._out_fwd_raw_blk[(V // BV, lay.nc, HV)](*args, BK=key_block(TUNE, "rawout_bk", K),
-                                                       num_stages=TUNE["rawout_stages"], **common)
-    else:
-        kern._out_fwd_raw[(V // BV, lay.nc, HV)](*args, num_stages=1, **common)
+    # (a key-blocked form of this launch, its loads pipelined over blocks of 64 or 32 keys, matched float64 in the
+    # CPU interpreter but gave a wrong bf16 o on an H100 at every setting, 2026-11-25 00:28: withdrawn)
+    kern._out_fwd_raw[(V // BV, lay.nc, HV)](
+        q, k, g, rk, hb, vn, o, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, L2=l2, STORE_P=save,
+        num_warps=TUNE["rawout_warps"], num_stages=1,
+    )
 
 
 def _use_kkt() -> bool:

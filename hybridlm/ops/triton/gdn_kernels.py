@@ -781,56 +781,6 @@ def _out_fwd_raw(
 
 
 @triton.jit
-def _out_fwd_raw_blk(
-    q, k, g, RK, hbuf, vnbuf, o, Pb, cu, chunk_seq, chunk_start, scale,
-    H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, LOWP: tl.constexpr, L2: tl.constexpr, STORE_P: tl.constexpr = False,
-):
-    """`_out_fwd_raw` by key blocks (gdn.TUNE rawout_bk): Q K^T, Q S and q's squared row norms are summed over a
-    loop of [BT, BK] q and k tiles and [BK, BV] state rows, so the launch's num_stages can put the next block's
-    loads in flight under this block's dots (the whole-K kernel issues all its loads before its first dot). The
-    row scales (l2 norms, scale, decays) go on afterwards, as there. Same outputs as `_out_fwd_raw`."""
-    DT: tl.constexpr = hbuf.dtype.element_ty
-    iv = tl.program_id(0)
-    ic = tl.program_id(1)
-    ihv = tl.program_id(2)
-    ih = ihv // (HV // H)
-    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
-    gc, gcl, _gL, _ged = _cum_split(tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32))
-    rk = tl.load(RK + r64 * HV + ihv, mask=rmask, other=0.0)
-    offs_v = iv * BV + tl.arange(0, BV)
-    p_S = hbuf + (ic * HV + ihv).to(tl.int64) * K * V + offs_v[None, :]
-    QK = tl.zeros([BT, BT], dtype=tl.float32)
-    QS = tl.zeros([BT, BV], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs = k0 + tl.arange(0, BK)
-        b_q = _load_raw(q, r64, rmask, H * K, ih * K, offs)
-        b_k = _load_raw(k, r64, rmask, H * K, ih * K, offs)
-        b_S = tl.load(p_S + offs[:, None] * V)
-        QK += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-        QS += tl.dot(_op(b_q, DT, LOWP), _op(b_S, DT, LOWP), input_precision=PREC)
-        if L2:
-            b_qf = b_q.to(tl.float32)
-            ss += tl.sum(b_qf * b_qf, 1)
-    if L2:
-        rq = tl.rsqrt(ss + 1e-6) * scale  # `_inv_norms`'s epsilon
-    else:
-        rq = tl.full([BT], 1.0, tl.float32) * scale
-    incl = rows[:, None] >= rows[None, :]
-    P = tl.where(incl, QK * tl.exp(_pair_exponent(gc, gcl, incl)) * rq[:, None] * rk[None, :], 0.0)
-    if STORE_P:
-        if iv == 0:
-            tl.store(Pb + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :],
-                     P.to(Pb.dtype.element_ty))
-    vrow = (r64[:, None] * HV + ihv) * V + offs_v[None, :]
-    vn = tl.load(vnbuf + vrow, mask=rmask[:, None], other=0.0)
-    oo = QS * (rq * tl.exp(gc))[:, None]
-    oo += tl.dot(_op(P, DT, LOWP), _op(vn, DT, LOWP), input_precision=PREC)
-    tl.store(o + vrow, oo.to(o.dtype.element_ty), mask=rmask[:, None])
-
-
-@triton.jit
 def _seq_tile(ptr, bos, Tn, t0, col0, stride, BT: tl.constexpr, BC: tl.constexpr):
     """(pointers, row mask) of the [BT, BC] tile at token t0 of a sequence starting at bos and Tn tokens long, in
     a [tokens, heads * dim] buffer: load with other=0 (rows past the sequence's end read as 0), store with the

@@ -29,7 +29,7 @@ _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets t
 F64 = torch.float64
 # the prep as before 2026-11-24 21:42: A staged in memory, then its solve (prep_kkt off), and the prep's stage 1
 # making Qg, Kd and P (fwd_raw_out off); the plans that test the solve or the one-launch and whole-K preps need it
-OLD_PREP = dict(prep_kkt=False, fwd_raw_out=False)
+OLD_PREP = dict(prep_kkt=False, fwd_raw_out=False, state_raw_k=False)
 
 
 def rel(a, b):
@@ -216,7 +216,7 @@ def main() -> int:
     res["compiled_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True, compiled=True)
     res["no_grad_prefill"] = no_grad_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64)
     # the output computed inside the sequential kernel (the other launch plan; it needs the prep's stage 1)
-    with tune_plan(fwd_split_o=False, fwd_raw_out=False):
+    with tune_plan(fwd_split_o=False, fwd_raw_out=False, state_raw_k=False):
         res["inline_output_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
         res["inline_output_no_grad"] = no_grad_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64)
     # the other prep plan: one launch, the diagonal inversions one after another
@@ -274,30 +274,23 @@ def main() -> int:
     # A and T (gdn.TUNE prep_kkt, the default: `_kkt_solve`) against the split prep's A, then its solve (stage 2,
     # `_kkt_solve` blocked); `_kkt_solve` at four key blocks of 16 over varlen, and at chunk sizes 32 and 16 (its
     # two- and one-block forms; the chunk size is forced, as when the 64-token kernels do not fit a device)
-    res["prep_a_then_solve_gva2_T200"] = plan_case(gen, dict(prep_kkt=False, fwd_raw_out=False),
+    res["prep_a_then_solve_gva2_T200"] = plan_case(gen, dict(prep_kkt=False, fwd_raw_out=False, state_raw_k=False),
                                                    kb + ("_kkt_solve",), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True,
                                                    h0=True)
     # the training forward with the prep's stage 1 (Qg, Kd, P; gdn.TUNE fwd_raw_out off) and `_out_fwd` reading
     # them, against the default (no stage 1; `_out_fwd_raw` makes P, here at V block 32: four programs a chunk and
     # head, the first storing P for the backward), each with the other's output kernel blocked
-    res["stage1_prep_gva2_T200"] = plan_case(gen, dict(fwd_raw_out=False), kb + ("_out_fwd_raw",), B=1, T=200, H=1,
-                                             HV=2, K=64, V=128, l2=True, h0=True)
+    res["stage1_prep_gva2_T200"] = plan_case(gen, dict(fwd_raw_out=False, state_raw_k=False), kb + ("_out_fwd_raw",),
+                                             B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
     res["raw_out_bv32_varlen_gva2"] = plan_case(gen, dict(fwd_raw_out=True, rawout_bv=32), kb + ("_out_fwd",), B=1,
                                                 T=280, H=1, HV=2, K=64, V=128, l2=True, h0=True,
                                                 cu=[0, 1, 16, 80, 150, 280])
-    # the state pass on raw k with W/U's row scales s_k (state_raw_k): GVA 2 over varlen (the key head's k read by
-    # both value heads), and fp16 without the l2 norm (the 16-bit operand vn * s_k)
-    res["state_raw_k_varlen_gva2"] = plan_case(gen, dict(state_raw_k=True), kb, B=1, T=280, H=1, HV=2, K=64,
-                                               V=128, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
-    res["state_raw_k_fp16_nol2_gva2_T150"] = plan_case(gen, dict(state_raw_k=True), kb, B=1, T=150, H=1, HV=2,
-                                                       K=64, V=64, l2=False, h0=True, dtype=torch.float16)
-    # the output launch by key blocks (rawout_bk): two blocks of 32 over varlen with GVA 2, and fp16 without the l2 norm
-    res["raw_out_bk32_varlen_gva2"] = plan_case(gen, dict(rawout_bk=32), kb + ("_out_fwd", "_out_fwd_raw"), B=1,
-                                                T=280, H=1, HV=2, K=64, V=128, l2=True, h0=True,
-                                                cu=[0, 1, 16, 80, 150, 280])
-    res["raw_out_bk32_fp16_nol2_T150"] = plan_case(gen, dict(rawout_bk=32), kb + ("_out_fwd", "_out_fwd_raw"), B=1,
-                                                   T=150, H=1, HV=2, K=64, V=64, l2=False, h0=True,
-                                                   dtype=torch.float16)
+    # the state pass on the Kd tile W/U wrote (state_raw_k off; the default reads raw k and W/U's row scales s_k):
+    # GVA 2 over varlen, and fp16 without the l2 norm
+    res["kd_tile_state_varlen_gva2"] = plan_case(gen, dict(state_raw_k=False), kb, B=1, T=280, H=1, HV=2, K=64,
+                                                 V=128, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
+    res["kd_tile_state_fp16_nol2_gva2_T150"] = plan_case(gen, dict(state_raw_k=False), kb, B=1, T=150, H=1, HV=2,
+                                                         K=64, V=64, l2=False, h0=True, dtype=torch.float16)
     res["prep_kkt_bk16_varlen"] = plan_case(gen, dict(prep_kkt=True, kkt_bk=16), kb, B=1, T=280, H=2, HV=2, K=64,
                                             V=64, l2=True, h0=True, cu=[0, 1, 16, 80, 150, 280])
     for bt in (32, 16):
@@ -330,7 +323,7 @@ def main() -> int:
     # the forward keeps Qg and Kd (gdn.TUNE bwd_raw_qk off; the default reads raw q and k, RAW): the state backward
     # from the saved scaled tiles with GVA 2, l2norm and an initial state over 4 chunks; varlen without l2norm; fp16
     # varlen with GVA 2
-    saved = dict(bwd_raw_qk=False, fwd_raw_out=False)
+    saved = dict(bwd_raw_qk=False, fwd_raw_out=False, state_raw_k=False)
     res["saved_qk_gva2_T200"] = plan_case(gen, saved, (), B=1, T=200, H=1, HV=2, K=64, V=128, l2=True, h0=True)
     res["saved_qk_varlen_nol2"] = plan_case(gen, saved, (), B=1, T=150, H=2, HV=2, K=64, V=64, l2=False, h0=True,
                                             cu=[0, 15, 150])
