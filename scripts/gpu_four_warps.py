@@ -4,7 +4,8 @@ loop of one chunk (a software-pipelined loop whose trip count is below its stage
 
     python scripts/gpu_four_warps.py --T 63 [--warps 4] [--bv 16] [--dtype bf16] [--stages 2]
 
-Lifts `gdn._state_warps`' refusal for this process only (an experiment, not a launch plan)."""
+Lifts `gdn._state_warps`' rule (8 warps for loops shorter than their stages) in this process only: an experiment,
+not a launch plan."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="input dtype")
     ap.add_argument("--seed", type=int, default=0, help="inputs' seed")
     args = ap.parse_args(argv)
-    gdn._state_warps = lambda key, K, dev: gdn.TUNE[key] or 8  # the refusal lifted: this is the experiment
+    gdn._state_warps = lambda key, K, dev, nch=0: gdn.TUNE[key] or 8  # the one-chunk rule lifted: the experiment
     gdn.TUNE.update(fwd_warps=args.warps, rbwd_warps=args.warps, fwd_bv=args.bv, rbwd_bv=args.bv,
                     fwd_stages=args.stages)
     torch.backends.cuda.matmul.allow_tf32 = False

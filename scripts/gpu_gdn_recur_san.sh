@@ -3,9 +3,10 @@
 # B1 T32768 H32 (2026-11-24 15:08, scripts/gpu_gdn_recur.sh) but stopped that case with an illegal memory access
 # (fwd_warps 4 with rbwd_warps 4): each setting alone, so the report names the kernel and the setting.
 #
-# Since commit d7f4aca 4 warps are refused on CUDA for these kernels (`gdn._state_warps`, from these findings),
-# so the 4-warp settings now stop with that ValueError. They ran on the tree of d7f4aca before that check was in
-# it; to rerun them, let `_state_warps` return TUNE[key] on CUDA too.
+# From d7f4aca to 2026-11-25 4 warps were refused on CUDA for these kernels; since then `gdn._state_warps` takes
+# them only when the chunk loop runs at least fwd_stages times (the fault is the one-chunk loop, as T63 has:
+# scripts/gpu_four_warps.sh), so the T63 runs here now get 8 warps. To rerun them as they ran, let
+# `_state_warps` return TUNE[key] on CUDA (scripts/gpu_four_warps.py does).
 #
 #   OUT=dir bash scripts/gpu_gdn_recur_san.sh      (results under $OUT)
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"

@@ -257,17 +257,18 @@ def update_tune(settings: dict, source: str) -> None:
     TUNE.update(settings)
 
 
-def _state_warps(key: str, K: int, dev) -> int:
-    """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps). Fewer than 8 is
-    refused on CUDA: compute-sanitizer (H100, Triton 3.6, 2026-11-24 15:11, scripts/gpu_gdn_recur_san.sh) shows
-    both kernels at 4 warps reading shared memory out of bounds in their state-update dots (the GPU check's T63
-    case then stops with an illegal memory access), and `_recur_bwd` at 4 warps with V block 32 gives a wrong dh0
-    with no error at all. (The state held in two [K/2, BV] halves, as fla's state kernel holds it, did not avoid
-    this: the same out-of-bounds reads at 4 warps, and at 8 warps too, 15:17; that kernel was removed.)"""
+def _state_warps(key: str, K: int, dev, nch: int) -> int:
+    """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps) whose chunk loop
+    runs nch times. On CUDA a setting below 8 warps is taken only when nch >= TUNE fwd_stages, else 8: Triton 3.6
+    compiles these kernels at 4 warps to out-of-bounds shared-memory reads in the state-update dot when the
+    software-pipelined loop runs fewer times than it has stages. H100, 2026-11-25 00:34-00:37
+    (scripts/gpu_four_warps.sh, B2 H2 HV4 K128 V128 bf16, both passes at 4 warps): T = 1, 63, 64 (one chunk) stop
+    with an illegal memory access (also at V block 32, or 3 stages), compute-sanitizer puts 200+ invalid 512-byte
+    `__shared__` reads at the state update for T = 63 and 64 and none for T = 128; T = 65, 128, 129, 200, 1000 match
+    float64 as 8 warps do (the fault of 2026-11-24, found on the check's T63 case, was this one-chunk loop)."""
     w = TUNE[key] or _num_warps(K)
-    if w < 8 and dev.type == "cuda":
-        raise ValueError(f"gdn.TUNE['{key}']: expected None or >= 8 for the whole-K state kernel on CUDA (4 warps "
-                         f"read shared memory out of bounds on an H100), got {w}")
+    if w < 8 and dev.type == "cuda" and nch < fwd_stages():
+        return 8
     return w
 
 
@@ -379,7 +380,8 @@ def _fwd_impl(
         g, Wb, Ub, Qg, *((k, Kd) if sk_only else (Kd, Pb)), o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(),
+        LOWP=TUNE["fwd_lowp"] and sd != f32, num_warps=_state_warps("fwd_warps", K, dev, lay.nch),
+        num_stages=fwd_stages(),
         OUT=not split, SK=sk_only,
     )
     if raw_out:
@@ -431,7 +433,7 @@ def _fwd_lean(q, k, v, g, beta, initial_state, lay: Layout, scale: float, use_qk
         g, Wb, Ub, q, k, rk, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=split, LOWP=lowp,
-        num_warps=_state_warps("fwd_warps", K, dev), num_stages=fwd_stages(), OUT=not split, RAWK=True,
+        num_warps=_state_warps("fwd_warps", K, dev, lay.nch), num_stages=fwd_stages(), OUT=not split, RAWK=True,
         L2=use_qk_l2norm,
     )
     if split and nc > 0:
@@ -619,7 +621,7 @@ def _bwd_impl(
         g, Wb, q if raw else Qg, k if raw else Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn,
         lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=_state_warps("rbwd_warps", K, dev),
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, num_warps=_state_warps("rbwd_warps", K, dev, lay.nch),
         num_stages=fwd_stages(), scale=scale, L2=use_qk_l2norm, RAW=raw,
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
