@@ -52,14 +52,14 @@ BT_CHOICES = (64, 32, 16)
 # store_fp32: keep W, U, the chunk states and Vn in fp32 even for 16-bit inputs (more bytes, less rounding)
 # fwd_split_o: the sequential kernel carries only the state (two dots per chunk) and `_out_fwd` computes the
 #   output of every chunk in parallel from the stored chunk states (inference then stores them too)
-TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_stages": 2, "store_fp32": False,
+TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": 4, "fwd_stages": 2, "store_fp32": False,
         "prep_warps": None, "fwd_lowp": True, "bwd_lowp": True, "bwd_split": True,
         "fwd_split_o": True, "out_bv": 64, "out_warps": 8, "prep_split": True, "solve_interleave": True,
         "solve_warps": 1, "prep_lowp": True, "bwd_ut_dots": True, "bwd_out_warps": None,
         "prep_variant": "kblock", "prep_bk": 64, "prep_stages": 1, "bwd_variant": "kblock", "bwd_bk": 64,
         "bwd_maxnreg": None, "fwd_variant": "saved", "lean_bk": 64, "lean_warps": 8,
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
-        "rbwd_warps": None, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
+        "rbwd_warps": 4, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
         "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4,
         "state_raw_k": True}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
@@ -100,7 +100,12 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": None, "fwd_
 #   128): forward+backward 2.689 -> 2.501 and 12.165 -> 11.431; 4 warps with the cap kept: 3.398 / 15.010; only the
 #   output launch at 4: 3.028 / 13.551. `_recur_fwd` at 4 warps (fwd_warps) ran the forward 0.968 -> 0.954 ms
 #   (B4 T4096 H16) and 4.307 -> 3.974 (B1 T32768 H32), but the check of 2026-11-24 02:05 then found a non-finite
-#   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed): it stays at 8 until understood
+#   bf16 final state in one case (T63 B2 H2 HV4 K128; every other case passed). Understood 2026-11-25: at 4 warps
+#   a chunk loop that runs once is miscompiled (`_state_warps`, which now gives such launches 8). Both state passes
+#   at 4 warps by default since 2026-11-25 00:41 (H100, bf16, `scripts/gpu_four_warps_time.sh`, against 8):
+#   forward 3.959 -> 3.619 ms and forward+backward 10.510 -> 9.925 (B1 T32768 H32), 0.847 / 0.840 -> 0.816 and
+#   2.469 / 2.449 -> 2.215 (B4 T4096 H16), 1.689 / 1.678 -> 1.622 and 4.965 / 4.921 -> 4.446 (B8 T2048 H32); errors
+#   unchanged; `_recur_fwd` 1439 -> 1049 us and `_recur_bwd` 1945 -> 1670 at B1 T32768 H32
 # prep_kkt: A and its solve in one launch by [16, 16] blocks (`_kkt_solve`: K K^T from k in registers, diagonal
 #   blocks by doubling, T's block rows by tensor-core dots at kkt_prec), so A never goes to memory and stage 1
 #   makes Qg, Kd and P alone (split K-blocked prep only); kkt_warps / kkt_bk: its warps and key block; kkt_prec:
@@ -257,16 +262,17 @@ def update_tune(settings: dict, source: str) -> None:
     TUNE.update(settings)
 
 
-def _state_warps(key: str, K: int, dev, nch: int) -> int:
-    """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps) whose chunk loop
-    runs nch times. On CUDA a setting below 8 warps is taken only when nch >= TUNE fwd_stages, else 8: Triton 3.6
-    compiles these kernels at 4 warps to out-of-bounds shared-memory reads in the state-update dot when the
-    software-pipelined loop runs fewer times than it has stages. H100, 2026-11-25 00:34-00:37
-    (scripts/gpu_four_warps.sh, B2 H2 HV4 K128 V128 bf16, both passes at 4 warps): T = 1, 63, 64 (one chunk) stop
-    with an illegal memory access (also at V block 32, or 3 stages), compute-sanitizer puts 200+ invalid 512-byte
-    `__shared__` reads at the state update for T = 63 and 64 and none for T = 128; T = 65, 128, 129, 200, 1000 match
-    float64 as 8 warps do (the fault of 2026-11-24, found on the check's T63 case, was this one-chunk loop)."""
-    w = TUNE[key] or _num_warps(K)
+def _state_warps(key: str, K: int, dev, nch: int, tune: dict | None = None) -> int:
+    """num_warps of a whole-K state pass (`_recur_fwd`: TUNE fwd_warps; `_recur_bwd`: rbwd_warps; KDA's: kda.TUNE
+    state_warps, given as `tune`) whose chunk loop runs nch times. On CUDA a setting below 8 warps is taken only
+    when nch >= TUNE fwd_stages, else 8: Triton 3.6 compiles these kernels at 4 warps to out-of-bounds shared-memory
+    reads in the state-update dot when the software-pipelined loop runs fewer times than it has stages. H100,
+    2026-11-25 00:34-00:37 (scripts/gpu_four_warps.sh, B2 H2 HV4 K128 V128 bf16, both passes at 4 warps): T = 1,
+    63, 64 (one chunk) stop with an illegal memory access (also at V block 32, or 3 stages), compute-sanitizer puts
+    200+ invalid 512-byte `__shared__` reads at the state update for T = 63 and 64 and none for T = 128; T = 65,
+    128, 129, 200, 1000 match float64 as 8 warps do (the fault of 2026-11-24, found on the check's T63 case, was
+    this one-chunk loop)."""
+    w = (TUNE if tune is None else tune)[key] or _num_warps(K)
     if w < 8 and dev.type == "cuda" and nch < fwd_stages():
         return 8
     return w

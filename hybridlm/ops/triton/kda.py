@@ -64,7 +64,7 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None, "solve_blocks": True}
+        "sub_bk": None, "solve_blocks": True, "state_warps": 8}
 # solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
 #   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
 #   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
@@ -73,6 +73,10 @@ TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_
 #   off/on twice): forward 2.544 / 2.480 -> 2.387 / 2.357 ms, forward+backward 9.000 / 8.878 -> 8.791 / 8.747,
 #   worst error dg 3.49e-3 -> 3.48e-3 (predicted ~-0.1 ms of the forward). The bench gates' rows of that step did
 #   not run (its time went to compiling); the solve does not depend on the gates
+# state_warps: num_warps of both state passes (GDN's `_recur_fwd` / `_recur_bwd` with CHANNEL); below 8 only where
+#   the chunk loop runs at least gdn.TUNE fwd_stages times (`gdn._state_warps`: one-chunk loops are miscompiled at 4
+#   warps). GDN's passes run at 4 since 2026-11-25 (forward+backward -10% at B4 T4096 H16); KDA's stay at 8 until
+#   timed
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 
@@ -121,7 +125,8 @@ def kda_chunk_fwd(
         BLb, Wb, Ub, Qg, Kd, Pb, o, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch, 1.0,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, STORE=keep,
-        LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True, num_warps=8, num_stages=gdn.fwd_stages(),
+        LOWP=gdn.TUNE["fwd_lowp"] and sd != f32, CHANNEL=True,
+        num_warps=gdn._state_warps("state_warps", K, dev, lay.nch, TUNE), num_stages=gdn.fwd_stages(),
         OUT=not split,
     )
     if split:
@@ -273,8 +278,8 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     kern._recur_bwd[(V // BV, N * HV)](
         BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
         lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True, num_warps=8,
-        num_stages=gdn.fwd_stages(),
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True,
+        num_warps=gdn._state_warps("state_warps", K, dev, lay.nch, TUNE), num_stages=gdn.fwd_stages(),
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
