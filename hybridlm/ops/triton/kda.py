@@ -64,7 +64,7 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None, "solve_blocks": True, "state_warps": 8}
+        "sub_bk": None, "solve_blocks": True, "state_warps": 4}
 # solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
 #   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
 #   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
@@ -75,8 +75,10 @@ TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_
 #   not run (its time went to compiling); the solve does not depend on the gates
 # state_warps: num_warps of both state passes (GDN's `_recur_fwd` / `_recur_bwd` with CHANNEL); below 8 only where
 #   the chunk loop runs at least gdn.TUNE fwd_stages times (`gdn._state_warps`: one-chunk loops are miscompiled at 4
-#   warps). GDN's passes run at 4 since 2026-11-25 (forward+backward -10% at B4 T4096 H16); KDA's stay at 8 until
-#   timed
+#   warps). 4 by default since 2026-11-25 01:08 (H100, B4 T4096 H16 D128 bf16, `scripts/gpu_kda_four_warps.sh`,
+#   8/4 twice): bench gates forward 1.658 / 1.640 -> 1.617 / 1.601 ms, forward+backward 5.992 / 6.047 -> 5.897 /
+#   5.966; a fresh layer's gates 2.408 / 2.373 -> 2.327 / 2.338 and 8.924 / 8.828 -> 8.743 / 8.743; errors unchanged;
+#   the KDA cases of the float64 check all pass at 4 warps
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 
