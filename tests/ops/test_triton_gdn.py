@@ -261,6 +261,16 @@ def test_four_warp_state_kernels_need_two_chunks_on_cuda(monkeypatch, key):
     assert gdn._state_warps(key, 128, cuda, 64) == 8
 
 
+def test_kda_state_passes_follow_the_same_rule(monkeypatch):
+    """KDA's state passes (kda.TUNE state_warps) take GDN's one-chunk rule, read from kda.TUNE, not gdn.TUNE."""
+    from hybridlm.ops.triton import gdn, kda
+
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(kda.TUNE, "state_warps", 4)
+    monkeypatch.setitem(gdn.TUNE, "fwd_warps", 8)
+    assert [gdn._state_warps("state_warps", 128, cuda, nch, kda.TUNE) for nch in (1, 2)] == [8, 4]
+
+
 def test_kkt_settings_are_clear_errors(monkeypatch):
     """gdn.TUNE prep_kkt needs the split K-blocked prep, and kkt_prec is one of three dot precisions."""
     from hybridlm.ops.triton import gdn
