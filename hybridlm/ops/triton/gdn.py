@@ -358,7 +358,7 @@ def _fwd_impl(
     if TUNE["state_raw_k"] and not raw_out:
         raise ValueError("TUNE['state_raw_k'] needs TUNE['fwd_raw_out'] (the s_k scales come from its W/U launch), "
                          f"got fwd_raw_out={TUNE['fwd_raw_out']!r}; set state_raw_k=False with it")
-    sk_only = raw_out and TUNE["state_raw_k"]  # Kd as its row scales s_k [tokens, HV] fp32; the state pass reads k
+    sk_only = bool(TUNE["state_raw_k"])  # (so raw_out) Kd as its row scales s_k [tokens, HV] fp32; the pass reads k
     Kd = torch.empty(Ttot, HV, device=dev, dtype=f32) if sk_only else torch.empty(Ttot, HV, K, device=dev, dtype=sd)
     Pb = torch.empty(NCb if save or not raw_out else 0, HV, BT, BT, device=dev, dtype=sd)
     rk = torch.empty(Ttot if raw_out else 0, HV, device=dev, dtype=f32)  # the keys' inverse norms, for the output

@@ -99,15 +99,20 @@ class _Blocked:
 
 
 @contextlib.contextmanager
-def tune_plan(**tune):
-    """gdn.TUNE with `tune` merged in, restored afterwards."""
-    saved = dict(_gdn.TUNE)
-    _gdn.TUNE.update(tune)
+def plan_of(table: dict, **tune):
+    """The launch-plan dict `table` (gdn.TUNE, kda.TUNE) with `tune` merged in, restored afterwards."""
+    saved = dict(table)
+    table.update(tune)
     try:
         yield
     finally:
-        _gdn.TUNE.clear()
-        _gdn.TUNE.update(saved)
+        table.clear()
+        table.update(saved)
+
+
+def tune_plan(**tune):
+    """gdn.TUNE with `tune` merged in, restored afterwards."""
+    return plan_of(_gdn.TUNE, **tune)
 
 
 @contextlib.contextmanager

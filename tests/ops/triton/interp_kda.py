@@ -5,7 +5,6 @@ every run (seed printed)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interp_gdn import blocked_kernels, cliff_bounds  # noqa: E402
+from interp_gdn import blocked_kernels, cliff_bounds, plan_of  # noqa: E402
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -86,16 +85,9 @@ def decode_case(gen, *, N, P, H, HV, K, V):
             "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
 
 
-@contextlib.contextmanager
 def launch_plan(**tune):
     """Run with other `kda.TUNE` settings (the other launch plans the GPU sweep compares)."""
-    old = dict(_kda.TUNE)
-    _kda.TUNE.update(tune)
-    try:
-        yield
-    finally:
-        _kda.TUNE.clear()
-        _kda.TUNE.update(old)
+    return plan_of(_kda.TUNE, **tune)
 
 
 def main() -> int:
