@@ -64,7 +64,7 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None, "solve_blocks": True, "state_warps": 4}
+        "sub_bk": None, "solve_blocks": True, "state_warps": 4, "state_fp32": False}
 # solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
 #   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
 #   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
@@ -79,6 +79,13 @@ TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_
 #   8/4 twice): bench gates forward 1.658 / 1.640 -> 1.617 / 1.601 ms, forward+backward 5.992 / 6.047 -> 5.897 /
 #   5.966; a fresh layer's gates 2.408 / 2.373 -> 2.327 / 2.338 and 8.924 / 8.828 -> 8.743 / 8.743; errors unchanged;
 #   the KDA cases of the float64 check all pass at 4 warps
+# state_fp32: with 16-bit inputs keep the chunk states and Kd in fp32 (and so the state gradients and dVn; every
+#   backward dot then takes tf32 operands). Off by default: it costs ~20% (H100, B4 T4096 H16 D128 bf16, a fresh
+#   layer's gates, 2026-11-25 03:05, scripts/gpu_kda_state_fp32.sh: forward 2.367 / 2.315 -> 2.843 / 2.763 ms,
+#   forward+backward 8.851 / 8.628 -> 10.512 / 10.513). What it buys, on the check's strong-decay case (log-decays
+#   uniform in [-30, 0) a step and channel, K64 V128 T300 bf16, 20 seeds, scripts/gpu_kda_tail.sh, 02:59 and
+#   03:12): worst dbeta 8.65e-3 -> 3.56e-3, dg 6.85e-3 -> 5.41e-3 (bar 1e-2; that case has missed it at 1.15-1.19e-2
+#   in two of the full checks); the chunk states alone in fp32: dbeta 7.42e-3, dg 5.39e-3
 KERNELS = ("prep", "bwd_out", "bwd_state")  # the names diag_dot, whole_dot and sub_dot take
 
 
@@ -87,6 +94,11 @@ def _chunk_size(K: int, dtype: torch.dtype) -> int:
     16): at 64 the sequential kernels need 228 KB of shared memory (the H100 allows 227 KB), at 32 118 KB. Fixed per
     (K, dtype), not found by trial, so the fake kernel's saved shapes match."""
     return 32 if K > 128 and dtype == torch.float32 else 64
+
+
+def _state_dtype(sd: torch.dtype) -> torch.dtype:
+    """Storage dtype of the chunk states and Kd: fp32 under TUNE state_fp32, else the other tiles' `sd`."""
+    return torch.float32 if TUNE["state_fp32"] else sd
 
 
 @torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
@@ -109,12 +121,13 @@ def kda_chunk_fwd(
     NCb = gdn._max_chunks(Ttot, N, BT) if save else max(nc, 1)
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     Tb, Pb, BLb = e(NCb, HV, BT, BT, dt=f32), e(NCb, HV, BT, BT), e(NCb, HV, K, dt=f32)
-    Wb, Ub, Qg, Kd = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K)
+    sdh = _state_dtype(sd)
+    Wb, Ub, Qg, Kd = e(Ttot, HV, K), e(Ttot, HV, V), e(Ttot, HV, K), e(Ttot, HV, K, dt=sdh)
     # b per token: only the whole-K kernels keep it (the K-blocked ones recompute it from g)
     Bc = e(*_bc_shape(Ttot, HV, K), dt=f32)
     split = TUNE["split_o"]
     keep = save or split  # the chunk states and Vn go to memory
-    hb = e(NCb, HV, K, V) if keep else q.new_empty(0, dtype=sd)
+    hb = e(NCb, HV, K, V, dt=sdh) if keep else q.new_empty(0, dtype=sdh)
     vn = e(Ttot, HV, V) if keep else q.new_empty(0, dtype=sd)
     o = gdn._out((B, T, HV, V), q, q.dtype)
     ht = gdn._out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
@@ -229,8 +242,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
         BT, sd, Tt = _chunk_size(K, q.dtype), gdn._store_dtype(q.dtype), B * T
         NC = gdn._max_chunks(Tt, N, BT)
         out += [q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(Tt, HV, K, dtype=sd),
-                q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(Tt, HV, V, dtype=sd),
-                q.new_empty(Tt, HV, K, dtype=sd), q.new_empty(Tt, HV, K, dtype=sd),
+                q.new_empty(NC, HV, K, V, dtype=_state_dtype(sd)), q.new_empty(Tt, HV, V, dtype=sd),
+                q.new_empty(Tt, HV, K, dtype=sd), q.new_empty(Tt, HV, K, dtype=_state_dtype(sd)),
                 q.new_empty(NC, HV, BT, BT, dtype=sd), q.new_empty(*_bc_shape(Tt, HV, K), dtype=f32),
                 q.new_empty(NC, HV, K, dtype=f32)]
     return out

@@ -177,6 +177,12 @@ def main() -> int:
     # recurrences and the backward). The interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not.
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
+    # the same 16-bit paths with the chunk states and Kd in fp32 (kda.TUNE state_fp32; every backward dot then fp32)
+    # at log-decays down to -30 a step, where the default's dbeta / dg reach 4-11x the other tensors' error in fp16
+    # (2026-11-25: dbeta 3.1e-3 -> 2.2e-4 on one seed)
+    with launch_plan(state_fp32=True):
+        res["fp16_state_fp32_decay30_T65"] = chunk_case(gen, B=1, T=65, H=1, HV=1, K=64, V=128, l2=True, h0=False,
+                                                        decay=30.0, dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
