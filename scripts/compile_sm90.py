@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-bk", default="32,64", help="key-channel blocks of the K-blocked KDA kernels to try")
     ap.add_argument("--maxnreg", type=int, default=128, help="register cap of the capped K-blocked chunk-backward "
                     "jobs (gdn.TUNE bwd_maxnreg)")
+    ap.add_argument("--bwd-stages", type=int, default=1, help="num_stages of the K-blocked chunk-backward jobs "
+                    "(gdn.TUNE bwd_stages)")
     ap.add_argument("--dump", default=None, help="write each kernel's TTGIR and PTX into this folder")
     ap.add_argument("--only", default=None, help="comma-separated kernel names to compile (default: all)")
     ap.add_argument("--heads", default="16,16", help="H,HV as a launch would see them (1: constexpr, multiple of "
@@ -210,11 +212,11 @@ def main(argv=None) -> int:
             kern._chunk_bwd_state_blk, dict(k=dt, v=dt, g="fp32", beta=dt, Tbuf="fp32", hbuf=sd, dhbuf=sd, vnbuf=sd,
                                             dvnbuf=sd, dkp="fp32", dv=dt, dg="fp32", dbeta="fp32", dKKbuf=sd,
                                             dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
-            dict(H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1, cap)
+            dict(H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), args.bwd_stages, cap)
         jobs[f"_chunk_bwd_out_blk({tag})"] = (
             kern._chunk_bwd_out_blk, dict(q=dt, k=dt, g="fp32", hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt, dkp="fp32",
                                           dg="fp32", dKKbuf=sd, dsk="fp32", cu=i32, chunk_seq=i32, chunk_start=i32),
-            dict(scale="fp32", H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), 1, cap)
+            dict(scale="fp32", H=i32, HV=i32), dict(common, BK=bk, BV=bv, LOWP=lowp), args.bwd_stages, cap)
     from hybridlm.ops.triton import kda_kernels as kk
 
     jobs["_kda_prep_fwd"] = (kk._kda_prep_fwd, dict(prep_ptrs, Bc="fp32", BL="fp32"), prep_ints,

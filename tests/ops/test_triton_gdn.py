@@ -317,6 +317,20 @@ def test_state_raw_k_needs_raw_out(monkeypatch):
         gdn._fwd_impl(q, q, q, g, beta, None, None, 0.125, True, False, True, 64)
 
 
+@pytest.mark.parametrize("stages", [0, 1.5, None])
+def test_bwd_stages_is_checked(monkeypatch, stages):
+    """gdn.TUNE bwd_stages goes to the K-blocked chunk backward's launches as num_stages: anything but an int >= 1 is
+    a clear error before a launch, not a compile failure inside Triton."""
+    from hybridlm.ops.triton import gdn
+
+    monkeypatch.setitem(gdn.TUNE, "bwd_stages", stages)
+    x = torch.zeros(64, 1, 64)
+    lay = gdn.layout(None, 1, 64, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"TUNE\['bwd_stages'\]: expected an int >= 1, got {stages!r}"):
+        gdn._chunk_bwd_kblock(x, x, x, x, x, x, x, [x, x], x, x, x, x, x, x, x, lay, 0.125, 1, 1, 64, 64, 64, True,
+                              "ieee", False)
+
+
 def test_unknown_solve_is_a_clear_error(monkeypatch):
     from hybridlm.ops.triton import gdn, gdn_kernels
 

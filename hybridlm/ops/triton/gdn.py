@@ -61,7 +61,7 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": 4, "fwd_sta
         "lean_split": False, "solve": "subst", "solve_prec": "tf32x3", "prep1_warps": None, "prep3_warps": None,
         "rbwd_warps": 4, "rbwd_bv": None, "bwd_raw_qk": True, "prep_kkt": True, "kkt_warps": 1, "kkt_bk": 32,
         "kkt_prec": "tf32", "kkt_diag_prec": None, "fwd_raw_out": True, "rawout_bv": 128, "rawout_warps": 4,
-        "state_raw_k": True}
+        "state_raw_k": True, "bwd_stages": 1}
 # prep_split: `_prep_fwd` as three launches (Qg/Kd/P/A, the UT solve, W/U) instead of one; solve_interleave: the
 #   four diagonal 16x16 inversions in one loop ([4, 16, 16] tiles) instead of one after another (H100, B4 T4096
 #   H16 D128 bf16 forward, 2026-11-23: split + interleaved 1.18 ms, split + one-by-one 1.30, one launch 1.32);
@@ -122,6 +122,10 @@ TUNE = {"bwd_warps": 4, "bwd_bv": None, "fwd_bv": None, "fwd_warps": 4, "fwd_sta
 #   `scripts/gpu_rawout.sh`, V block 128 at 4 warps): B4 T4096 H16 0.906-0.910 -> 0.876 ms, B1 T32768 H32
 #   4.09-4.14 -> 4.01, B8 T2048 H32 1.78-1.80 -> 1.73 (V block 64 at 8 warps: +5%; V block 32 at 4 warps: a wrong
 #   o, 0.54 off, so V blocks below 64 are refused on CUDA)
+# bwd_stages: num_stages of the K-blocked chunk backward's two launches (>= 1). 2 pipelines the loads of their V and
+#   K loops (sm_90: 24 -> 40 KB and 40 -> 48 KB of shared memory); no gain (H100, bf16, 2026-11-25 03:21,
+#   `scripts/gpu_bwd_stages.sh`: forward+backward 2.250 -> 2.250 ms at B4 T4096 H16, 9.989-10.045 -> 9.974 at B1
+#   T32768 H32): the global loads they stall on (ncu, `scripts/gpu_ncu_bwd.sh`) are not in those loops
 # state_raw_k: with fwd_raw_out, W/U's launch writes no Kd tile ([tokens, HV, K] 16-bit, ~58 us of its 200 at B4
 #   T4096 H16, 2026-11-24), only its row scales s_k = rk e^{bL - b} ([tokens, HV] fp32); the state pass reads the raw
 #   k (per key head) and multiplies Vn's rows by s_k before its state-update dot (`_recur_fwd` SK): one [BT, BV]
@@ -719,7 +723,10 @@ def _chunk_bwd_kblock(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, d
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
     BK, BV = kblock_bwd_blocks(K, V)
-    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=1)
+    stages = TUNE["bwd_stages"]
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"gdn.TUNE['bwd_stages']: expected an int >= 1, got {stages!r}")
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=stages)
     if q.dtype != torch.float32 and TUNE["bwd_maxnreg"]:  # fp32's IEEE dots spill with or without the cap
         common["maxnreg"] = TUNE["bwd_maxnreg"]
     warps = TUNE["bwd_warps"] or 8
