@@ -298,7 +298,9 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     )
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
-    dv = gdn._out((B, T, HV, V), q, f32)
+    # dv is written once per chunk (one launch of the diagonal modes takes each chunk), so in the input dtype: no
+    # fp32 copy and no cast kernel after (GDN's backward does the same)
+    dv = gdn._out((B, T, HV, V), q, v.dtype)
     db = gdn._out((B, T, HV), q, f32)
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
     if nc > 0 and TUNE["variant"] == "whole":
@@ -328,7 +330,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
                 WHOLE=3 in state_modes, num_warps=bw, num_stages=1, **_cap(),
             )
     del dhb, dvn  # read: freed before the GVA sums and casts, as in the GDN backward
-    return [gdn.gva_sum(dq, B, T, H, q.dtype), gdn.gva_sum(dk, B, T, H, k.dtype), dv.to(v.dtype),
+    return [gdn.gva_sum(dq, B, T, H, q.dtype), gdn.gva_sum(dk, B, T, H, k.dtype), dv,
             dg.view(B, T, HV, K), db.to(beta.dtype), dh0]
 
 
