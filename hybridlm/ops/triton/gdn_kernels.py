@@ -46,8 +46,55 @@ def _patch_interpreter_index() -> None:
     itp._patch_lang_tensor = patched
 
 
+def _patch_interpreter_bf16() -> None:
+    """Triton's CPU interpreter (3.4-3.6) holds bf16 tensors as their uint16 bit patterns; its tl.dot multiplies
+    those integers (triton-lang/triton#11584) and its fp32 -> bf16 cast truncates, where the GPU rounds to nearest
+    even. So every bf16 dot is wrong there and every bf16 store is off by up to one ulp toward zero. This widens bf16
+    dot operands to fp32 first (what the GPU computes: bf16 products are exact in fp32, fp32 accumulation) and casts
+    fp32 <-> bf16 by the bit patterns with round-to-nearest-even. Only under TRITON_INTERPRET=1; a no-op where the
+    interpreter lacks these entry points."""
+    try:
+        from triton.runtime import interpreter as itp
+    except ImportError:  # pragma: no cover
+        return
+    builder = getattr(itp, "InterpreterBuilder", None)
+    orig_dot = getattr(builder, "create_dot", None)
+    orig_cast = getattr(builder, "cast_impl", None)
+    if orig_dot is None or orig_cast is None or getattr(orig_dot, "_hybridlm", False):
+        return
+    import numpy as np
+
+    def to_f32(bits):  # bf16 bit patterns (uint16) -> float32, exact
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def to_bf16(x):  # float32 -> bf16 bit patterns, round to nearest even (NaN stays a quiet NaN)
+        u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        r = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+        return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+
+    def widen(x):
+        return itp.TensorHandle(to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        s, t = src.dtype.scalar, dst_type.scalar
+        if s == tl.bfloat16 and t == tl.float32:
+            return itp.TensorHandle(to_f32(src.data), tl.float32)
+        if s == tl.float32 and t == tl.bfloat16:
+            return itp.TensorHandle(to_bf16(src.data), tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    create_dot._hybridlm = True
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
+    # the create_fp_* lambdas look cast_impl up on the instance, so they take the patched one
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_index()
+    _patch_interpreter_bf16()
 
 
 @triton.jit
