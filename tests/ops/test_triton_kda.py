@@ -78,8 +78,8 @@ def test_kda_forward_and_gradients_match_float64(interp_results, case):
 
 @pytest.mark.parametrize("case", ["fp16_varlen_gva2_T150", "fp16_state_fp32_decay30_T65"])
 def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results, case):
-    """The 16-bit storage and dot-operand paths (the GPU default for bf16/fp16 inputs), in fp16: the interpreter
-    runs fp16 dots correctly, not bf16 ones (it multiplies bf16 bit patterns: triton-lang/triton#11584). fp16's
+    """The 16-bit storage and dot-operand paths (the GPU default for bf16/fp16 inputs), in fp16 (bf16 below:
+    `test_kda_bf16_inputs_within_the_gpu_bars`). fp16's
     unit roundoff is 4.9e-4; measured ~4e-4 relative RMS for every tensor, so 1e-3 (outputs) and 2e-3
     (gradients) fail any wrong operand or missing rounding step. The second case keeps the chunk states and Kd in
     fp32 (kda.TUNE state_fp32) at log-decays down to -30 a step and has no initial state."""
@@ -89,6 +89,18 @@ def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results, case):
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
         if name in res:
             assert res[name] <= 2e-3, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+
+
+def test_kda_bf16_inputs_within_the_gpu_bars(interp_results):
+    """bf16 inputs (the GPU default) under the interpreter with its bf16 fixed (gdn_kernels._patch_interpreter_bf16),
+    at the GPU check's bf16 bars: 5e-3 for outputs, 1e-2 for gradients. Measured 2.9-3.0e-3 (o) and 1.6-4.7e-3
+    (gradients) over three seeds at these mild log-decays (2026-11-25)."""
+    case = "bf16_varlen_gva2_T150"
+    res, seed = interp_results[case], interp_results["seed"]
+    for name in ("o", "final_state", "o_vs_naive", "state_vs_naive"):
+        assert res[name] <= 5e-3, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        assert res[name] <= 1e-2, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
 def test_kda_decode_matches_float64(interp_results):

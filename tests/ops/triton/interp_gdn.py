@@ -235,6 +235,12 @@ def main() -> int:
     # before `_cum_split`, `_row_minus_col` and `_dg_rows`; now ~2e-7 and ~4e-7)
     res["decay_cliff_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                             decay=cliff_bounds(130))
+    # bf16 inputs, the GPU's default path (bf16 intermediates, bf16 dot operands): the interpreter runs them since
+    # gdn_kernels._patch_interpreter_bf16 (2026-11-25; before, its bf16 dots multiplied bit patterns)
+    res["bf16_varlen_gva2_T150"] = run_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                            cu=[0, 15, 150], dtype=torch.bfloat16)
+    res["bf16_decay30_gva2_T130"] = run_case(gen, B=1, T=130, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                             dtype=torch.bfloat16, decay=30.0)
     # the chunk-backward launch plans, each at several chunks (GVA 2, l2norm, V 128) and varlen (no GVA: dk's fp32
     # partial sum then waits in its own scratch buffer, not in dk; no l2norm), with the other plans' kernels blocked.
     # K-blocked (the default) at key blocks of 32 and V blocks of 32: two and four per head at K 64, V 128 (key blocks
@@ -251,8 +257,7 @@ def main() -> int:
                                                   h0=True)
         res[f"plan_{plan}_varlen_1_15_64_70_130"] = plan_case(gen, tune, blocked, B=1, T=280, H=2, HV=2, K=64, V=64,
                                                               l2=False, h0=True, cu=[0, 1, 16, 80, 150, 280])
-        # fp16 inputs: the GPU's 16-bit path (intermediates stored in fp16, 16-bit dot operands, dKK parked in
-        # fp16); the interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not
+        # fp16 inputs: the 16-bit path (intermediates stored in fp16, 16-bit dot operands, dKK parked in fp16)
         res[f"plan_{plan}_fp16_varlen_gva2_T150"] = plan_case(gen, tune, blocked, B=1, T=150, H=1, HV=2, K=64, V=64,
                                                               l2=True, h0=True, cu=[0, 15, 150], dtype=torch.float16)
     # K-blocked backward at four key blocks of 16 (K 64, GVA 2, no initial state). (K 128 cases pass too, but the

@@ -174,7 +174,10 @@ def main() -> int:
                                                   cu=[0, 15, 150])
         res["row_solve_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # fp16 inputs: the 16-bit paths (W, U, states, Vn, Qg, Kd, P stored in fp16; 16-bit dot operands in the
-    # recurrences and the backward). The interpreter's bf16 dots are wrong (Triton 3.6), its fp16 ones are not.
+    # recurrences and the backward). bf16 (the GPU default) since gdn_kernels._patch_interpreter_bf16 fixed the
+    # interpreter's bf16 dots and casts (2026-11-25)
+    res["bf16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                              cu=[0, 15, 150], dtype=torch.bfloat16)
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
     # the same 16-bit paths with the chunk states and Kd in fp32 (kda.TUNE state_fp32; every backward dot then fp32)
