@@ -8,8 +8,9 @@ glue, vs the same layer on the reference glue; the recurrence is forced to the P
 the glue differs; "full": the whole layer on Triton, glue and recurrence, vs the float64 reference layer). The
 variable must be set before triton decorates the kernels, so these cases cannot share the
 pytest process. Prints one JSON line "RESULT {case: {tensor: relative error}}". Fresh random inputs every run
-(seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32 only: the interpreter
-rounds float32 -> bfloat16 by truncation, not to nearest, so bf16 is checked on the GPU (scripts/gpu_check_glue.py).
+(seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32, and three bf16 cases
+(`bf16_cases`) now that gdn_kernels._patch_interpreter_bf16 makes the interpreter round float32 -> bfloat16 to
+nearest (it truncated); bf16 is also checked on the GPU (scripts/gpu_check_glue.py).
 """
 
 from __future__ import annotations
@@ -201,8 +202,34 @@ def compiled_case(gen):
     return res
 
 
-def ops_cases(gen) -> dict:
+def bf16_cases(gen) -> dict:
+    """bf16 inputs (the GPU default) of the short conv + SiLU, the gated RMSNorm and SwiGLU, against float64 on the
+    same rounded inputs: the interpreter runs bf16 since gdn_kernels._patch_interpreter_bf16 (2026-11-25; before,
+    it truncated fp32 -> bf16 casts)."""
+    bf = lambda *s, scale=1.0, shift=0.0: (shift + scale * torch.randn(*s, generator=gen)).bfloat16()  # noqa: E731
+    cases = {
+        "bf16_conv_W4_bias_T70": (lambda x, weight, bias: tconv.causal_conv1d(x, weight, bias, activation="silu")[0],
+                                  lambda x, weight, bias: causal_conv1d(x, weight, bias, activation="silu")[0],
+                                  {"x": bf(2, 70, 96), "weight": bf(96, 4, scale=0.5), "bias": bf(96)}),
+        "bf16_gnorm_silu_D128": (lambda x, gate, weight: tnorm.gated_rms_norm(x, gate, weight, 1e-6),
+                                 lambda x, gate, weight: gated_rms_norm(x, gate, weight, 1e-6),
+                                 {"x": bf(3, 40, 128), "gate": bf(3, 40, 128, scale=2.0),
+                                  "weight": bf(128, scale=0.3, shift=1.0)}),
+        "bf16_swiglu_5x256": (tswiglu.silu_mul, lambda gate, up: F.silu(gate) * up,
+                              {"gate": bf(5, 256, scale=3.0), "up": bf(5, 256)}),
+    }
     res = {}
+    for name, (fn, ref_fn, xs) in cases.items():
+        leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
+        ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
+        y, y2 = fn(**leaf), ref_fn(**ref)
+        res[name] = {"y": rel(y, y2), "dtype_ok": float(y.dtype == torch.bfloat16)}
+        res[name].update(grads_vs([y], [y2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
+    return res
+
+
+def ops_cases(gen) -> dict:
+    res = bf16_cases(gen)
     res["conv_W2_bias_h0_T37_C70"] = conv_case(gen, B=2, T=37, C=70, W=2, bias=True, h0=True, silu=True)
     res["conv_W3_noact_T5_noacc"] = conv_case(gen, B=1, T=5, C=24, W=3, bias=False, h0=False, silu=False,
                                               acc=False)
