@@ -4,9 +4,10 @@
 
 Run by tests/layers/test_norm_autocast.py in a child process (the variable must be set before triton decorates
 the kernels). Prints one JSON line "RESULT {case: {check: value}}"; the parent asserts. Fresh random inputs every
-run (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. The interpreter rounds
-float32 -> bfloat16 by truncation, not to nearest: the fused output is checked against both roundings of its own
-float32 output here, and against round-to-nearest on a GPU (test_norm_autocast.py's CUDA test).
+run (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. Triton 3.6's interpreter
+rounds float32 -> bfloat16 by truncation; hybridlm.ops.triton replaces that cast with round-to-nearest-even
+(gdn_kernels._patch_interpreter_bf16), so the fused output is checked against round-to-nearest here too
+(`y_equal_rtne_y32`; `y_is_rounded_y32` accepts either rounding) as on a GPU (test_norm_autocast.py's CUDA test).
 """
 
 from __future__ import annotations

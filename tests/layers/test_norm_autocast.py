@@ -4,8 +4,8 @@ float32.
 
 Tolerances (bf16 output, float32 x): the unit roundoff of bfloat16 is u = 2^-8. Every output element is within
 u (+1e-6 for the float32 arithmetic) of the float64 norm, relative, when rounded to nearest (the PyTorch norm, the
-fused norm on a GPU); within 2u under the Triton interpreter, which truncates float32 -> bfloat16. Beyond that
-bound: the autocast output is exactly the float32 output rounded (to nearest, or truncated by the interpreter).
+fused norm on a GPU, and under the Triton interpreter with hybridlm's fix of its float32 -> bfloat16 cast, which
+truncated). Beyond that bound: the autocast output is exactly the float32 output rounded to nearest even.
 Gradients: with the cotangent arriving in bfloat16 they are bit-identical to the float32 path fed the same rounded
 cotangent, and within u relative L2 of the float64 gradients for the unrounded cotangent (measured up to 1.9e-3).
 """
@@ -199,9 +199,10 @@ def test_norm_module_under_cpu_autocast_interpreter(interp_autocast, case, impl)
     assert r["dtypes_ok"], where
     assert r["y32_rel_l2"] <= 1e-6, where  # float32 without autocast: unchanged
     assert r["y_is_rounded_y32"], where  # bf16 output = the float32 output rounded once
-    if impl == "naive":
-        assert r["y_equal_rtne_y32"], where
-    assert r["y_rel_elem"] <= (U if impl == "naive" else 2 * U) + 1e-6, (where, r["y_rel_elem"])
+    # to nearest even, also the fused norm: the interpreter's fp32 -> bf16 cast is hybridlm's since 2026-11-25
+    # (gdn_kernels._patch_interpreter_bf16; Triton 3.6's own truncates)
+    assert r["y_equal_rtne_y32"], where
+    assert r["y_rel_elem"] <= U + 1e-6, (where, r["y_rel_elem"])
     assert r["dx_equal_fp32_path"] and r["dw_equal_fp32_path"], where
     for name in ("dx_rel_l2", "dweight_rel_l2"):
         assert r[name] <= U, (where, name, r[name])
