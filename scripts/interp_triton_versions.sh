@@ -8,16 +8,17 @@ cd "$(dirname "$0")/.."
 versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(3.4.0 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0)
 # the verdict on one RESULT line: every error within its bar (fp16 cases: 16-bit intermediates, PLAN_TOL_FP16 of
-# the tests); the recompute cases hold counts and equality flags, checked by the pytest tests instead
+# the tests; bf16 cases: the GPU check's bars, which need gdn_kernels._patch_interpreter_bf16 to apply to that
+# version's interpreter); the recompute cases hold counts and equality flags, checked by the pytest tests instead
 VERDICT='
 import json, sys
 d = json.load(sys.stdin)
 # errors only: flags, counts and the launch-marks case (lists) are checked by the pytest tests
 worst = {c: max(x for n, x in r.items() if n not in ("o_dtype_ok", "others_unchanged") and isinstance(x, float))
          for c, r in d.items() if isinstance(r, dict) and not c.startswith(("recompute", "launch_marks"))}
-bar = lambda c: 2e-3 if "fp16" in c else 1e-5
+bar = lambda c: 2e-3 if "fp16" in c else 1e-2 if "bf16" in c else 1e-5  # bf16: the gradient bar of the GPU check
 bad = {c: w for c, w in worst.items() if w > bar(c)}
-fp32_worst = max(w for c, w in worst.items() if "fp16" not in c)
+fp32_worst = max(w for c, w in worst.items() if "fp16" not in c and "bf16" not in c)
 print("triton", sys.argv[1], sys.argv[2], "PASS" if not bad else f"FAIL {bad}", "worst rel err (fp32 cases)",
       f"{fp32_worst:.2e}", "seed", d["seed"])
 '
