@@ -105,19 +105,40 @@ def _off_exps_from(E, Y, Tb, cb: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _mid_sums(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16):
-    """s_i = b_i - b_m, m = SPAN (i // SPAN) + SPAN / 2 - 1 the middle row of row i's SPAN-row block (16: the
-    diagonal blocks of DIAG 1; 8: their halves, DIAG 4), summed from g ([BT, BK]): within a block
-    e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. One scan each way over the tile seen as
-    [BT // SPAN, SPAN, BK] (masked scans over the whole tile, one block at a time, made the dot launches slower than
-    the exact loop on the H100)."""
+def _centred(s, BT: tl.constexpr, SPAN: tl.constexpr):
+    """s minus the midpoint of its range in each SPAN-row block and channel: s_i - (s_first + s_last) / 2 (s falls
+    down a block, so its first and last rows hold its range). e^{s_i} e^{-s_j} is unchanged (the shift cancels) and
+    max |s| is half the block's log-decay span, the least any reference can give: the dot bound then takes blocks
+    whose decay is uneven between the two halves (the kernel bench's init gates, B4 T4096 H16: 62% of (chunk, head)
+    pairs by the 16-row dot instead of 50%, 25% by the half-block dots instead of 37%, none exact instead of 1%;
+    `scripts/kda_whole_share.py --bench-init [--middle-row]`). Rows past a sequence's end repeat the last row's
+    s."""
+    BK: tl.constexpr = s.shape[1]
+    s3 = tl.reshape(s, [BT // SPAN, SPAN, BK])
+    pos = tl.arange(0, SPAN)[None, :, None]
+    ends = tl.sum(tl.where((pos == 0) | (pos == SPAN - 1), s3, 0.0), 1)  # s_first + s_last, [BT // SPAN, BK]
+    return tl.reshape(s3 - 0.5 * ends[:, None, :], [BT, BK])
+
+
+@triton.jit
+def _mid_sums(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16, CENTRE: tl.constexpr = True):
+    """s_i = b_i - r over row i's SPAN-row block (16: the diagonal blocks of DIAG 1; 8: their halves, DIAG 4), summed
+    from g ([BT, BK]): within a block e^{b_i - b_j} = e^{s_i} e^{-s_j}, each factor at most e^{max |s|}. r = b_m at
+    the block's middle row m = SPAN / 2 - 1, by one scan each way over the tile seen as [BT // SPAN, SPAN, BK]
+    (masked scans over the whole tile, one block at a time, made the dot launches slower than the exact loop on the
+    H100); with CENTRE (the backward kernels) then shifted to the midpoint of the block's range (`_centred`). The
+    prep keeps the middle row: centred, it took the forward 2.371 -> 2.413 ms while the backward gained (H100,
+    2026-11-25 06:12-06:20, `scripts/gpu_kda_centred.sh`)."""
     BK: tl.constexpr = gg.shape[1]
     M: tl.constexpr = SPAN // 2 - 1
     pos = (tl.arange(0, BT) % SPAN)[:, None]
     up = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos > M, gg, 0.0), [BT // SPAN, SPAN, BK]), 1), [BT, BK])
     dn = tl.reshape(tl.cumsum(tl.reshape(tl.where(pos < M, gn, 0.0), [BT // SPAN, SPAN, BK]), 1, reverse=True),
                     [BT, BK])
-    return tl.where(pos > M, up, 0.0) - tl.where(pos < M, dn, 0.0)  # g of rows m+1..i, minus g of rows i+1..m
+    s = tl.where(pos > M, up, 0.0) - tl.where(pos < M, dn, 0.0)  # g of rows m+1..i, minus g of rows i+1..m
+    if CENTRE:
+        s = _centred(s, BT, SPAN)
+    return s
 
 
 @triton.jit
@@ -145,7 +166,7 @@ def _half_masks(BT: tl.constexpr):
 
 @triton.jit
 def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                  SPAN: tl.constexpr):
+                  SPAN: tl.constexpr, CENTRE: tl.constexpr = True):
     """Whether every factor of chunk ic's dot stays within e^60 in every key channel: through the middle row of the
     whole chunk (SPAN 0: `_whole_sums`), or of each block of SPAN rows (16: the diagonal blocks, 8: their halves;
     `_mid_sums`)."""
@@ -156,13 +177,14 @@ def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, B
         if SPAN == 0:
             worst = tl.maximum(worst, tl.abs(_whole_sums(gg, gn, BT)))
         else:
-            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT, SPAN)))
+            worst = tl.maximum(worst, tl.abs(_mid_sums(gg, gn, BT, SPAN, CENTRE)))
     return tl.max(tl.max(worst, 1), 0) <= 60.0
 
 
 @triton.jit
 def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-               DIAG: tl.constexpr, MARKED: tl.constexpr = False, WHOLE: tl.constexpr = False):
+               DIAG: tl.constexpr, MARKED: tl.constexpr = False, WHOLE: tl.constexpr = False,
+               CENTRE: tl.constexpr = True):
     """Whether this program works in this launch. DIAG 0: one launch, every chunk through the exact per-column
     loop. Else the kernel is launched two or three times with a shared int32 redo [chunks, HV]: DIAG 1 takes the
     chunks (and heads) whose diagonal blocks can be one masked dot through e^{s_i} e^{-s_j} (`_mid_sums`) in every
@@ -200,14 +222,14 @@ def _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, BK: tl.
         else:
             todo = ic >= 0
         if todo:
-            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 16)
+            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 16, CENTRE)
             tl.store(p, tl.where(go, 2, 1).to(tl.int32))
     elif DIAG == 4 and MARKED:
         go = tl.load(p) == 3
     elif DIAG == 4:  # after a DIAG 1 launch: of the chunks it left (mark 1), those whose 8-row halves allow the dot
         go = ic < 0
         if tl.load(p) == 1:
-            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 8)
+            go = _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K, BK, BT, 8, CENTRE)
             tl.store(p, tl.where(go, 3, 1).to(tl.int32))
     elif DIAG == 2:
         go = tl.load(p) == 1
@@ -636,7 +658,7 @@ def _kda_prep_ap(
     The off-diagonal blocks' factors come from `_off_parts` once per key block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
     the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE):
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE, False):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)
@@ -678,13 +700,13 @@ def _kda_prep_ap(
                     s = _whole_sums(gg, gn, BT)
                     mA, mP = low, low | diag
                 else:
-                    s = _mid_sums(gg, gn, BT)
+                    s = _mid_sums(gg, gn, BT, 16, False)
                     mA, mP = blk & low, blk & (low | diag)
                 Y = kr * tl.exp(-s)
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             elif DIAG == 4:  # the diagonal blocks by their 8-row halves (`_diag_pass`), fp32 operands
-                s = _mid_sums(gg, gn, BT, 8)
+                s = _mid_sums(gg, gn, BT, 8, False)
                 same8, cross = _half_masks(BT)
                 Y = kr * tl.exp(-s)
                 A += tl.where(same8 & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
