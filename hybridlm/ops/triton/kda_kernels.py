@@ -109,7 +109,7 @@ def _centred(s, BT: tl.constexpr, SPAN: tl.constexpr):
     """s minus the midpoint of its range in each SPAN-row block and channel: s_i - (s_first + s_last) / 2 (s falls
     down a block, so its first and last rows hold its range). e^{s_i} e^{-s_j} is unchanged (the shift cancels) and
     max |s| is half the block's log-decay span, the least any reference can give: the dot bound then takes blocks
-    whose decay is uneven between the two halves (the kernel bench's init gates, B4 T4096 H16: 62% of (chunk, head)
+    whose decay is uneven between the two halves (the kernel bench's init gates, B4 T4096 H16: 63% of (chunk, head)
     pairs by the 16-row dot instead of 50%, 25% by the half-block dots instead of 37%, none exact instead of 1%;
     `scripts/kda_whole_share.py --bench-init [--middle-row]`). Rows past a sequence's end repeat the last row's
     s."""
