@@ -100,10 +100,11 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
 
 def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
               recompute=False):
-    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays."""
+    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays. Runs where gen is (the
+    GPU here; the CPU interpreter in scripts/interp_kda_tail.py, on the same draws)."""
     from hybridlm.ops import kda
 
-    dev = "cuda"
+    dev = gen.device
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
