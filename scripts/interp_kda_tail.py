@@ -7,7 +7,7 @@ relative RMS error against float64, under three storage plans.
 
 Seed 117, 2026-11-25 (of seeds 1-18 and 113-118 in this draw order it alone fails): default dbeta 2.47e-2 (the
 bar is 1e-2; dg 1.72e-3), kda.TUNE state_fp32 dbeta 2.88e-3, gdn.TUNE store_fp32 2.54e-3 (dg 5.09e-4). The GPU's
-20 seeds (other inputs: a CUDA generator draws other numbers) reached dbeta 8.65e-3 at worst. Until
+20 seeds (other inputs: a CUDA generator draws other numbers) reached dbeta 8.65e-3 at worst. Before
 commit f294fa5 this script drew its inputs itself (no initial state drawn): the numbers in BENCHMARKS.md's second
 session of 2026-11-25 (seed 6) are from that order, at commit de5cc4e.
 """
