@@ -14,8 +14,10 @@ loop. Every exponent is a direct sum of g (no difference of cumulative sums).
 Layout here (not the library's): M [NC, BT, BT] fp32, y [NC, BT, K], g [NC, BT, K] fp32 log-decays <= 0, out
 [NC, BT, K] fp32, for NC chunks (heads folded in); grid (NC, BT // 16, K // BK).
 
-    TRITON_INTERPRET=1 python scripts/kda_rowblock_proto.py [--decay 30]     (against float64, on the CPU)
+    TRITON_INTERPRET=1 python scripts/kda_rowblock_proto.py [--decay 30]     (against float64, on the CPU; the
+                                                                           library's functions beside it)
     python scripts/kda_rowblock_proto.py --compile [--warps 1,2,4]         (sm_90 registers and stack, no GPU)
+    python scripts/kda_rowblock_proto.py --gpu --decay 4                   (CUDA: time both ways, bf16)
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridlm.ops.triton import kda_kernels as kk
+from hybridlm.ops.triton.gdn_kernels import _op
+
 
 @triton.jit
-def _rows_prod_rowblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _rows_prod_rowblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        LOWP: tl.constexpr):
     ic = tl.program_id(0)
     r0 = tl.program_id(1) * 16  # this program's rows r0 .. r0 + 15
     offs = tl.program_id(2) * BK + tl.arange(0, BK)
@@ -47,7 +53,8 @@ def _rows_prod_rowblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.
     p_M = M + ic.to(tl.int64) * BT * BT
     m_rows = tl.load(p_M + rows[:, None] * BT + cols[None, :])
     m_off = tl.where(cols[None, :] < r0, m_rows, 0.0)
-    acc = tl.dot(m_off, y_all * ye, input_precision="ieee") * xe
+    acc = tl.dot(_op(m_off, y.dtype.element_ty, LOWP), _op(y_all * ye, y.dtype.element_ty, LOWP),
+                 input_precision=PREC) * xe
     # the diagonal block, exactly: column j of the block for its rows i > j; run_i = g of rows j+1..i
     run = tl.zeros([16, BK], dtype=tl.float32)
     for jj in range(16):
@@ -61,7 +68,8 @@ def _rows_prod_rowblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _cols_prod_colblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _cols_prod_colblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        LOWP: tl.constexpr):
     """The transposed product out_j = sum_{i > j} M_ij y_i e^{b_i - b_j}, one program per 16-column block J: the rows
     after the block through r = b at its last row (e^{b_i - r} = e^{g of rows 16 J + 16 .. i}, e^{r - b_j} = e^{g of
     rows j+1 .. 16 J + 15}, both <= 1), the block's own rows exactly."""
@@ -82,7 +90,8 @@ def _cols_prod_colblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.
     p_M = M + ic.to(tl.int64) * BT * BT
     m_cols = tl.load(p_M + rows[:, None] * BT + cols[None, :])  # [BT, 16]: M's columns of the block
     m_off = tl.where((rows >= end)[:, None], m_cols, 0.0)
-    acc = tl.dot(tl.trans(m_off), y_all * xe, input_precision="ieee") * ye
+    acc = tl.dot(tl.trans(_op(m_off, y.dtype.element_ty, LOWP)), _op(y_all * xe, y.dtype.element_ty, LOWP),
+                 input_precision=PREC) * ye
     # the block's own rows, exactly: row p of the block for its columns j < p; run_j = g of rows j+1..p
     run = tl.zeros([16, BK], dtype=tl.float32)
     for p in range(16):
@@ -94,14 +103,54 @@ def _cols_prod_colblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.
     tl.store(out + base + cols[:, None] * K + offs[None, :], acc)
 
 
-def products(M: torch.Tensor, y: torch.Tensor, g: torch.Tensor, BK: int = 32, warps: int = 4):
-    """M [NC, BT, BT], y [NC, BT, K], g [NC, BT, K] -> (rows, cols) [NC, BT, K] fp32 (the two kernels above)."""
+@triton.jit
+def _lib_products(M, y, g, out_r, out_c, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                  LOWP: tl.constexpr, DIAG: tl.constexpr):
+    """The same two sums by the library's per-chunk functions (`kda_kernels._rows_prod_blk`, `_cols_prod_blk`), in
+    the diagonal mode DIAG (1: the 16-row dot, valid only within its bound; 4: half blocks; 2: exact), one program
+    per chunk walking the key blocks, as the backward kernels call them. y and g as one sequence of NC * BT rows,
+    one head."""
+    ic = tl.program_id(0)
+    bos = ic * BT
+    rows = tl.arange(0, BT)
+    r64 = (bos + rows).to(tl.int64)
+    Mt = tl.load(M + ic.to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :])
+    Mt = tl.where(rows[:, None] > rows[None, :], Mt, 0.0)  # the library's callers pass M strictly lower
+    band_r = kk._diag_band(Mt, BT, DIAG)
+    band_c = kk._diag_band(tl.trans(Mt), BT, DIAG)
+    DT: tl.constexpr = y.dtype.element_ty
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        gg, gn = kk._g_blk(g, r64, BT, 0, 1, K, k0, BK, BT)
+        yr = tl.load(y + r64[:, None] * K + offs[None, :]).to(tl.float32)
+        x1 = kk._rows_prod_blk(Mt, band_r, yr, gg, gn, y, g, bos, BT, 0, K, k0, 1, K, k0, BK, BT, True, PREC, DT,
+                               LOWP, DIAG)
+        x2 = kk._cols_prod_blk(Mt, band_c, yr, gg, gn, y, g, bos, BT, 0, K, k0, 1, K, k0, BK, BT, True, PREC, DT,
+                               LOWP, DIAG)
+        tl.store(out_r + r64[:, None] * K + offs[None, :], x1)
+        tl.store(out_c + r64[:, None] * K + offs[None, :], x2)
+
+
+def lib_products(M: torch.Tensor, y: torch.Tensor, g: torch.Tensor, diag: int, BK: int = 32, warps: int = 8,
+                 prec: str = "ieee", lowp: bool = False):
+    """(rows, cols) by `_lib_products` (8 warps and key block 32: the backward kernels' launch)."""
+    NC, BT, K = y.shape
+    res = [torch.full((NC, BT, K), float("nan"), device=y.device) for _ in range(2)]
+    _lib_products[(NC,)](M.contiguous(), y.contiguous(), g.contiguous(), *res, K=K, BT=BT, BK=BK, PREC=prec,
+                         LOWP=lowp, DIAG=diag, num_warps=warps)
+    return res
+
+
+def products(M: torch.Tensor, y: torch.Tensor, g: torch.Tensor, BK: int = 32, warps: int = 4, prec: str = "ieee",
+             lowp: bool = False):
+    """M [NC, BT, BT], y [NC, BT, K], g [NC, BT, K] -> (rows, cols) [NC, BT, K] fp32 (the two kernels above; lowp:
+    the off-diagonal dot's operands in y's 16-bit dtype, as the library's backward with bf16 inputs)."""
     NC, BT, K = y.shape
     res = []
     for kern in (_rows_prod_rowblock, _cols_prod_colblock):
         out = torch.full((NC, BT, K), float("nan"), device=y.device)
         kern[(NC, BT // 16, K // BK)](M.contiguous(), y.contiguous(), g.contiguous(), out, K=K, BT=BT, BK=BK,
-                                      num_warps=warps)
+                                      PREC=prec, LOWP=lowp, num_warps=warps)
         res.append(out)
     return res
 
@@ -118,14 +167,26 @@ def products_ref(M: torch.Tensor, y: torch.Tensor, g: torch.Tensor):
     return torch.einsum("cij,cjk,cijk->cik", M, y, E), torch.einsum("cij,cik,cijk->cjk", M, y, E)
 
 
-def check(decay: float, seed: int) -> tuple[float, float]:
-    """Relative RMS errors of the rows and cols products against float64 on one random draw."""
-    gen = torch.Generator().manual_seed(seed)
-    NC, BT, K = 6, 64, 64
-    M = torch.randn(NC, BT, BT, generator=gen)
-    y = torch.randn(NC, BT, K, generator=gen)
-    g = -decay * torch.rand(NC, BT, K, generator=gen)
-    return tuple(((a.double() - b).norm() / b.norm()).item() for a, b in zip(products(M, y, g), products_ref(M, y, g)))
+def draw(decay: float, seed: int, NC: int = 6, BT: int = 64, K: int = 64, device="cpu", dtype=torch.float32):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    M = torch.randn(NC, BT, BT, generator=gen, device=device)
+    y = torch.randn(NC, BT, K, generator=gen, device=device).to(dtype)
+    g = -decay * torch.rand(NC, BT, K, generator=gen, device=device)
+    return M, y, g
+
+
+def errors(got, M, y, g) -> tuple[float, float]:
+    return tuple(((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, products_ref(M, y, g)))
+
+
+def check(decay: float, seed: int) -> dict:
+    """Relative RMS errors of (rows, cols) against float64 on one draw: the prototype, and the library's functions in
+    each diagonal mode whose bound the draw meets (the 16-row dot only below ~7 a step)."""
+    M, y, g = draw(decay, seed)
+    res = {"rowblock": errors(products(M, y, g), M, y, g)}
+    for diag in ((1, 4, 2) if decay <= 4 else (2,)):
+        res[f"lib DIAG {diag}"] = errors(lib_products(M, y, g, diag), M, y, g)
+    return res
 
 
 def compile_counts(warps: list[int]) -> None:
@@ -133,13 +194,32 @@ def compile_counts(warps: list[int]) -> None:
     from compile_sm90 import compile_one
 
     sig = {"M": "*fp32", "y": "*bf16", "g": "*fp32", "out": "*fp32", "K": "constexpr", "BT": "constexpr",
-           "BK": "constexpr"}
+           "BK": "constexpr", "PREC": "constexpr", "LOWP": "constexpr"}
     for kern in (_rows_prod_rowblock, _cols_prod_colblock):
         for bk in (32, 64):
             for w in warps:
-                res = compile_one(kern, sig, {"K": 128, "BT": 64, "BK": bk}, w, 1, div16=("M", "y", "g", "out"))
+                res = compile_one(kern, sig, {"K": 128, "BT": 64, "BK": bk, "PREC": "tf32", "LOWP": True}, w, 1,
+                                  div16=("M", "y", "g", "out"))
                 print(f"{kern.__name__} BK {bk} warps {w}: regs {res['regs']}, stack {res['stack']} B, "
                       f"shared {res['shared'] / 1024:.1f} KB", flush=True)
+
+
+def gpu_time(decay: float, rep: int) -> None:
+    """On CUDA: both products at B4 T4096 H16 K128 (4096 chunks) in bf16 with log-decays uniform in [-decay, 0), the
+    prototype against the library's functions in each diagonal mode, as the bf16 backward runs them (tf32 dots,
+    16-bit off-diagonal operands); errors against float64 on the first 32 chunks first."""
+    from triton.testing import do_bench
+
+    M, y, g = draw(decay, 0, NC=4096, K=128, device="cuda", dtype=torch.bfloat16)
+    variants = {"rowblock (4 warps)": lambda: products(M, y, g, prec="tf32", lowp=True)}
+    for diag in (1, 4, 2):
+        variants[f"lib DIAG {diag} (8 warps)"] = lambda d=diag: lib_products(M, y, g, d, prec="tf32", lowp=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, decay {decay}")
+    for name, fn in variants.items():
+        got = [x[:32] for x in fn()]
+        e = errors(got, M[:32], y[:32], g[:32])
+        ms = do_bench(fn, rep=rep)
+        print(f"{name:<22} {ms * 1e3:8.1f} us   rel RMS rows {e[0]:.2e} cols {e[1]:.2e}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -148,16 +228,23 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="how many random draws to check")
     ap.add_argument("--compile", action="store_true", help="print sm_90 register counts instead of checking")
     ap.add_argument("--warps", default="1,2,4", help="num_warps values for --compile")
+    ap.add_argument("--gpu", action="store_true",
+                    help="time the prototype against the library's functions on CUDA (--decay 4: every mode valid)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep in ms for --gpu")
     args = ap.parse_args(argv)
+    if args.gpu:
+        gpu_time(args.decay, args.rep)
+        return 0
     if args.compile:
         compile_counts([int(w) for w in args.warps.split(",")])
         return 0
     worst = 0.0
     for seed in range(args.seeds):
-        for decay in (0.1, 5.0, args.decay):
-            e_rows, e_cols = check(decay, seed)
-            worst = max(worst, e_rows, e_cols)
-            print(f"seed {seed} decay {decay}: rel RMS vs float64 rows {e_rows:.2e}, cols {e_cols:.2e}", flush=True)
+        for decay in (0.1, 4.0, args.decay):
+            for name, (e_rows, e_cols) in check(decay, seed).items():
+                worst = max(worst, e_rows, e_cols)
+                print(f"seed {seed} decay {decay} {name:<11}: rel RMS vs float64 rows {e_rows:.2e}, cols {e_cols:.2e}",
+                      flush=True)
     print("PASS" if worst <= 1e-5 else "FAIL", f"worst {worst:.2e} (fp32 bar 1e-5)")
     return 0 if worst <= 1e-5 else 1
 
