@@ -8,10 +8,11 @@ Non-standard here: with per-channel decay, A_ij = beta_i sum_d k_id k_jd e^{b_id
 times a [BT, BT] decay matrix. As in the PyTorch reference (ops/chunk.py `_masked_products`) the chunk is cut
 into 16-row blocks: an off-diagonal block (rows after column block c) factors e^{b_i - b_j} =
 e^{b_i - r_c} e^{r_c - b_j} through r_c = b at the last row of block c, both factors <= 1 (one masked dot per
-column block). The diagonal blocks factor through each block's middle row m (e^{b_i - b_m} e^{b_m - b_j}, one
-masked dot for all four blocks) when every such factor is within e^60 (`_diag_pass`, per chunk and head, all
-key blocks); under stronger decay, by their two 8-row halves where those stay within the bound (two masked dots:
-within a half through its middle row, across the halves through the row between them, `kda.TUNE["sub_dot"]`),
+column block). The diagonal blocks factor through a reference r per block and channel (e^{b_i - r} e^{r - b_j},
+one masked dot for all four blocks) when every such factor is within e^60 (`_diag_pass`, per chunk and head, all
+key blocks): r is b at the block's middle row in the prep, the midpoint of the block's range of b in the backward
+(`_centred`). Under stronger decay, by their two 8-row halves where those stay within the bound (two masked dots:
+within a half through its reference, across the halves through the row between them, `kda.TUNE["sub_dot"]`),
 and else in the exact pairwise form, one in-block column at a time (16 steps, every block at once). Nothing
 overflows for any decay, and nothing is divided by a decay.
 First of all (`kda.TUNE["whole_dot"]`), a chunk whose every row is within e^60 of its middle row m in every channel
@@ -168,8 +169,8 @@ def _half_masks(BT: tl.constexpr):
 def _within_bound(g, cu, chunk_seq, chunk_start, ic, ihv, HV, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                   SPAN: tl.constexpr, CENTRE: tl.constexpr = True):
     """Whether every factor of chunk ic's dot stays within e^60 in every key channel: through the middle row of the
-    whole chunk (SPAN 0: `_whole_sums`), or of each block of SPAN rows (16: the diagonal blocks, 8: their halves;
-    `_mid_sums`)."""
+    whole chunk (SPAN 0: `_whole_sums`), or through each block of SPAN rows' reference (16: the diagonal blocks, 8:
+    their halves; `_mid_sums`: its middle row, or with CENTRE the midpoint of its range of b)."""
     n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
     worst = tl.zeros([BT, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
