@@ -34,13 +34,20 @@ from hybridlm.ops.triton.gdn_kernels import _op
 
 
 @triton.jit
+def _block_program(K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """This program's chunk ic, the first row (rows product) or column (cols product) b0 of its 16-wide block, its key
+    channels offs, the chunk's offset in y / g / out, and the in-block positions 0..15."""
+    ic = tl.program_id(0)
+    offs = tl.program_id(2) * BK + tl.arange(0, BK)
+    return ic, tl.program_id(1) * 16, offs, ic.to(tl.int64) * BT * K, tl.arange(0, 16)
+
+
+@triton.jit
 def _rows_prod_rowblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                         LOWP: tl.constexpr):
-    ic = tl.program_id(0)
-    r0 = tl.program_id(1) * 16  # this program's rows r0 .. r0 + 15
-    offs = tl.program_id(2) * BK + tl.arange(0, BK)
-    base = ic.to(tl.int64) * BT * K
-    pos = tl.arange(0, 16)
+    """out_i = sum_{j < i} M_ij y_j e^{b_i - b_j}, one program per 16-row block I: the columns before the block
+    through r = b at the row before it, the block's own columns exactly."""
+    ic, r0, offs, base, pos = _block_program(K, BT, BK)  # this program's rows r0 .. r0 + 15
     rows = r0 + pos
     cols = tl.arange(0, BT)
     # off-diagonal: e^{b_i - r} = e^{g of rows r0..i} for the block's rows, e^{r - b_j} = e^{g of rows j+1..r0-1}
@@ -73,11 +80,7 @@ def _cols_prod_colblock(M, y, g, out, K: tl.constexpr, BT: tl.constexpr, BK: tl.
     """The transposed product out_j = sum_{i > j} M_ij y_i e^{b_i - b_j}, one program per 16-column block J: the rows
     after the block through r = b at its last row (e^{b_i - r} = e^{g of rows 16 J + 16 .. i}, e^{r - b_j} = e^{g of
     rows j+1 .. 16 J + 15}, both <= 1), the block's own rows exactly."""
-    ic = tl.program_id(0)
-    c0 = tl.program_id(1) * 16  # this program's columns c0 .. c0 + 15
-    offs = tl.program_id(2) * BK + tl.arange(0, BK)
-    base = ic.to(tl.int64) * BT * K
-    pos = tl.arange(0, 16)
+    ic, c0, offs, base, pos = _block_program(K, BT, BK)  # this program's columns c0 .. c0 + 15
     cols = c0 + pos
     rows = tl.arange(0, BT)
     end = c0 + 16  # the first row after the block
