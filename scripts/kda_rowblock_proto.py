@@ -198,13 +198,15 @@ def compile_counts(warps: list[int]) -> None:
 
     sig = {"M": "*fp32", "y": "*bf16", "g": "*fp32", "out": "*fp32", "K": "constexpr", "BT": "constexpr",
            "BK": "constexpr", "PREC": "constexpr", "LOWP": "constexpr"}
-    for kern in (_rows_prod_rowblock, _cols_prod_colblock):
-        for bk in (32, 64):
-            for w in warps:
-                res = compile_one(kern, sig, {"K": 128, "BT": 64, "BK": bk, "PREC": "tf32", "LOWP": True}, w, 1,
-                                  div16=("M", "y", "g", "out"))
-                print(f"{kern.__name__} BK {bk} warps {w}: regs {res['regs']}, stack {res['stack']} B, "
-                      f"shared {res['shared'] / 1024:.1f} KB", flush=True)
+    # the bf16 backward's dots (tf32, the off-diagonal operands in 16 bits) and the fp32 inputs' (IEEE fp32)
+    for prec, lowp in (("tf32", True), ("ieee", False)):
+        for kern in (_rows_prod_rowblock, _cols_prod_colblock):
+            for bk in (32, 64):
+                for w in warps:
+                    cx = {"K": 128, "BT": 64, "BK": bk, "PREC": prec, "LOWP": lowp}
+                    res = compile_one(kern, sig, cx, w, 1, div16=("M", "y", "g", "out"))
+                    print(f"{kern.__name__} {prec}{' 16-bit' if lowp else ''} BK {bk} warps {w}: regs {res['regs']}, "
+                          f"stack {res['stack']} B, shared {res['shared'] / 1024:.1f} KB", flush=True)
 
 
 def gpu_time(decay: float, rep: int) -> None:
