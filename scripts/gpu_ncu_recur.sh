@@ -8,17 +8,5 @@
 #
 #   OUT=dir bash scripts/gpu_ncu_recur.sh      (the report as text in $OUT/ncu_recur.txt)
 source "$(dirname "$0")/ncu_common.sh"
-"$NCU" --kernel-name regex:"_recur_(fwd|bwd)" --launch-skip 2 --launch-count 2 \
-  "${NCU_SECTIONS[@]}" \
-  python3 -c "
-import sys; sys.path.insert(0, 'scripts')
-import torch
-from gpu_tune_gdn import make, run
-xs = [x.to(torch.bfloat16).float() if i != 3 else x for i, x in enumerate(make(1, 32768, 32, 128))]
-do = torch.randn(1, 32768, 32, 128, device='cuda')
-for _ in range(2):
-    run(xs, torch.bfloat16, True, do)
-torch.cuda.synchronize()
-" > "$OUT/ncu_recur.txt" 2>&1
-echo "ncu exit $?"
+ncu_gdn_steps "_recur_(fwd|bwd)" 1 32768 32 128 "$OUT/ncu_recur.txt"
 grep -E "_recur_|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Stall|Warp Cycles Per Issued|Block Limit" "$OUT/ncu_recur.txt" | head -n 80
