@@ -51,7 +51,8 @@ CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_publi
          "whole_dot_state_only_T70", "whole_chunk_bound_decay3.75_T150", "prep_blocks_varlen_decay30", "T1",
          "K256_V256_T70", "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70", "cliff_gva2_T150",
          "varlen_decay3.75", "half_blocks_decay20_gva2_T150", "no_half_blocks_varlen_decay20",
-         "half_blocks_bk16_varlen_decay20", "row_solve_varlen_gva2", "row_solve_K256_V256_T70"]
+         "half_blocks_bk16_varlen_decay20", "row_solve_varlen_gva2", "row_solve_K256_V256_T70",
+         "prep_centre_blocks_mixed_decay_T70"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):

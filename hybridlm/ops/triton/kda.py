@@ -64,7 +64,15 @@ from . import kda_kernels as kk
 TUNE = {"variant": "kblock", "bk": 32, "split_o": True, "prep_warps": 4, "solve_warps": 4, "bwd_warps": 8,
         "prep_lowp": False, "maxnreg": None, "diag_dot": ("bwd_out", "bwd_state"),
         "whole_dot": ("prep", "bwd_out", "bwd_state"), "sub_dot": ("prep", "bwd_out", "bwd_state"),
-        "sub_bk": None, "solve_blocks": True, "state_warps": 4, "state_fp32": False}
+        "sub_bk": None, "solve_blocks": True, "state_warps": 4, "state_fp32": False, "prep_block_warps": None,
+        "prep_centre": False}
+# prep_block_warps: num_warps of the prep's block launches (DIAG 1, 4, 2; None: prep_warps). At 4 warps they take
+#   255 registers and spill (sm_90: 96-128 B of stack), at 8 none (246-255 registers, 0 B), one program per SM
+#   either way. H100, a fresh layer's gates, B4 T4096 H16 bf16 (2026-11-25 18:20): forward 2.357 / 2.314 ms at 4,
+#   2.910 at 8 (`scripts/gpu_tune_kda.py --gates init`): the spills are not what the prep waits on
+# prep_centre: the prep's block bounds about the midpoint of each block's log-decay range, as the backward's
+#   (`kda_kernels._centred`), instead of its middle row. Same run: forward 2.404 ms against 2.357 / 2.314 (lost, as
+#   centring the prep did at 2026-11-25 06:12)
 # solve_blocks: the UT solve by [16, 16] blocks in registers (`gdn_kernels._solve_blocks`, one warp: the diagonal
 #   blocks by doubling, the rest by block dots at gdn.TUNE kkt_prec / kkt_diag_prec for 16-bit inputs, IEEE for
 #   fp32), GDN's `_kkt_solve` without its K K^T part, instead of `_kda_solve` (`_solve_ut`: row substitution, [16, BT]
@@ -219,9 +227,10 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, Bc, BLb, lay, scale: float, 
     redo = _redo(lay.nc, HV, q.device)
     modes = _diag_modes("prep")  # the whole chunk by dot where the decay allows, ...; the rest exactly
     for mode in modes:
+        warps = TUNE["prep_warps"] if mode == 3 or TUNE["prep_block_warps"] is None else TUNE["prep_block_warps"]
         kk._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, H=H, HV=HV, K=K, BT=BT,
                               BK=_bk(K, mode), L2=l2, PREC=prec, DIAG=mode, WHOLE=3 in modes,
-                              num_warps=TUNE["prep_warps"], num_stages=1, **_cap())
+                              CENTRE=TUNE["prep_centre"], num_warps=warps, num_stages=1, **_cap())
     if TUNE["solve_blocks"]:
         dp, sp = gdn.block_solve_precs(q.dtype)
         kern._solve_blocks[grid](Tb, HV, BT=BT, DPREC=dp, SPREC=sp, num_warps=1, num_stages=1)

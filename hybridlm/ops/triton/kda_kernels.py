@@ -651,15 +651,17 @@ def _cols_prod_blk(M, bandT, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV,
 def _kda_prep_ap(
     q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr, WHOLE: tl.constexpr = False,
+    DIAG: tl.constexpr, WHOLE: tl.constexpr = False, CENTRE: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
     A_ij = beta_i sum_d k^_id k^_jd e^{b_id - b_jd} (j < i, staged in Tbuf for the solve). ^: l2-normalised.
     The off-diagonal blocks' factors come from `_off_parts` once per key block. DIAG 3: the
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
-    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others."""
-    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE, False):
+    the chunk's middle row (`_whole_sums`), with no blocks at all; a DIAG 2 launch takes the others. CENTRE
+    (kda.TUNE prep_centre, off): the 16- and 8-row blocks' bounds about the midpoint of each block's log-decay range,
+    as in the backward kernels."""
+    if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, WHOLE, CENTRE):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)
         ih = ihv // (HV // H)
@@ -701,13 +703,13 @@ def _kda_prep_ap(
                     s = _whole_sums(gg, gn, BT)
                     mA, mP = low, low | diag
                 else:
-                    s = _mid_sums(gg, gn, BT, 16, False)
+                    s = _mid_sums(gg, gn, BT, 16, CENTRE)
                     mA, mP = blk & low, blk & (low | diag)
                 Y = kr * tl.exp(-s)
                 A += tl.where(mA, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
                 P += tl.where(mP, tl.dot(qr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)
             elif DIAG == 4:  # the diagonal blocks by their 8-row halves (`_diag_pass`), fp32 operands
-                s = _mid_sums(gg, gn, BT, 8, False)
+                s = _mid_sums(gg, gn, BT, 8, CENTRE)
                 same8, cross = _half_masks(BT)
                 Y = kr * tl.exp(-s)
                 A += tl.where(same8 & low, tl.dot(kr * tl.exp(s), tl.trans(Y), input_precision=PREC), 0.0)

@@ -124,6 +124,11 @@ def main() -> int:
     with launch_plan(diag_dot=("bwd_state",)):
         res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                            decay=mixed)
+    # the prep's block launches with their bounds about each block's midpoint (kda.TUNE prep_centre) and their own
+    # warps (prep_block_warps), every chunk through the blocks, the diagonal-block dot in the prep too
+    with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state"), whole_dot=(), prep_centre=True, prep_block_warps=8):
+        res["prep_centre_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True,
+                                                               h0=True, decay=mixed)
     # log-decays averaging 1.9 a step: |b_i - b_m| over half a chunk near the whole-chunk dot's bound of 60, so some
     # chunks (and heads) take the one-dot prep with factors up to ~e^60 and the others the blocks
     res["whole_chunk_bound_decay3.75_T150"] = chunk_case(gen, B=2, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
