@@ -115,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the cores not already busy, by the 1-minute load average)")
+                   help="CPU threads of each process (default: on CPU the cores not already busy, by the 1-minute "
+                   "load average; on GPU PyTorch's own, which torchrun sets to 1)")
 
 
 def cpu_threads() -> int:
@@ -127,6 +128,17 @@ def cpu_threads() -> int:
     except OSError:
         load = 0.0
     return max(1, min(cores, int(cores - load + 0.5)))
+
+
+def set_threads(threads: int | None, device: torch.device) -> None:
+    """--threads on any device (before 2026-11-25 it was read on CPU only, so a GPU run under torchrun kept 1 thread
+    whatever it asked); without it, on CPU the free cores, on GPU PyTorch's setting as it is."""
+    if threads is not None and threads < 1:
+        raise TrainError(f"--threads: expected >= 1, got {threads}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(cpu_threads())
 
 
 def _log(dist: Dist, msg: str, bar=None) -> None:
@@ -328,8 +340,7 @@ def train(args) -> dict:
     t_start = time.time()
     dist = init_distributed(args.device)
     device = dist.device
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or cpu_threads())
+    set_threads(args.threads, device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
     cfg, preset_name, defaults = build_config(args.preset, args.config, device.type)

@@ -123,3 +123,25 @@ def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
     assert got["final_step"] == 40
     assert abs(got["final_train_loss"] - ref["final_train_loss"]) <= 1e-6, f"kill seed {seed}"
     assert abs(got["final_val_nats_per_byte"] - ref["final_val_nats_per_byte"]) <= 1e-6, f"kill seed {seed}"
+
+
+def test_threads_flag_applies_on_every_device():
+    """--threads sets PyTorch's CPU threads on GPU runs too (it was read on CPU only, so torchrun's ranks kept the 1
+    thread torchrun gives them whatever the flag said); without it a GPU run leaves PyTorch's setting alone."""
+    import torch
+
+    from hybridlm.train.errors import TrainError
+    from hybridlm.train.main import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(3, torch.device("cuda"))
+        assert torch.get_num_threads() == 3
+        set_threads(None, torch.device("cuda"))
+        assert torch.get_num_threads() == 3
+        set_threads(2, torch.device("cpu"))
+        assert torch.get_num_threads() == 2
+        with pytest.raises(TrainError, match="--threads: expected >= 1, got 0"):
+            set_threads(0, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
