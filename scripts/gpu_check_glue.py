@@ -76,7 +76,8 @@ def rnd(gen, *shape, scale=1.0, dtype=torch.float32):
 # ------------------------------------------------------------------------------------------------------ cases
 
 
-def conv_case(gen, dtype, *, B, T, C, W, bias=False, h0=False, cu=None, silu=True):
+def conv_case(gen, dtype, *, B, T, C, W, bias=False, h0=False, cu=None, silu=True, split=None):
+    """split: the output as a layer's q, k, v (three tensors, `causal_conv1d(split=)`), compared part by part."""
     N = B if cu is None else len(cu) - 1
     act = "silu" if silu else None
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
@@ -84,10 +85,15 @@ def conv_case(gen, dtype, *, B, T, C, W, bias=False, h0=False, cu=None, silu=Tru
            "bias": rnd(gen, C) if bias else None, "initial_state": rnd(gen, N, C, W, dtype=dtype) if h0 else None}
 
     def fused(x, weight, bias=None, initial_state=None):
-        return tconv.causal_conv1d(x, weight, bias, activation=act, initial_state=initial_state,
-                                   output_final_state=True, cu_seqlens=cu_t)
+        y, h = tconv.causal_conv1d(x, weight, bias, activation=act, initial_state=initial_state,
+                                   output_final_state=True, cu_seqlens=cu_t, split=split)
+        return (*y, h) if split else (y, h)
 
     def ref(x, weight, bias=None, initial_state=None):
+        y, h = ref_whole(x, weight, bias, initial_state)
+        return (*y.split(list(split), dim=-1), h) if split else (y, h)
+
+    def ref_whole(x, weight, bias=None, initial_state=None):
         if cu is None:
             return causal_conv1d(x, weight, bias, activation=act, initial_state=initial_state,
                                  output_final_state=True)
@@ -171,6 +177,11 @@ def cases(quick: bool):
     yield "conv W4 varlen h0 bias", lambda g, d: conv_case(g, d, B=1, T=333, C=768, W=4, bias=True, h0=True,
                                                            cu=[0, 2, 200, 333])
     yield "conv W4 T1 h0", lambda g, d: conv_case(g, d, B=8, T=1, C=C, W=4, h0=True)
+    # the output as the GDN layer's q, k, v (Qwen3-Next widths), and over packed documents with a state and a bias
+    yield "conv W4 silu split 2048,2048,4096", lambda g, d: conv_case(g, d, B=B, T=T // 2, C=C, W=4,
+                                                                      split=(2048, 2048, 4096))
+    yield "conv W4 varlen h0 bias split 256,256,256", lambda g, d: conv_case(
+        g, d, B=1, T=333, C=768, W=4, bias=True, h0=True, cu=[0, 1, 40, 333], split=(256, 256, 256))
     yield "conv decode pool", lambda g, d: conv_decode_case(g, d, N=256, P=512, C=C, W=4)
     yield "gnorm silu D128", lambda g, d: gnorm_case(g, d, M=B * T * 8, D=128, activation="silu")
     yield "gnorm silu D256 no-w", lambda g, d: gnorm_case(g, d, M=5000, D=256, activation="silu", weight=False)
@@ -238,6 +249,11 @@ def timings(gen, quick: bool):
     w = rnd(gen, C, 4, scale=0.5).to(bf)
     pair(f"conv W4 silu [{B},{T},{C}]", lambda x, w: tconv.causal_conv1d(x, w, activation="silu")[:1],
          lambda x, w: causal_conv1d(x, w, activation="silu")[:1], {"x": x, "w": w})
+    # as q, k, v: three tensors written and their gradients read as they are, against the views of one output
+    pair(f"conv W4 silu split q,k,v [{B},{T},{C}]",
+         lambda x, w: tconv.causal_conv1d(x, w, activation="silu", split=(2048, 2048, 4096))[0],
+         lambda x, w: causal_conv1d(x, w, activation="silu")[0].split([2048, 2048, 4096], dim=-1),
+         {"x": x, "w": w})
     del x
     pool = rnd(gen, 512, C, 4, dtype=bf)
     xd = rnd(gen, 256, C, dtype=bf)

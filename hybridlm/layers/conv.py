@@ -2,7 +2,9 @@
 
 Non-standard here: the weight is stored as `[C, 1, W]` (a torch Conv1d weight, the checkpoint layout) and the
 op is sequence-first. Packed documents (`cu_seqlens`) are convolved one by one, so a document never reads the
-tail of the previous one.
+tail of the previous one. `split=(C0, C1, C2)` returns the output as three tensors (the layer's q, k, v): on the fused
+training path the kernel writes them as three contiguous tensors and reads their gradients as they are, so the
+recurrence copies no strided views and autograd concatenates no gradients; elsewhere they are views of one output.
 `use_fused_glue` is the switch every layer uses for its glue (conv, gates, gated norm, SwiGLU): the fused Triton
 kernels of `hybridlm.ops.triton.{conv,gates,norm,swiglu}` when the layer's impl resolves to "triton", else the
 PyTorch reference.
@@ -70,14 +72,22 @@ class ShortConv(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None,
-                impl: str | None = None) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]. cu_seqlens: int [N+1] offsets of documents packed in one row (B == 1).
+                impl: str | None = None, split: tuple[int, int, int] | None = None):
+        """x: [B, T, C] -> [B, T, C], or with split=(C0, C1, C2) three tensors [B, T, C0], [B, T, C1], [B, T, C2].
+        cu_seqlens: int [N+1] offsets of documents packed in one row (B == 1).
         cache: an object with a `.conv` attribute ([B, C, W] or None): one token updates it in place (decode
         step); several tokens continue from it (prefill / multi-token continuation) and replace it.
         impl: the owning layer's impl (default self.impl); see `use_fused_glue`."""
         w = self.weight.squeeze(1)
         if use_fused_glue(self.impl if impl is None else impl, x, "ShortConv"):
-            return self._fused(x, w, cu_seqlens, cache)
+            if cache is None:
+                return tconv.causal_conv1d(x, w, activation=self.activation, cu_seqlens=cu_seqlens, split=split)[0]
+            y = self._fused(x, w, cu_seqlens, cache)
+        else:
+            y = self._reference(x, w, cu_seqlens, cache)
+        return y if split is None else tuple(y.split(list(split), dim=-1))
+
+    def _reference(self, x, w, cu_seqlens, cache):
         if cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens: packed documents cannot be combined with a generation cache")

@@ -105,8 +105,9 @@ class GatedDeltaNet(nn.Module):
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
-        qkv = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
+        q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl,
+                              split=(self.key_dim, self.key_dim, self.value_dim))
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
         g, beta = self.gates(a, b)

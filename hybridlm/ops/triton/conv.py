@@ -60,8 +60,12 @@ BT, BC = 32, 64  # token and channel block of the kernels
 # setting until then) 0.606 ms; 16 x 256 at 4 warps 0.240, 32 x 128 at 4 0.243, 32 x 256 at 8 0.263, 64 x 64 at 4
 # 0.320, 64 x 64 at 8 0.447. bwd_bc: pass 1's channel block (in that sweep 32 with dw_bt 32 1.702 ms forward+backward
 # against 1.715 at 64; 128 slower, 2.02-2.39).
+# split_out: `causal_conv1d(split=...)` writes the parts as three tensors and reads their gradients as they are
+# (False: views of one output, as before 2026-11-25; the recurrence then copies the strided q, k, v in its forward
+# and again in its backward, and autograd concatenates dq, dk, dv: ~1.6 GB of copies a step for the GDN layer at
+# Qwen3-Next widths, B8 T2048, bf16)
 TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 4, "dw_warps": 8, "dx_warps": 8,
-        "bwd_fused": True, "fwd_bt": 16, "fwd_bc": 256, "bwd_bc": BC}
+        "bwd_fused": True, "fwd_bt": 16, "fwd_bc": 256, "bwd_bc": BC, "split_out": True}
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -96,11 +100,12 @@ def _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS
 
 
 @triton.jit
-def _dpre(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
           HAS_H0: tl.constexpr, SILU: tl.constexpr):
-    """dpre = dy * act'(pre) at in-document positions pos [R] -> [R, BC] fp32 (0 outside 0..L-1), pre recomputed."""
+    """dpre = dy * act'(pre) at in-document positions pos [R] -> [R, BC] fp32 (0 outside 0..L-1), pre recomputed.
+    dy: the gradient's base pointer, dys its row stride, dyc the channel its column 0 holds (`_part`)."""
     m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
-    b_dp = tl.load(dy + (bos + pos)[:, None] * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_dp = tl.load(dy + (bos + pos)[:, None] * dys + (o_c - dyc)[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
         b_p = _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
         b_sg = tl.sigmoid(b_p)
@@ -109,26 +114,42 @@ def _dpre(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HA
 
 
 @triton.jit
-def _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_H0: tl.constexpr, SILU: tl.constexpr):
+def _dx_recompute(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr):
     """(dx, dpre) at positions pos [R]: dx = sum_s w[:, W-1-s] * dpre_{pos+s} with every dpre recomputed from x
     and dy (no [T, C] scratch), dpre at pos itself for the weight's gradient. Same order of sums as
     `_dx_from_dp`; the weight is rounded to x's dtype as in the forward."""
     DT = x.dtype.element_ty
-    b_dp = _dpre(x, w, bias, h0, dy, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+    b_dp = _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
     b_w = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)
     b_dx = b_w[None, :] * b_dp
     for s in tl.static_range(1, W):
         b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
-        b_dx += b_w[None, :] * _dpre(x, w, bias, h0, dy, bos, L, i_n, pos + s, o_c, m_c, C, W, HAS_BIAS, HAS_H0,
-                                     SILU)
+        b_dx += b_w[None, :] * _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos + s, o_c, m_c, C, W, HAS_BIAS,
+                                     HAS_H0, SILU)
     return b_dx, b_dp
 
 
 @triton.jit
-def _conv_fwd(x, w, bias, h0, y, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr):
-    """Grid (C / BC, max document length / BT, N): one [BT, BC] block of one document."""
+def _part(p0, p1, p2, c0, C0, C1, C, SPLIT: tl.constexpr):
+    """Where channel c0 (a program's first; its channel block lies in one part) lives when the C channels are kept
+    as three tensors of C0, C1 and C - C0 - C1 channels (SPLIT: q, k and v of a layer) instead of one (p0):
+    (that part's base pointer, its row stride, the channel its column 0 holds)."""
+    p, stride, first = p0, C + 0 * C0, 0 * C0
+    if SPLIT:
+        p, stride = p0, C0
+        if c0 >= C0:
+            p, stride, first = p1, C1, C0
+        if c0 >= C0 + C1:
+            p, stride, first = p2, C - C0 - C1, C0 + C1
+    return p, stride, first
+
+
+@triton.jit
+def _conv_fwd(x, w, bias, h0, y, y1, y2, cu, C, C0, C1, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False):
+    """Grid (C / BC, max document length / BT, N): one [BT, BC] block of one document. SPLIT: y is written as three
+    tensors y, y1, y2 of C0, C1 and C - C0 - C1 channels (`_part`; BC divides C0 and C1)."""
     i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
@@ -138,7 +159,8 @@ def _conv_fwd(x, w, bias, h0, y, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: t
     b_y = _pre_act(x, w, bias, h0, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
-    p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
+    yp, ys, yc = _part(y, y1, y2, i_c * BC, C0, C1, C, SPLIT)
+    p_y = yp + (bos + o_t)[:, None] * ys + (o_c - yc)[None, :]
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=(o_t < L)[:, None] & m_c[None, :])
 
 
@@ -158,15 +180,16 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _conv_bwd_dw(x, w, bias, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W: tl.constexpr, WP: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-                 SILU: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr):
+def _conv_bwd_dw(x, w, bias, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, NS, W: tl.constexpr,
+                 WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
+                 SILU: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, SPLIT: tl.constexpr = False):
     """Pass 1, grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n, computes
     dpre = dy * act'(pre) there and writes its partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of
     dwp [N * NS, C, W] / dbp [N * NS, C]. FUSED: also dx of those blocks, from dpre recomputed at the W - 1 later
     positions each input reaches (`_dx_recompute`: one kernel, no scratch); else dpre goes to dp [Ttot, C] fp32
-    when SILU (dpre = dy otherwise) for `_conv_bwd_dx`."""
+    when SILU (dpre = dy otherwise) for `_conv_bwd_dx`. SPLIT: dy comes as three tensors dy, dy1, dy2 (`_part`)."""
     i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
     o_c = i_c * BC + tl.arange(0, BC)
@@ -186,10 +209,11 @@ def _conv_bwd_dw(x, w, bias, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W: tl.constexp
         m = (o_t < L)[:, None] & m_c[None, :]
         p_o = (bos + o_t)[:, None] * C + o_c[None, :]
         if FUSED:
-            b_dx, b_dp = _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+            b_dx, b_dp = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS,
+                                       HAS_H0, SILU)
             tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
         else:
-            b_dp = _dpre(x, w, bias, h0, dy, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
+            b_dp = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
             if SILU:
                 tl.store(dp + p_o, b_dp, mask=m)
         if ACC:
@@ -254,8 +278,9 @@ def _conv_bwd_dx(w, dp, dx, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.con
 
 
 @triton.jit
-def _conv_bwd_h0(x, w, bias, h0, dy, dp, dh0, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, FUSED: tl.constexpr):
+def _conv_bwd_h0(x, w, bias, h0, dy, dy1, dy2, dp, dh0, cu, C, C0, C1, W: tl.constexpr, WP: tl.constexpr,
+                 BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, FUSED: tl.constexpr,
+                 SPLIT: tl.constexpr = False):
     """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0);
     from the dp scratch, or (FUSED, no scratch) from dpre recomputed."""
     i_c, i_n = tl.program_id(0), tl.program_id(1)
@@ -265,7 +290,9 @@ def _conv_bwd_h0(x, w, bias, h0, dy, dp, dh0, cu, C, W: tl.constexpr, WP: tl.con
     m_c = o_c < C
     o_j = tl.arange(0, WP)
     if FUSED:
-        b_dh, _ = _dx_recompute(x, w, bias, h0, dy, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True, SILU)
+        dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
+        b_dh, _ = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True,
+                                SILU)
     else:
         b_dh = _dx_from_dp(w, dp, x, bos, L, o_j - W, o_c, m_c, C, W)
     p_dh = dh0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
@@ -325,53 +352,99 @@ def _num_sms(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
-@torch.library.custom_op("hybridlm::conv_fwd", mutates_args=())
-def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, initial_state: torch.Tensor | None,
-             cu_seqlens: torch.Tensor | None, silu: bool, output_final_state: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (y [B, T, C] in x's dtype, final state [N, C, W] in x's dtype, or an empty tensor)."""
+def split_block(C0: int, C1: int, bc: int) -> int:
+    """The channel block of a launch that writes or reads q, k, v as three tensors of C0, C1 and C - C0 - C1
+    channels: the largest power of two <= bc (and >= 16) dividing C0 and C1, so that no block straddles two of
+    them; 0 when there is none (the caller then keeps one tensor)."""
+    while bc >= 16:
+        if C0 % bc == 0 and C1 % bc == 0:
+            return bc
+        bc //= 2
+    return 0
+
+
+def _fwd_launch(x, weight, bias, initial_state, cu_seqlens, silu: bool, output_final_state: bool, ys, C0: int,
+                C1: int) -> torch.Tensor:
+    """The forward into ys (one [B, T, C] tensor, or with C0 > 0 three of C0, C1 and C - C0 - C1 channels);
+    returns the final state [N, C, W] (or an empty tensor)."""
     B, T, C = x.shape
     W = weight.shape[1]
     x, weight = x.contiguous(), weight.contiguous()
     cu, N, Lmax = _layout(x, cu_seqlens)
-    y = _out((B, T, C), x, x.dtype)
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
+    split = C0 > 0
     if Lmax > 0 and N > 0:
-        FBT, FBC = TUNE["fwd_bt"], TUNE["fwd_bc"]
+        FBT = TUNE["fwd_bt"]
+        FBC = split_block(C0, C1, TUNE["fwd_bc"]) if split else TUNE["fwd_bc"]
+        y0, y1, y2 = ys if split else (ys[0],) * 3
         _conv_fwd[(triton.cdiv(C, FBC), triton.cdiv(Lmax, FBT), N)](
-            x, weight, b, h0, y, cu, C, W=W, BT=FBT, BC=FBC, HAS_BIAS=bias is not None,
-            HAS_H0=initial_state is not None, SILU=silu, num_warps=TUNE["fwd_warps"])
+            x, weight, b, h0, y0, y1, y2, cu, C, C0, C1, W=W, BT=FBT, BC=FBC, HAS_BIAS=bias is not None,
+            HAS_H0=initial_state is not None, SILU=silu, SPLIT=split, num_warps=TUNE["fwd_warps"])
     if not output_final_state:
-        return y, x.new_empty(0)
+        return x.new_empty(0)
     ht = _out((N, C, W), x, x.dtype)
     if N > 0:
         _conv_final_state[(triton.cdiv(C, BC), N)](
             x, h0, ht, cu, C, W=W, WP=triton.next_power_of_2(W), BC=BC, HAS_H0=initial_state is not None,
             num_warps=4)
-    return y, ht
+    return ht
+
+
+def _final_state_fake(x, weight, cu_seqlens, output_final_state):
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return x.new_empty(N, x.shape[2], weight.shape[1]) if output_final_state else x.new_empty(0)
+
+
+@torch.library.custom_op("hybridlm::conv_fwd", mutates_args=())
+def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+             cu_seqlens: torch.Tensor | None, silu: bool, output_final_state: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y [B, T, C] in x's dtype, final state [N, C, W] in x's dtype, or an empty tensor)."""
+    y = _out(tuple(x.shape), x, x.dtype)
+    return y, _fwd_launch(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state, (y,), 0, 0)
 
 
 @conv_fwd.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state):
-    N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    ht = x.new_empty(N, x.shape[2], weight.shape[1]) if output_final_state else x.new_empty(0)
-    return torch.empty_like(x), ht
+    return torch.empty_like(x), _final_state_fake(x, weight, cu_seqlens, output_final_state)
 
 
-@torch.library.custom_op("hybridlm::conv_bwd", mutates_args=())
-def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool, need_dh0: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight, dbias or empty, dinitial_state or empty), each in its input's dtype."""
+@torch.library.custom_op("hybridlm::conv_fwd_split", mutates_args=())
+def conv_fwd_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool,
+                   output_final_state: bool, C0: int, C1: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_fwd` with y written as three tensors [B, T, C0], [B, T, C1], [B, T, C - C0 - C1] (a layer's q, k, v,
+    each contiguous: no split views for the recurrence to copy); `split_block` finds blocks for C0, C1."""
+    B, T, C = x.shape
+    ys = tuple(_out((B, T, c), x, x.dtype) for c in (C0, C1, C - C0 - C1))
+    return (*ys, _fwd_launch(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state, ys, C0, C1))
+
+
+@conv_fwd_split.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state, C0, C1):
+    B, T, C = x.shape
+    return (*(x.new_empty(B, T, c) for c in (C0, C1, C - C0 - C1)),
+            _final_state_fake(x, weight, cu_seqlens, output_final_state))
+
+
+def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, need_dh0: bool, C0: int, C1: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward from dys (dy [B, T, C], or with C0 > 0 its three parts as `conv_fwd_split` wrote y)."""
     B, T, C = x.shape
     W = weight.shape[1]
     WP = triton.next_power_of_2(W)
-    x, weight, dy = x.contiguous(), weight.contiguous(), dy.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
+    split = C0 > 0
+    if split and not TUNE["bwd_fused"] and not silu:  # `_conv_bwd_dx` reads dy itself as dpre: one tensor
+        dys, C0, C1, split = (torch.cat(dys, dim=-1),), 0, 0, False
+    dys = tuple(d.contiguous() for d in dys)
+    dy, dy1, dy2 = dys if split else (dys[0],) * 3
     cu, N, Lmax = _layout(x, cu_seqlens)
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
-    BC1 = TUNE["bwd_bc"]
+    BC1 = split_block(C0, C1, TUNE["bwd_bc"]) if split else TUNE["bwd_bc"]
     NC = triton.cdiv(C, BC1)
     BT1 = TUNE["dw_bt"] or (64 if not TUNE["dw_acc"] else 16 if TUNE["bwd_fused"] else 32)
     NS = 1  # the CPU interpreter pays per program
@@ -385,9 +458,10 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     # two passes: dpre = dy * act'(pre) in a fp32 scratch with SiLU (dy itself without an activation), then dx
     dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu and not fused else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dp, dx, dwp, dbp, cu, C, NS, W=W, WP=WP, BT=BT1, BC=BC1,
-                                  HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-                                  ACC=TUNE["dw_acc"], FUSED=fused, num_warps=TUNE["dw_warps"])
+        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, NS, W=W, WP=WP,
+                                  BT=BT1, BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
+                                  SILU=silu, ACC=TUNE["dw_acc"], FUSED=fused, SPLIT=split,
+                                  num_warps=TUNE["dw_warps"])
         if not fused:
             _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC1,
                                                          num_warps=TUNE["dx_warps"])
@@ -397,16 +471,42 @@ def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     if need_dh0 and initial_state is not None:
         dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
         if N > 0:
-            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dp, dh0, cu, C, W=W, WP=WP, BC=BC1,
-                                  HAS_BIAS=bias is not None, SILU=silu, FUSED=fused, num_warps=4)
+            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dy1, dy2, dp, dh0, cu, C, C0, C1, W=W, WP=WP, BC=BC1,
+                                  HAS_BIAS=bias is not None, SILU=silu, FUSED=fused, SPLIT=split, num_warps=4)
     return dx, dw, db, dh0
+
+
+def _bwd_fake(x, weight, bias, initial_state, need_dh0):
+    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+    dh0 = torch.empty_like(initial_state) if (need_dh0 and initial_state is not None) else x.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(weight), db, dh0
+
+
+@torch.library.custom_op("hybridlm::conv_bwd", mutates_args=())
+def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool, need_dh0: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dbias or empty, dinitial_state or empty), each in its input's dtype."""
+    return _bwd_launch((dy,), x, weight, bias, initial_state, cu_seqlens, silu, need_dh0, 0, 0)
 
 
 @conv_bwd.register_fake
 def _(dy, x, weight, bias, initial_state, cu_seqlens, silu, need_dh0):
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(0)
-    dh0 = torch.empty_like(initial_state) if (need_dh0 and initial_state is not None) else x.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(weight), db, dh0
+    return _bwd_fake(x, weight, bias, initial_state, need_dh0)
+
+
+@torch.library.custom_op("hybridlm::conv_bwd_split", mutates_args=())
+def conv_bwd_split(dy0: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                   silu: bool, need_dh0: bool, C0: int, C1: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_bwd` with dy as the three parts `conv_fwd_split` wrote (no cat of the layer's dq, dk, dv)."""
+    return _bwd_launch((dy0, dy1, dy2), x, weight, bias, initial_state, cu_seqlens, silu, need_dh0, C0, C1)
+
+
+@conv_bwd_split.register_fake
+def _(dy0, dy1, dy2, x, weight, bias, initial_state, cu_seqlens, silu, need_dh0, C0, C1):
+    return _bwd_fake(x, weight, bias, initial_state, need_dh0)
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -424,6 +524,32 @@ class _CausalConv1d(torch.autograd.Function):
         need_dh0 = h0 is not None and ctx.needs_input_grad[3]
         dx, dw, db, dh0 = torch.ops.hybridlm.conv_bwd(dy, x, weight, bias, h0, cu, ctx.silu, need_dh0)
         return dx, dw, (db if bias is not None else None), (dh0 if need_dh0 else None), None, None, None
+
+
+class _CausalConv1dSplit(torch.autograd.Function):
+    """The conv with its output as three tensors (`conv_fwd_split`); gradients of the parts that got none are
+    zeros."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, silu, output_final_state, C0, C1):
+        *ys, ht = torch.ops.hybridlm.conv_fwd_split(x, weight, bias, initial_state, cu_seqlens, silu,
+                                                    output_final_state, C0, C1)
+        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+        ctx.silu, ctx.C0, ctx.C1 = silu, C0, C1
+        ctx.mark_non_differentiable(ht)
+        return (*ys, ht)
+
+    @staticmethod
+    def backward(ctx, dy0, dy1, dy2, _dht):
+        x, weight, bias, h0, cu = ctx.saved_tensors
+        need_dh0 = h0 is not None and ctx.needs_input_grad[3]
+        B, T, C = x.shape
+        sizes = (ctx.C0, ctx.C1, C - ctx.C0 - ctx.C1)
+        dys = [d if d is not None else x.new_zeros(B, T, c) for d, c in zip((dy0, dy1, dy2), sizes)]
+        dx, dw, db, dh0 = torch.ops.hybridlm.conv_bwd_split(*dys, x, weight, bias, h0, cu, ctx.silu, need_dh0,
+                                                            ctx.C0, ctx.C1)
+        return (dx, dw, (db if bias is not None else None), (dh0 if need_dh0 else None), None, None, None, None,
+                None)
 
 
 def _check_device(name: str, x: torch.Tensor) -> None:
@@ -462,14 +588,18 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, C: int) -> in
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cu_seqlens: torch.Tensor | None = None, split: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """y_t = act(bias + sum_{i<W} weight[:, i] * x_{t-(W-1)+i}), inputs before a document's start taken from its
     initial state (or 0). Differentiable in x, weight, bias, initial_state.
 
     x: [B, T, C] (float16/bfloat16/float32); weight: [C, W]; bias: [C] or None; activation: None or "silu";
     initial_state: [N, C, W]; cu_seqlens: int [N+1] offsets of documents packed in one row (B == 1), else N = B.
-    Returns (y [B, T, C] in x's dtype, final state [N, C, W] in x's dtype if output_final_state else None)."""
+    split: (C0, C1, C2) summing to C: y comes back as three tensors [B, T, C0], [B, T, C1], [B, T, C2] (a layer's
+    q, k, v), each written contiguous by the kernel when the launches' channel blocks fit C0 and C1 (`split_block`;
+    else the parts are views of one y, the same values), and their gradients read as they are (no cat).
+    Returns (y [B, T, C] or the three parts, in x's dtype; final state [N, C, W] in x's dtype if
+    output_final_state else None)."""
     _check_tensor("x", x)
     if x.dim() != 3:
         raise ValueError(f"x: expected rank 3 ([B, T, C]), got shape {tuple(x.shape)}")
@@ -490,7 +620,18 @@ def causal_conv1d(
             raise ValueError(f"initial_state: expected shape {(N, C, W)} ([N, C, W]), got "
                              f"{tuple(initial_state.shape)}")
     _check_device("x", x)
+    if split is not None:
+        sizes = tuple(split)
+        if len(sizes) != 3 or any(not isinstance(c, int) or c < 1 for c in sizes) or sum(sizes) != C:
+            raise ValueError(f"split: expected three positive channel counts summing to C={C}, got {split!r}")
+        C0, C1 = sizes[0], sizes[1]
+        if TUNE["split_out"] and split_block(C0, C1, TUNE["fwd_bc"]) and split_block(C0, C1, TUNE["bwd_bc"]):
+            *ys, ht = _CausalConv1dSplit.apply(x, weight, bias, initial_state, cu_seqlens, silu,
+                                               bool(output_final_state), C0, C1)
+            return tuple(ys), (ht if output_final_state else None)
     y, ht = _CausalConv1d.apply(x, weight, bias, initial_state, cu_seqlens, silu, bool(output_final_state))
+    if split is not None:
+        y = tuple(y.split(list(split), dim=-1))
     return y, (ht if output_final_state else None)
 
 

@@ -65,7 +65,10 @@ def grads_vs(out, out_ref, leaves, leaves_ref, gen, names):
 # ---------------------------------------------------------------------------------------------------- conv
 
 
-def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True):
+def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True, split=None):
+    """split: the output as three tensors (`causal_conv1d(split=)`, a layer's q, k, v), compared part by part, each
+    part with its own cotangent; also whether the parts are their own contiguous tensors and equal the unsplit
+    output bit for bit."""
     tconv.TUNE["dw_acc"] = acc  # the backward's dweight accumulation: elementwise (True) or per block (False)
     tconv.TUNE["bwd_fused"] = fused  # dx in the same kernel from recomputed dpre (True) or from a scratch pass
     N = B if cu is None else len(cu) - 1
@@ -79,7 +82,8 @@ def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True)
     leaf = {k: v.clone().requires_grad_() for k, v in xs.items()}
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     y, ht = tconv.causal_conv1d(leaf["x"], leaf["weight"], leaf.get("bias"), activation=act,
-                                initial_state=leaf.get("initial_state"), output_final_state=True, cu_seqlens=cu_t)
+                                initial_state=leaf.get("initial_state"), output_final_state=True, cu_seqlens=cu_t,
+                                split=split)
     ref = {k: v.to(F64).requires_grad_() for k, v in xs.items()}
     bounds = cu if cu is not None else None
     if bounds is None:
@@ -94,6 +98,17 @@ def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True)
             ys.append(a)
             hs.append(b)
         y2, ht2 = torch.cat(ys, 1), torch.cat(hs, 0)
+    if split is not None:
+        with torch.no_grad():
+            whole = tconv.causal_conv1d(leaf["x"], leaf["weight"], leaf.get("bias"), activation=act,
+                                        initial_state=leaf.get("initial_state"), cu_seqlens=cu_t)[0]
+        split_ok = all(p.is_contiguous() and p._base is None and torch.equal(p, w)
+                       for p, w in zip(y, whole.split(list(split), dim=-1)))
+        res = {"y": rel(torch.cat(y, -1), y2), "final_state": rel(ht, ht2), "split_ok": float(split_ok),
+               "dtype_ok": float(y[0].dtype == ht.dtype == torch.float32)}
+        res.update(grads_vs(list(y), list(y2.split(list(split), dim=-1)), list(leaf.values()), list(ref.values()),
+                            gen, list(leaf)))
+        return res
     res = {"y": rel(y, y2), "final_state": rel(ht, ht2), "dtype_ok": float(y.dtype == ht.dtype == torch.float32)}
     # the final state is not differentiable: gradients from y only
     res.update(grads_vs([y], [y2], list(leaf.values()), list(ref.values()), gen, list(leaf)))
@@ -244,6 +259,14 @@ def ops_cases(gen) -> dict:
     res["conv_W3_noact_twopass"] = conv_case(gen, B=2, T=21, C=24, W=3, bias=False, h0=True, silu=False,
                                              fused=False)
     tconv.TUNE["bwd_fused"] = True
+    # the output as a layer's q, k, v (three tensors written by the kernel, their gradients read as they are): over
+    # packed documents with an initial state (its gradient reads the split gradients too), and the two-pass
+    # backward without an activation, which concatenates them (`_bwd_launch`)
+    res["conv_W4_varlen_h0_bias_split"] = conv_case(gen, B=1, T=45, C=96, W=4, bias=True, h0=True, silu=True,
+                                                    cu=[0, 1, 3, 40, 45], split=(16, 48, 32))
+    res["conv_W3_noact_twopass_split"] = conv_case(gen, B=2, T=21, C=64, W=3, bias=False, h0=True, silu=False,
+                                                   fused=False, split=(32, 16, 16))
+    tconv.TUNE["bwd_fused"] = True
     # other launch blocks than the defaults (the GPU sweeps' candidates): partial token and channel blocks
     saved = dict(tconv.TUNE)
     tconv.TUNE.update(fwd_bt=64, fwd_bc=128, fwd_warps=4, bwd_bc=32, dw_bt=8)
@@ -370,11 +393,12 @@ def layer_case(gen, layer, *, B, T, D, cu=None, mask=False, ref64=False):
         am[0, :3] = 0  # left padding
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     outs, grads = [], []
+    split_calls = []
     for m in (fused, ref):
         dt = next(m.parameters()).dtype
         xi = x.to(dt).requires_grad_()
         kept = []
-        with _keep_gate(kept):
+        with _keep_gate(kept), _count_split(split_calls):
             y = m(xi, attention_mask=None if am is None else am.to(dt), cu_seqlens=cu_t)
         outs.append(y)
         cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dt)
@@ -384,10 +408,27 @@ def layer_case(gen, layer, *, B, T, D, cu=None, mask=False, ref64=False):
     (g,), G = kept, gr[-1]
     sums = [(n, p) for n, p in ref.named_parameters() if n in SUMS]
     scale = dict(zip([n for n, _ in sums], _gate_scales(g, G, [p for _, p in sums])))
-    res = {"y": rel(outs[0], outs[1])}
+    res = {"y": rel(outs[0], outs[1]), "split_calls": len(split_calls)}
     res.update({"d" + n: rel(grads[0][n], grads[1][n]) if n not in scale else
                 rel_to(grads[0][n], grads[1][n], scale[n]) for n in grads[1]})
     return res
+
+
+@contextlib.contextmanager
+def _count_split(calls: list):
+    """While active, every conv that writes its output as three tensors (`tconv._CausalConv1dSplit`) appends to
+    calls: the fused layers must take it (their q, k, v are then not strided views)."""
+    saved = tconv._CausalConv1dSplit.apply
+
+    def apply(*a):
+        calls.append(a[-2:])
+        return saved(*a)
+
+    tconv._CausalConv1dSplit.apply = apply
+    try:
+        yield
+    finally:
+        tconv._CausalConv1dSplit.apply = saved
 
 
 def layer_decode_case(gen, layer, *, B, T, D, steps):
@@ -424,7 +465,8 @@ def layer_compiled_case(gen):
 
     def glue(qkv, a, b, o, z):
         g, beta = layer.gates(a, b)
-        return layer.conv1d(qkv, None, None, impl=layer.impl), g, beta, layer.norm(o, z, impl=layer.impl)
+        q, k, v = layer.conv1d(qkv, None, None, impl=layer.impl, split=(layer.key_dim, layer.key_dim, layer.value_dim))
+        return q, k, v, g, beta, layer.norm(o, z, impl=layer.impl)
 
     comp = torch.compile(glue, backend="aot_eager", fullgraph=True)
     res, outs = {}, []
@@ -436,7 +478,7 @@ def layer_compiled_case(gen):
         gr = torch.autograd.grad(sum((o * (k + 1)).sum() for k, o in enumerate(out)), leaf + params,
                                  allow_unused=True)
         outs.append((out, gr))
-    names = ["conv", "g", "beta", "norm"]
+    names = ["conv_q", "conv_k", "conv_v", "g", "beta", "norm"]
     res.update({n: rel(a, b) for n, a, b in zip(names, outs[0][0], outs[1][0])})
     pnames = ["dqkv", "da", "db", "do", "dz"] + ["d" + n for n, _ in layer.named_parameters()]
     res.update({n: rel(a, b) for n, a, b in zip(pnames, outs[0][1], outs[1][1]) if b is not None})
