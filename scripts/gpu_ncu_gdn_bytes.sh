@@ -17,15 +17,6 @@ esac
 REPORT="$OUT/ncu_${PASS}_bytes.txt"
 "$NCU" --clock-control none --kernel-name regex:"$REGEX" --launch-skip "$N" --launch-count "$N" \
   --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-  python3 -c "
-import sys; sys.path.insert(0, 'scripts')
-import torch
-from gpu_tune_gdn import make, run
-xs = [x.to(torch.bfloat16).float() if i != 3 else x for i, x in enumerate(make($B, $T, $H, $D))]
-do = torch.randn($B, $T, $H, $D, device='cuda')
-for _ in range(2):
-    run(xs, torch.bfloat16, True, do)
-torch.cuda.synchronize()
-" > "$REPORT" 2>&1
+  python3 -c "$(gdn_steps_py "$B" "$T" "$H" "$D")" > "$REPORT" 2>&1
 echo "ncu exit $?"
 grep -E "\(.*\)x\(|dram__bytes|gpu__time_duration" "$REPORT" | head -n 40
