@@ -15,7 +15,11 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
-Custom ops: `hybridlm::conv_fwd`, `hybridlm::conv_bwd`, `hybridlm::conv_decode` (mutates the pool).
+- `causal_conv1d(..., split=(C0, C1, C2))` writes y as three tensors (a layer's q, k, v) and reads their gradients
+  as they are: each program's channel block lies in one part (`split_block`), whose base pointer, row stride and
+  first channel it picks once (`_part`).
+Custom ops: `hybridlm::conv_fwd`, `hybridlm::conv_bwd`, `hybridlm::conv_fwd_split`, `hybridlm::conv_bwd_split`,
+`hybridlm::conv_decode` (mutates the pool).
 """
 
 from __future__ import annotations
