@@ -26,9 +26,6 @@ GPU: `@pytest.mark.gpu` tests, skipped without CUDA; the full GPU check is scrip
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,13 +42,9 @@ TOL_OUT, TOL_GRAD = 2e-6, 1e-5
 
 
 @pytest.fixture(scope="module")
-def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(HERE / "triton" / "interp_gdn.py")], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+def interp_results(interp_job):
+    """tests/ops/triton/interp_gdn.py's results (run in the background from collection on: tests/conftest.py)."""
+    return interp_job("gdn")
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "K256_V256_T70", "compiled_T70",

@@ -18,9 +18,6 @@ needed 2e-5 (it reached 9.1e-6 and once over 1e-5).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,13 +34,9 @@ TOL, TOL_GRAD = 2e-6, 1e-5
 
 
 @pytest.fixture(scope="module")
-def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(HERE / "triton" / "interp_kda.py")], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+def interp_results(interp_job):
+    """tests/ops/triton/interp_kda.py's results (run in the background from collection on: tests/conftest.py)."""
+    return interp_job("kda")
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
