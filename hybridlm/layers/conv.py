@@ -80,9 +80,9 @@ class ShortConv(nn.Module):
         impl: the owning layer's impl (default self.impl); see `use_fused_glue`."""
         w = self.weight.squeeze(1)
         if use_fused_glue(self.impl if impl is None else impl, x, "ShortConv"):
-            if cache is None:
+            if cache is None:  # no cache: the kernel itself writes q, k, v as tensors of their own
                 return tconv.causal_conv1d(x, w, activation=self.activation, cu_seqlens=cu_seqlens, split=split)[0]
-            y = self._fused(x, w, cu_seqlens, cache)
+            y = self._fused_cached(x, w, cu_seqlens, cache)
         else:
             y = self._reference(x, w, cu_seqlens, cache)
         return y if split is None else tuple(y.split(list(split), dim=-1))
@@ -102,9 +102,7 @@ class ShortConv(nn.Module):
         parts = [causal_conv1d(x[:, s:e], w, activation=self.activation)[0] for s, e in zip(bounds, bounds[1:])]
         return torch.cat(parts, dim=1)
 
-    def _fused(self, x, w, cu_seqlens, cache):
-        if cache is None:
-            return tconv.causal_conv1d(x, w, activation=self.activation, cu_seqlens=cu_seqlens)[0]
+    def _fused_cached(self, x, w, cu_seqlens, cache):
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: packed documents cannot be combined with a generation cache")
         if cache.conv is not None and x.shape[1] == 1:
