@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {kind} | {row['dtype']} | {name} | " + " | ".join(f"{errs[n]:.2e}" for n in NAMES) + " |",
                       flush=True)
                 if args.json:
-                    from hybridlm.interop.files import atomic_write_text
+                    from hybridlm.files import atomic_write_text
 
                     atomic_write_text(args.json, json.dumps({"seed": seed, "rows": rows}, indent=1))
     return 0
