@@ -116,7 +116,7 @@ PRESETS: dict[str, Callable[[], HybridConfig]] = {
     "qwen3.5-35b-a3b": _qwen3_5_moe_35b_a3b,
     "kimi-linear-48b-a3b": _kimi_linear_48b_a3b,
     "olmo-hybrid-7b": _olmo_hybrid_7b,
-    # ~1M parameters: the no-argument CPU training run (a few minutes on 2 cores)
+    # ~1.7M parameters: the no-argument CPU training run (a few minutes on 2 cores)
     "cpu-tiny": _train_shape(
         hidden_size=192, num_hidden_layers=4, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=48, linear_value_head_dim=48, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
