@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -122,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                 # each row as it ends: fla autotunes every kernel per dtype first, which can outlast a time limit
                 print(f"| {kind} | {row['dtype']} | {name} | " + " | ".join(f"{errs[n]:.2e}" for n in NAMES) + " |",
                       flush=True)
-                if args.json:  # written whole, then renamed: a run cut short leaves the last complete file
-                    with open(args.json + ".tmp", "w") as f:
-                        json.dump({"seed": seed, "rows": rows}, f, indent=1)
-                    os.replace(args.json + ".tmp", args.json)
+                if args.json:
+                    from hybridlm.files import atomic_write_text
+
+                    atomic_write_text(args.json, json.dumps({"seed": seed, "rows": rows}, indent=1))
     return 0
 
 

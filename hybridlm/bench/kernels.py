@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.bench.cuda_profile import kernel_table, print_kernel_times
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 from hybridlm.bench.cuda_profile import print_kernel_times
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
 WIDTHS = {"2048": dict(D=2048, H=16, HV=32, d=128), "1024": dict(D=1024, H=8, HV=16, d=128)}
 

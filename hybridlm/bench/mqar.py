@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..interop.files import atomic_write_text
+from ..files import atomic_write_text
 from ..ops import (
     causal_conv1d,
     delta_rule,

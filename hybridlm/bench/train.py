@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
 DEFAULT_OUT = os.path.join("runs", "bench-train")
 GUARD_NOTE = ("fla 0.6.0's guard against its gated chunk backward on Hopper with Triton < 3.7.1 (fla #640) was "

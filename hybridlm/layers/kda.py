@@ -5,7 +5,7 @@ Non-standard here:
   g = -exp(A_log) * softplus(f) with softplus(f) = f for f > 20 (as Kimi writes it).
 - The output gate is low rank too: gate = g_b_proj(g_a_proj(x)); the output norm is RMSNorm in float32 with a
   sigmoid gate (not SiLU).
-- One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.interop` concatenates them).
+- One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.model.hf` concatenates them).
 - H query/key heads == H value heads (no GVA).
 """
 

@@ -2,7 +2,7 @@
 
 Non-standard here:
 - Experts are stored fused like transformers keeps them in memory: `experts.gate_up_proj [E, 2I, D]` (gate rows
-  first) and `experts.down_proj [E, D, I]`; the on-disk per-expert layout is handled by `hybridlm.interop`.
+  first) and `experts.down_proj [E, D, I]`; the on-disk per-expert layout is handled by `hybridlm.model.hf`.
 - Qwen router: logits in the model dtype, softmax in float32, top-k, renormalise (optional), cast back; a shared
   expert scaled by sigmoid(shared_expert_gate(x)).
 - Kimi router: logits and scores in float32, sigmoid, choice = score + e_score_correction_bias, group-limited

@@ -32,6 +32,7 @@ from hybridlm.layers import (
     positions_for,
 )
 
+from . import hf
 from .config import HybridConfig
 
 
@@ -185,12 +186,10 @@ class HybridLM(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str, *, dtype: torch.dtype | None = None, impl: str = "auto",
                         strict: bool = True) -> HybridLM:
-        from hybridlm.interop.hf import load_pretrained
-
-        return load_pretrained(folder, dtype=dtype, impl=impl, strict=strict)
+        """A transformers checkpoint folder (config.json + safetensors) or our own format (see hybridlm.model.hf)."""
+        return hf.load_pretrained(folder, lambda cfg: cls(cfg, impl=impl), dtype=dtype, strict=strict)
 
     def save_pretrained(self, folder: str, *, max_shard_size: int | str = "5GB",
                         model_type: str | None = None) -> None:
-        from hybridlm.interop.hf import save_pretrained
-
-        save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)
+        """transformers' on-disk layout for model_type (default: the config's), else our own format."""
+        hf.save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)

@@ -58,7 +58,7 @@ def load_config(target: str) -> HybridConfig:
     with open(path, encoding="utf-8") as f:
         d = json.load(f)
     if "model_type" in d:
-        from hybridlm.interop.hf import config_from_hf
+        from .hf import config_from_hf
 
         return config_from_hf(d)
     return HybridConfig.from_dict(d)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from hybridlm.files import atomic_write
+
 from .config import HybridConfig
 from .info import _DTYPE_BYTES, _fmt_bytes, cache_bytes, load_config
 
@@ -61,7 +63,7 @@ def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, fig.savefig)
     plt.close(fig)
 
 

@@ -12,9 +12,9 @@ Layout under `OUT/checkpoints/`:
     latest                   text file naming the newest complete checkpoint (replaced atomically)
 
 Atomicity: everything is written into `.tmp-step_000200-<pid>/`, each file fsync'd, then the folder is renamed to
-its final name (one rename) and `latest` is replaced (write `latest.tmp`, fsync, os.replace). A crash at any point
-leaves either the previous checkpoints untouched or the new one complete; stray `.tmp-*` folders are ignored by
-loaders and removed by the next save.
+its final name (one rename) and `latest` is replaced (hybridlm.files.atomic_write_text: a temp file, fsync,
+os.replace). A crash at any point leaves either the previous checkpoints untouched or the new one complete; stray
+`.tmp-*` folders are ignored by loaders and removed by the next save.
 """
 
 from __future__ import annotations
@@ -30,40 +30,14 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from hybridlm.files import atomic_write_text, fsync_dir, fsync_file
+
 from .errors import TrainError
 
 CKPT_DIR = "checkpoints"
 HYBRID_CONFIG = "hybrid_config.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def rng_state() -> dict:
@@ -134,13 +108,13 @@ def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.
         write(os.path.join(tmp, name))
     for root, _, names in os.walk(tmp):
         for name in names:
-            _fsync_file(os.path.join(root, name))
+            fsync_file(os.path.join(root, name))
     # train_state.json last: a folder holding it is complete
     with open(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
         json.dump(train_state, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def commit_checkpoint(out_dir: str, step: int, tmp: str, keep: int = 3) -> str:
@@ -154,7 +128,7 @@ def commit_checkpoint(out_dir: str, step: int, tmp: str, keep: int = 3) -> str:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST), step_name(step) + "\n")
     if keep > 0:
         for s in list_checkpoints(out_dir)[:-keep]:

@@ -32,6 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..files import atomic_write, atomic_write_text
+from ..model.tokenizer import tokenizer_from_spec
 from ..ops.offsets import remember_offsets
 from . import checkpoint as ckpt
 from .data import IGNORE, RowLayout, RowSampler, load_corpus, make_batch, unigram_nats
@@ -48,8 +50,7 @@ from .parallel import (
     full_model_state,
     init_distributed,
 )
-from .presets import TRAIN_PRESETS, build_config
-from .tokenizer import load_tokenizer
+from .presets import TRAIN_DEFAULTS, build_config
 
 DEFAULT_OUT = os.path.join("runs", "train")
 TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's steps after the first ten (compilation)
@@ -58,7 +59,7 @@ TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None,
-                   help=f"model preset: {', '.join(TRAIN_PRESETS)} or a hybridlm.model preset name "
+                   help=f"model preset: {', '.join(TRAIN_DEFAULTS)} or any other `hybridlm info` preset name "
                         "(default: cpu-tiny on CPU, gpu-30m on GPU)")
     g.add_argument("--config", default=None, help="HybridConfig JSON file (overrides --preset)")
     g = p.add_argument_group("data")
@@ -168,7 +169,7 @@ class MetricsLog:
                         r = json.loads(line)
                         if r.get("step", 0) <= resume_step:
                             self.records.append(r)
-            ckpt.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
         elif enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             open(path, "w").close()
@@ -201,10 +202,8 @@ def plot_curve(records: list[dict], unigram: float, path: str, title: str) -> No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _autocast(device: torch.device, bf16: bool):
@@ -363,7 +362,10 @@ def train(args) -> dict:
                          f"use --seq-len <= {cfg.max_position_embeddings} or a --config with a larger "
                          "max_position_embeddings")
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        tokenizer = tokenizer_from_spec(args.tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainError(f"--tokenizer: {e}") from e
     if tokenizer.vocab_size > cfg.vocab_size:
         if args.config:
             raise TrainError(f"--tokenizer has {tokenizer.vocab_size} tokens but --config's vocab_size is "
@@ -445,9 +447,9 @@ def train(args) -> dict:
     barrier(dist)
     metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), dist.is_main, resume_step)
     if dist.is_main and resume_step is None:
-        with open(os.path.join(args.out, "run.json"), "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "preset": preset_name, "config": cfg.to_dict(), "params": n_params,
-                       "max_steps": max_steps, "device": str(device), "world": dist.world}, f, indent=2)
+        run_info = {"args": vars(args), "preset": preset_name, "config": cfg.to_dict(), "params": n_params,
+                    "max_steps": max_steps, "device": str(device), "world": dist.world}
+        atomic_write_text(os.path.join(args.out, "run.json"), json.dumps(run_info, indent=2))
 
     _log(dist, f"hybridlm train: {preset_name} ({n_params / 1e6:.2f}M params, layers {cfg.layer_types}), "
                f"{corpus.description}: {corpus.n_docs} documents, {corpus.train.n_tokens:,} train / "
@@ -614,20 +616,18 @@ def train(args) -> dict:
             prompt = "ROMEO.\n"
         else:
             prompt = tokenizer.decode(corpus.val.tokens[:16].tolist())
-        pids = tokenizer.encode(prompt).tolist()
+        pids = tokenizer.encode(prompt)
         out = sample(fwd_model, tokenizer, pids, args.sample_tokens, args.temperature, args.seed,
                      args.seq_len, device)
         text = tokenizer.decode(out)
         summary["sample"] = text
         if dist.is_main:
-            with open(os.path.join(args.out, "sample.txt"), "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            atomic_write_text(os.path.join(args.out, "sample.txt"), text + "\n")
         _log(dist, f"--- sample (temperature {args.temperature}) ---\n{text}\n--- end of sample ---")
     if dist.is_main:
         plot_curve(metrics.records, unigram, os.path.join(args.out, "loss_curve.png"),
                    f"{preset_name} on {corpus.description.split(' (')[0]}")
-        with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
     _log(dist, f"done in {summary['wall_s']:.0f}s: final train loss {last_loss:.6f}, val {val:.4f} nats/byte "
                f"(best {best_val:.4f}), unigram {unigram:.3f} ({unigram - val:.3f} below); "
                f"outputs in {args.out}/ (metrics.jsonl, loss_curve.png, sample.txt, checkpoints/)")

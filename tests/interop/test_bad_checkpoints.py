@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridlm import HybridLM
-from hybridlm.interop import CheckpointError
+from hybridlm.model import CheckpointError
 from hybridlm.model.presets import get_preset
 
 

@@ -171,7 +171,7 @@ def test_qwen3_5_multimodal_prefix_mtp_and_vision_ignored(tmp_path_factory, tmp_
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     text = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
-    with caplog.at_level("INFO", logger="hybridlm.interop"):
+    with caplog.at_level("INFO", logger="hybridlm.model.hf"):
         ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert "ignored 2 checkpoint tensors" in caplog.text
     x = inputs(seed=6)

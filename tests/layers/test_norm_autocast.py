@@ -122,12 +122,11 @@ def test_model_residual_stream_stays_float32_under_autocast(monkeypatch):
     former rule (measured 1.2u). Per parameter the differences have a tail (A_log / dt_bias / norm weights: sums
     over every token that cancel; measured up to 12u from the former rule, and the former rule itself is up to 0.17
     from float32 there), so per parameter only a broken gradient path is caught: within 64u of the former rule."""
-    from hybridlm.model.config import HybridConfig
     from hybridlm.model.hybrid import HybridBlock, HybridLM
-    from hybridlm.train.presets import TRAIN_PRESETS
+    from hybridlm.model.presets import get_preset
 
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    model = HybridLM(HybridConfig(**TRAIN_PRESETS["test-micro"]), impl="naive")
+    model = HybridLM(get_preset("test-micro"), impl="naive")
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, RMSNorm):

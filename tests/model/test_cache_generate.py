@@ -120,13 +120,13 @@ def test_generate_subcommand_streams(capsys):
 def test_tokenizer_json_from_a_checkpoint_folder(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from hybridlm.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from hybridlm.model.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(str(tmp_path), vocab_size=3)
-    assert isinstance(loaded, HFTokenizer) and loaded.encode("hello world") == [0, 1]
+    assert isinstance(loaded, JsonTokenizer) and loaded.encode("hello world") == [0, 1]
     byte = load_tokenizer(None, vocab_size=256)
     assert isinstance(byte, ByteTokenizer) and byte.decode(byte.encode("héllo")) == "héllo"
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):

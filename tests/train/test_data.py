@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hybridlm.model.tokenizer import ByteTokenizer
 from hybridlm.train.data import (
     IGNORE,
     RowLayout,
@@ -20,7 +21,6 @@ from hybridlm.train.data import (
     unigram_nats,
 )
 from hybridlm.train.errors import TrainError
-from hybridlm.train.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def _stream(lengths, seed=0):
@@ -200,11 +200,13 @@ def test_data_errors(tmp_path):
         read_documents([str(tmp_path / "e")])
     with pytest.raises(TrainError, match="fewer than one global batch"):
         RowSampler(3, 4, seed=0)
-    with pytest.raises(TrainError, match="tokenizer"):
-        load_tokenizer(str(tmp_path / "nope.json"))
 
 
-def test_tokenizers():
-    t = ByteTokenizer()
-    ids = t.encode("héllo")
-    assert ids.dtype == torch.int32 and t.decode(ids.tolist()) == "héllo"
+def test_bad_tokenizer_is_a_train_error(tmp_path, small_corpus, micro_args):
+    from hybridlm.train.main import train
+
+    with pytest.raises(TrainError, match="--tokenizer: no such file: .*nope.json"):
+        train(micro_args(small_corpus, str(tmp_path), "--tokenizer", str(tmp_path / "nope.json")))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TrainError, match="--tokenizer: .*bad.json is not a tokenizer.json"):
+        train(micro_args(small_corpus, str(tmp_path), "--tokenizer", str(tmp_path / "bad.json")))

@@ -11,6 +11,8 @@ Non-standard here, three explicit steps in each direction:
    naming the file / key / expected and actual shape before the model is returned (nothing half-loaded).
 `save_pretrained` writes the on-disk layout transformers itself writes, so `AutoModelForCausalLM` loads it.
 Qwen3.5 models are saved as the text-only types (qwen3_5_text / qwen3_5_moe_text).
+The loaders take a `build(config)` that makes the empty model (`HybridLM.from_pretrained` passes its class), so
+this module does not import hybrid.py, which imports it.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import re
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from hybridlm.model.config import HybridConfig
-from hybridlm.model.hybrid import HybridLM
+from hybridlm.files import atomic_write_text
 
-from .files import CheckpointError, TensorSource, atomic_write_text, save_sharded
+from .config import HybridConfig
+from .safetensors_folder import CheckpointError, TensorSource, save_sharded
 
-log = logging.getLogger("hybridlm.interop")
+log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear",
                "olmo_hybrid")
@@ -257,7 +260,7 @@ def _hf_norm_names(cfg: HybridConfig, i: int) -> tuple[str, str]:
     return "input_layernorm", "post_attention_layernorm"
 
 
-def key_map(model: HybridLM) -> dict[str, str]:
+def key_map(model: nn.Module) -> dict[str, str]:
     """Every parameter of `model`: canonical HF name -> our name (tied lm_head omitted)."""
     cfg = model.config
     out: dict[str, str] = {}
@@ -391,11 +394,11 @@ def _checkpoint_dtype(d: dict) -> torch.dtype:
 NATIVE_CONFIG = "hybridlm_config.json"
 
 
-def _load_native(folder: str, dtype: torch.dtype | None, impl: str) -> HybridLM:
+def _load_native(folder: str, build: Callable[[HybridConfig], nn.Module], dtype: torch.dtype | None) -> nn.Module:
     """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names."""
     cfg = HybridConfig.from_json(os.path.join(folder, NATIVE_CONFIG))
     src = TensorSource(folder)
-    model = HybridLM(cfg, impl=impl)
+    model = build(cfg)
     expected = model.state_dict()
     wanted = [k for k in expected if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     missing = [k for k in wanted if k not in src.where]
@@ -412,18 +415,18 @@ def _load_native(folder: str, dtype: torch.dtype | None, impl: str) -> HybridLM:
     return model.eval()
 
 
-def load_pretrained(folder: str, *, dtype: torch.dtype | None = None, impl: str = "auto",
-                    strict: bool = True) -> HybridLM:
-    """Build a HybridLM from a transformers checkpoint folder (config.json + safetensors), or from our own format
-    (hybridlm_config.json + safetensors) when the folder has no config.json."""
+def load_pretrained(folder: str, build: Callable[[HybridConfig], nn.Module], *, dtype: torch.dtype | None = None,
+                    strict: bool = True) -> nn.Module:
+    """`build(config)` filled from a transformers checkpoint folder (config.json + safetensors), or from our own
+    format (hybridlm_config.json + safetensors) when the folder has no config.json."""
     if not os.path.exists(os.path.join(folder, "config.json")) and os.path.exists(os.path.join(folder, NATIVE_CONFIG)):
-        return _load_native(folder, dtype, impl)
+        return _load_native(folder, build, dtype)
     d = read_hf_config(folder)
     cfg = config_from_hf(d)
     src = TensorSource(folder)
     sources = canonical_sources(src, d["model_type"])
     with torch.device("meta"):
-        model = HybridLM(cfg, impl=impl)
+        model = build(cfg)
     target = _checkpoint_dtype(d) if dtype is None else dtype
     kmap = key_map(model)
     missing = [k for k in kmap if k not in sources]
@@ -454,7 +457,7 @@ def load_pretrained(folder: str, *, dtype: torch.dtype | None = None, impl: str 
     return model.eval()
 
 
-def save_pretrained(model: HybridLM, folder: str, *, max_shard_size: int | str = "5GB",
+def save_pretrained(model: nn.Module, folder: str, *, max_shard_size: int | str = "5GB",
                     model_type: str | None = None) -> None:
     """Write config.json + safetensors in transformers' on-disk layout for model_type (default: the config's);
     with no model type at all, write our own format (hybridlm_config.json + safetensors)."""

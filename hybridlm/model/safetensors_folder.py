@@ -1,20 +1,21 @@
 """Reading and writing safetensors checkpoint folders (single file or sharded with an index), atomically.
 
-Non-standard here: every file is written to a temporary name in the same folder and moved into place with
-os.replace, so an interrupted save never leaves a half-written file under the final name. Reading is lazy: a
-`TensorSource` maps every key to the file that holds it and opens the tensor only when asked; a missing or
-truncated file is reported with its path.
+Non-standard here: every file is written through `hybridlm.files.atomic_write` (a temporary name in the same
+folder, fsync, os.replace), so an interrupted save never leaves a half-written file under the final name. Reading
+is lazy: a `TensorSource` maps every key to the file that holds it and opens the tensor only when asked; a missing
+or truncated file is reported with its path.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from hybridlm.files import atomic_write, atomic_write_text
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -24,30 +25,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be loaded as asked; the message names the file / key / shapes."""
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
 def parse_size(size: int | str) -> int:
