@@ -6,11 +6,12 @@ Non-standard here:
 - block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
   linear blocks stay pre-norm.
 - `cu_seqlens` (documents packed into one row, B == 1) reaches every mixer: the linear ops restart their state,
-  the short conv restarts, attention gets a block-diagonal causal mask, and default positions restart.
+  the short conv restarts, attention gets a `Documents` (attention inside each document, no dense mask), and
+  default positions restart.
 - Default positions are 0..T-1 even with left padding (transformers' forward does the same).
 - `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops.
-- Attention gets an explicit mask only when something needs one (padding, packed documents, a cache); otherwise
-  None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
+- Attention gets an explicit mask only when something needs one (padding, a cache, packed documents with
+  padding); otherwise None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridlm.layers import (
     build_attention_mask,
     positions_for,
 )
+from hybridlm.layers.attention import Documents
 
 from .config import HybridConfig
 
@@ -140,8 +142,10 @@ class HybridLM(nn.Module):
             attention_mask = None  # nothing padded: skip the masking work
         mask2d = None if attention_mask is None else attention_mask[:, past:].to(x.dtype)
         attn_mask = None  # None: plain causal (SDPA's is_causal, FlashAttention-eligible)
-        if any(not blk.linear for blk in self.layers) and (attention_mask is not None or cu_seqlens is not None
-                                                           or cache is not None):
+        has_attention = any(not blk.linear for blk in self.layers)
+        if has_attention and cu_seqlens is not None and attention_mask is None and cache is None:
+            attn_mask = Documents(cu_seqlens)
+        elif has_attention and (attention_mask is not None or cu_seqlens is not None or cache is not None):
             attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens, past=past,
                                              device=x.device)
         if position_ids is None:
