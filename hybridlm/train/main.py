@@ -30,7 +30,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.offsets import remember_offsets
 from . import checkpoint as ckpt
@@ -249,9 +248,10 @@ def _offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
+    """The sum of token losses of one forward call: the model's head and loss fused (hybridlm.ops.linear_ce), so
+    the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered."""
     with _autocast(device, bf16):
-        logits = model(ids, cu_seqlens=cu).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=IGNORE, reduction="sum")
+        return model(ids, cu_seqlens=cu, targets=tg).loss
 
 
 @torch.no_grad()
