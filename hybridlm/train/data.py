@@ -195,8 +195,9 @@ class Batch:
         """The forward calls for this batch: (input_ids, targets, cu_seqlens or None).
 
         "flat": one call, all rows flattened to [1, B*T] with cu_seqlens. "auto": rows with no document start
-        inside them go as a plain [b, T] batch (the same math, without the B*T x B*T attention mask), the others
-        flattened with their cu_seqlens; at most two calls."""
+        inside them go as a plain [b, T] batch (the same math; the layers' batched paths, no per-document work),
+        the others flattened with their cu_seqlens; at most two calls. A flattened call's attention runs per
+        document (hybridlm.layers.attention.Documents), never with a [B*T, B*T] mask."""
         if mode == "flat":
             return [(self.input_ids, self.targets, self.cu_seqlens)]
         T, B = self.seq_len, self.rows

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.02, help="held-out tail of each document (default 0.02)")
     g.add_argument("--packing", choices=("auto", "flat"), default="auto",
                    help="flat: every micro-batch as one [1, B*T] row with cu_seqlens; auto (default): rows without a "
-                        "document boundary as a plain [b, T] batch (same math, no B*T x B*T attention mask)")
+                        "document boundary as a plain [b, T] batch, the others flattened (same math, no per-document "
+                        "work for whole rows)")
     g = p.add_argument_group("schedule")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per row (preset default: 256 on CPU)")
     g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")

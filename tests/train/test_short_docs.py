@@ -1,0 +1,81 @@
+"""The short-document corpus (`short_documents`, scripts/short_docs.py) and the memory of training on it.
+
+The memory test runs two `hybridlm train` steps in child processes, once on the bundled corpus (41 long
+documents: rows go as a plain batch) and once on the short documents (every row holds boundaries: one flattened
+row with cu_seqlens), and compares their peak RSS. A dense [B*T, B*T] attention mask would make the second grow
+with (B*T)^2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hybridlm.train.data import bundled_corpus_text, read_documents, short_documents, split_works
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "short_docs.py")
+
+
+def test_short_documents_of_the_bundled_text():
+    text = bundled_corpus_text()
+    docs = short_documents(text)
+    assert len(docs) == 8674
+    sizes = [len(d.encode("utf-8")) for d in docs]
+    assert 570 <= sum(sizes) / len(sizes) <= 590
+    assert sum(s <= 400 for s in sizes) <= len(split_works(text))  # only a work's last document may be short
+    # the paragraphs, in order, are exactly those of the text
+    paras = [p.strip() for p in re.split(r"\n\n+", text) if p.strip()]
+    assert [p for d in docs for p in d.split("\n\n")] == paras
+
+
+def test_short_documents_joins_until_past_min_bytes():
+    text = "a\n\nbb\n\n\nccc\n\ndddd\n\ne"
+    assert short_documents(text, min_bytes=4) == ["a\n\nbb", "ccc\n\ndddd", "e"]
+    assert short_documents(text, min_bytes=5) == ["a\n\nbb\n\nccc", "dddd\n\ne"]
+    with pytest.raises(ValueError, match="min_bytes: expected >= 1"):
+        short_documents(text, min_bytes=0)
+
+
+def test_script_writes_jsonl_that_train_reads(tmp_path):
+    out = tmp_path / "docs.jsonl"
+    r = subprocess.run([sys.executable, SCRIPT, str(out), "--min-bytes", "4000"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = short_documents(bundled_corpus_text(), 4000)
+    assert f"{len(want):,} documents" in r.stdout
+    assert [json.loads(line)["text"] for line in out.read_text(encoding="utf-8").splitlines()] == want
+    docs, _ = read_documents([str(out)])
+    assert docs == want
+
+
+_RSS_CHILD = ("import resource, sys; from hybridlm.cli import main; rc = main(sys.argv[1:]); "
+              "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+
+
+def _peak_rss_kb(tmp_path, name: str, data: list[str], rows: int, seq_len: int) -> int:
+    argv = ["train", "--preset", "cpu-tiny", "--seq-len", str(seq_len), "--batch-size", str(rows), "--max-steps",
+            "2", "--eval-tokens", str(seq_len), "--sample-tokens", "0", "--save-every", "0", "--no-progress",
+            "--threads", "1", "--out", str(tmp_path / name), *data]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, *argv], capture_output=True, text=True, timeout=900,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return int(re.search(r"MAXRSS_KB (\d+)", r.stdout).group(1))
+
+
+@pytest.mark.slow
+def test_short_documents_train_in_the_memory_of_the_bundled_corpus(tmp_path):
+    """Two cpu-tiny steps of 8 x 2048 tokens: the short documents peak at <= 1.15x the bundled corpus's RSS.
+    (With the dense mask of a flattened batch this was 16k x 16k, several GB over the bundled run's.)"""
+    docs = tmp_path / "short.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in short_documents(bundled_corpus_text())),
+                    encoding="utf-8")
+    bundled = _peak_rss_kb(tmp_path, "bundled", [], rows=8, seq_len=2048)
+    short = _peak_rss_kb(tmp_path, "short", ["--data", str(docs)], rows=8, seq_len=2048)
+    assert short <= 1.15 * bundled, f"peak RSS: short documents {short / 1024:.0f} MB, bundled {bundled / 1024:.0f} MB"
