@@ -132,7 +132,7 @@ def _compiled(name: str):
     if name not in _COMPILED:
         from torch.nn.attention import flex_attention as fa
 
-        _COMPILED[name] = torch.compile(getattr(fa, name), dynamic=False)
+        _COMPILED[name] = torch.compile(getattr(fa, name))
     return _COMPILED[name]
 
 
