@@ -68,6 +68,14 @@ def short_documents(text: str, min_bytes: int = 400) -> list[str]:
     return docs
 
 
+def short_document_stream(min_bytes: int = 400) -> Stream:
+    """The bundled text's `short_documents` as UTF-8 byte tokens, concatenated: rows of it (`make_batch`) are the
+    packed short-document batches (cu_seqlens) that benchmarks train on beside the bundled corpus."""
+    docs = [d.encode("utf-8") for d in short_documents(bundled_corpus_text(), min_bytes)]
+    tokens = [torch.frombuffer(bytearray(d), dtype=torch.uint8).to(torch.int32) for d in docs]
+    return Stream.from_docs(tokens, sum(len(d) for d in docs))
+
+
 def bundled_corpus_text() -> str:
     with resources.files("hybridlm").joinpath("data", BUNDLED_NAME).open("rb") as f:
         return lzma.decompress(f.read()).decode("utf-8")

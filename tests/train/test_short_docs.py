@@ -16,7 +16,14 @@ import sys
 
 import pytest
 
-from hybridlm.train.data import bundled_corpus_text, read_documents, short_documents, split_works
+from hybridlm.train.data import (
+    bundled_corpus_text,
+    make_batch,
+    read_documents,
+    short_document_stream,
+    short_documents,
+    split_works,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "short_docs.py")
@@ -80,3 +87,13 @@ def test_short_documents_train_in_the_memory_of_the_bundled_corpus(tmp_path):
     bundled = _peak_rss_kb(tmp_path, "bundled", [], "test-micro", rows=8, seq_len=1024)
     short = _peak_rss_kb(tmp_path, "short", ["--data", str(docs)], "test-micro", rows=8, seq_len=1024)
     assert short <= 1.15 * bundled, f"peak RSS: short documents {short / 1024:.0f} MB, bundled {bundled / 1024:.0f} MB"
+
+
+def test_short_document_stream_packs_into_rows_with_boundaries():
+    stream = short_document_stream()
+    assert len(stream.starts) - 1 == 8674 and stream.n_tokens == stream.n_bytes
+    batch = make_batch(stream, [0, 5], 2048)
+    cu = batch.cu_seqlens.tolist()
+    assert cu[0] == 0 and cu[-1] == 4096 and 2048 in cu and len(cu) > 6  # row starts and document starts
+    first = short_documents(bundled_corpus_text())[0].encode("utf-8")
+    assert bytes(batch.input_ids[0, : len(first)].tolist()) == first
