@@ -13,9 +13,10 @@ Non-standard here:
   mask None means plain causal with queries and keys aligned (no cache, nothing padded or packed): SDPA's
   is_causal, which lets it pick its FlashAttention backend (no mask takes it), with GQA by enable_gqa (no copies).
 - Packed documents (one row [1, N] with cu_seqlens, no padding, no cache) get a `Documents` instead of a mask and
-  never a dense [N, N] one: on CUDA variable-length FlashAttention (`varlen_attn`) for fp16/bf16 with equal q/v
-  head dims, else a compiled `flex_attention` with a document block mask; elsewhere (CPU, float64) causal SDPA per
-  document, O(sum of document length^2) at most. The choice is logged once per (device type, dtype, path).
+  never a dense [N, N] one. On CUDA in fp16/bf16: variable-length FlashAttention (`varlen_attn`, unequal q/v head
+  dims padded with zeros), or where torch has none (< 2.10) a compiled `flex_attention` with a document block
+  mask; otherwise (CPU, float32/64) causal SDPA per document, O(sum of document length^2) at most. The choice is
+  logged once per (device type, dtype, path).
 """
 
 from __future__ import annotations
@@ -153,9 +154,9 @@ def _flex_available() -> bool:
 
 
 def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") -> str:
-    """The path of `document_attention` for q [1, h, N, dk] and v [1, hkv, N, dv] (after autocast): "varlen" on
-    CUDA for fp16/bf16 with dk == dv <= 256, "flex" on other CUDA float16/bfloat16/float32 inputs, else "loop".
-    "auto" logs its choice once per (device type, dtype, path)."""
+    """The path of `document_attention` for q [1, h, N, dk] and v [1, hkv, N, dv] (after autocast): on CUDA for
+    fp16/bf16 with dk, dv <= 256 "varlen" (torch >= 2.10), else "flex"; "loop" for everything else. "auto" logs
+    its choice once per (device type, dtype, path)."""
     if impl not in DOC_IMPLS:
         raise ValueError(f"impl: expected one of {DOC_IMPLS}, got {impl!r}")
     if impl != "auto":
@@ -163,14 +164,14 @@ def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") 
     why = None
     if q.device.type != "cuda":
         impl, why = "loop", f"on {q.device.type}"
-    elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256 and _varlen_available():
+    elif q.dtype not in (torch.float16, torch.bfloat16) or max(q.shape[-1], v.shape[-1]) > 256:
+        impl, why = "loop", f"{q.dtype} inputs, head dims {q.shape[-1]}/{v.shape[-1]}"
+    elif _varlen_available():
         impl = "varlen"
-    elif q.dtype in (torch.float16, torch.bfloat16, torch.float32) and _flex_available():
-        impl = "flex"
-        why = "varlen_attn takes fp16/bf16 with equal q/v head dims <= 256" if _varlen_available() else \
-            "no torch.nn.attention.varlen (torch < 2.10)"
+    elif _flex_available():
+        impl, why = "flex", "no torch.nn.attention.varlen (torch < 2.10)"
     else:
-        impl, why = "loop", f"{q.dtype} inputs"
+        impl, why = "loop", "neither varlen_attn nor flex_attention in this torch"
     key = (q.device.type, q.dtype, impl)
     if key not in _DOC_LOGGED and not torch.compiler.is_compiling():
         _DOC_LOGGED.add(key)
@@ -207,9 +208,13 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
 
         cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
         m = docs.max_len
-        q3, k3, v3 = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, d]
+        # FlashAttention takes one head dim for q, k and v: zero channels appended to q and k leave the scores as
+        # they are (scale is explicit), appended to v give zero outputs that are cut off (MLA: dk 192, dv 128)
+        dk, dv = q.shape[-1], v.shape[-1]
+        d = max(dk, dv)
+        q3, k3, v3 = (F.pad(t[0].transpose(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
         o = varlen_attn(q3, k3, v3, cu, cu, m, m, scale=scale, window_size=(-1, 0), enable_gqa=groups > 1)
-        return o.transpose(0, 1)[None]
+        return o[..., :dv].transpose(0, 1)[None]  # [N, h, d] -> [1, h, N, dv]
     if impl == "flex":
         bm = docs.block_mask(n, q.device)
         return _compiled("flex_attention")(q, k, v, block_mask=bm, scale=scale, enable_gqa=groups > 1)

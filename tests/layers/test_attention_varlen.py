@@ -118,8 +118,8 @@ BF16_TOL = {"out": 2e-2, "grad": 5e-2}
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["varlen", "flex"])
-@pytest.mark.parametrize("case", ["mixed", "gqa", "ones", "one_doc"])
+@pytest.mark.parametrize("impl,case", [("varlen", c) for c in CASES] + [("flex", c) for c in CASES
+                                                                           if c != "mla_dims"])
 def test_cuda_paths_match_dense_reference_bf16(case, impl):
     seed = 2000 + list(CASES).index(case)
     cu, q, k, v = inputs(case, seed, torch.bfloat16, "cuda")
@@ -145,6 +145,6 @@ def test_cuda_bf16_auto_takes_varlen():
     cu, q, k, v = inputs("gqa", 11, torch.bfloat16, "cuda")
     assert attn.resolve_document_impl(q, v) == "varlen"
     _, q, k, v = inputs("mla_dims", 12, torch.bfloat16, "cuda")
-    assert attn.resolve_document_impl(q, v) == "flex"
+    assert attn.resolve_document_impl(q, v) == "varlen"
     _, q, k, v = inputs("gqa", 13, torch.float32, "cuda")
-    assert attn.resolve_document_impl(q, v) == "flex"
+    assert attn.resolve_document_impl(q, v) == "loop"
