@@ -208,10 +208,11 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
 
         cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
         m = docs.max_len
-        # FlashAttention takes one head dim for q, k and v: zero channels appended to q and k leave the scores as
-        # they are (scale is explicit), appended to v give zero outputs that are cut off (MLA: dk 192, dv 128)
-        dk, dv = q.shape[-1], v.shape[-1]
-        d = max(dk, dv)
+        # FlashAttention takes one head dim, a multiple of 8, for q, k and v: zero channels appended to q and k
+        # leave the scores as they are (scale is explicit), appended to v give zero outputs that are cut off
+        # (MLA: dk 192, dv 128)
+        dv = v.shape[-1]
+        d = -(-max(q.shape[-1], dv) // 8) * 8
         q3, k3, v3 = (F.pad(t[0].transpose(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
         o = varlen_attn(q3, k3, v3, cu, cu, m, m, scale=scale, window_size=(-1, 0), enable_gqa=groups > 1)
         return o[..., :dv].transpose(0, 1)[None]  # [N, h, d] -> [1, h, N, dv]
