@@ -30,7 +30,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..files import atomic_write, atomic_write_text
 from ..model.tokenizer import tokenizer_from_spec
@@ -70,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.02, help="held-out tail of each document (default 0.02)")
     g.add_argument("--packing", choices=("auto", "flat"), default="auto",
                    help="flat: every micro-batch as one [1, B*T] row with cu_seqlens; auto (default): rows without a "
-                        "document boundary as a plain [b, T] batch (same math, no B*T x B*T attention mask)")
+                        "document boundary as a plain [b, T] batch, the others flattened (same math, no per-document "
+                        "work for whole rows)")
     g = p.add_argument_group("schedule")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per row (preset default: 256 on CPU)")
     g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")
@@ -248,9 +248,10 @@ def _offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
+    """The sum of token losses of one forward call: the model's head and loss fused (hybridlm.ops.linear_ce), so
+    the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered."""
     with _autocast(device, bf16):
-        logits = model(ids, cu_seqlens=cu).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=IGNORE, reduction="sum")
+        return model(ids, cu_seqlens=cu, targets=tg).loss
 
 
 @torch.no_grad()
