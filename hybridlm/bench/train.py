@@ -270,10 +270,10 @@ class _LogCollector(logging.Handler):
 def _collect_logs(name: str = "hybridlm"):
     """The `hybridlm` log records while the block runs. The impl="auto" choices are logged once per process; they are
     forgotten first, so this run logs its own even after other models ran in the process (pytest, say)."""
-    from hybridlm.layers import conv as _glue
+    from hybridlm.ops import glue as _glue
     from hybridlm.ops import recurrence as _rec
 
-    _glue._GLUE_LOGGED.clear()
+    _glue._LOGGED.clear()
     _rec._LOGGED.clear()
     logger, handler = logging.getLogger(name), _LogCollector()
     old = logger.level
@@ -453,8 +453,8 @@ def _versions() -> dict:
 
 
 def _shape_notes(shape: Shape, impl_log: list[str]) -> list[str]:
-    """impl_log: our run's `hybridlm` log lines, where SwiGLU(impl="auto") says which silu(gate) * up it ran."""
-    fused = any("layers.SwiGLU:" in m and "fused Triton" in m for m in impl_log)
+    """impl_log: our run's `hybridlm` log lines, where silu_mul(impl="auto") says which silu(gate) * up ran."""
+    fused = any("ops.silu_mul:" in m and "picked 'triton'" in m for m in impl_log)
     swiglu = "as one fused Triton kernel" if fused else "in PyTorch"
     extra = len(shape.attention_layers) * (shape.hidden_size * shape.attn_heads * shape.attn_head_dim
                                            + 2 * shape.attn_head_dim)
