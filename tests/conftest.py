@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 # job: (its script, the test file whose tests read it, timeout in seconds), in the order the suite reads them
@@ -67,3 +68,67 @@ def interp_result(name: str) -> dict:
 @pytest.fixture(scope="session")
 def interp_job():
     return interp_result
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the tests marked slow (long CPU runs guarding no default path; skipped otherwise)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("slow") and not item.config.getoption("--runslow"):
+        pytest.skip("slow: run with --runslow")
+
+
+# Every test runs on a fresh seed of torch's global RNG (HYBRIDLM_TEST_SEED=N replays one), printed with any failure;
+# the RNG and the process-wide flags a test may set are put back afterwards, so no test depends on another's leftovers.
+SEED_ENV = "HYBRIDLM_TEST_SEED"
+
+
+def _flag(obj, name):
+    return (lambda: getattr(obj, name)), (lambda v: setattr(obj, name, v))
+
+
+_GLOBAL_STATE = {
+    "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "cuda.matmul.allow_tf32": _flag(torch.backends.cuda.matmul, "allow_tf32"),
+    "cudnn.allow_tf32": _flag(torch.backends.cudnn, "allow_tf32"),
+    "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "deterministic algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+    "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "CPU threads": (torch.get_num_threads, torch.set_num_threads),
+}
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """This test's seed: torch's global RNG starts from it (draw explicit generators from it too)."""
+    value = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little") % 2**31)
+    request.node.stash[_SEED_KEY] = value
+    saved = {name: get() for name, (get, _) in _GLOBAL_STATE.items()}
+    env = dict(os.environ)
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        torch.manual_seed(value)
+        yield value
+    for name, (get, put) in _GLOBAL_STATE.items():
+        if get() != saved[name]:
+            put(saved[name])
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _SEED_KEY in item.stash:
+        value = item.stash[_SEED_KEY]
+        note = f"seed {value} (replay: {SEED_ENV}={value} python -m pytest '{item.nodeid}')"
+        if hasattr(report.longrepr, "addsection"):
+            report.longrepr.addsection("seed", note)
+        else:
+            report.sections.append(("seed", note))
+    return report
