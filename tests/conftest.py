@@ -6,6 +6,7 @@ it. Each job draws its own fresh seed and prints it, as when the fixture ran it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -80,9 +81,17 @@ def pytest_runtest_setup(item):
         pytest.skip("slow: run with --runslow")
 
 
-# Every test runs on a fresh seed of torch's global RNG (HYBRIDLM_TEST_SEED=N replays one), printed with any failure;
-# the RNG and the process-wide flags a test may set are put back afterwards, so no test depends on another's leftovers.
+# The run draws one fresh seed (HYBRIDLM_TEST_SEED=N replays it) and prints it with any failure. Each test's torch
+# RNG starts from a seed derived from it and the test's id, as do models that a module builds once and shares
+# (`derive_seed`), so that one number replays any test alone. The RNG and the process-wide flags a test may set are
+# put back after it, so that no test depends on another's leftovers.
 SEED_ENV = "HYBRIDLM_TEST_SEED"
+RUN_SEED = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little") % 2**31)
+
+
+def derive_seed(name: str) -> int:
+    """A seed in [0, 2**31) for `name`, fixed by the run's seed."""
+    return int.from_bytes(hashlib.sha256(f"{RUN_SEED}:{name}".encode()).digest()[:4], "little") % 2**31
 
 
 def _flag(obj, name):
@@ -102,9 +111,8 @@ _GLOBAL_STATE = {
 
 @pytest.fixture(autouse=True)
 def seed(request) -> int:
-    """This test's seed: torch's global RNG starts from it (draw explicit generators from it too)."""
-    value = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little") % 2**31)
-    request.node.stash[_SEED_KEY] = value
+    """This test's seed: torch's global RNG starts from it (seed explicit generators from it too)."""
+    value = derive_seed(request.node.nodeid)
     saved = {name: get() for name, (get, _) in _GLOBAL_STATE.items()}
     env = dict(os.environ)
     with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
@@ -118,17 +126,22 @@ def seed(request) -> int:
         os.environ.update(env)
 
 
-_SEED_KEY = pytest.StashKey[int]()
+@pytest.fixture(scope="session", name="derive_seed")
+def derive_seed_fixture():
+    return derive_seed
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if report.failed and _SEED_KEY in item.stash:
-        value = item.stash[_SEED_KEY]
-        note = f"seed {value} (replay: {SEED_ENV}={value} python -m pytest '{item.nodeid}')"
+    if report.failed:
+        note = f"run seed {RUN_SEED} (replay: {SEED_ENV}={RUN_SEED} python -m pytest '{item.nodeid}')"
         if hasattr(report.longrepr, "addsection"):
             report.longrepr.addsection("seed", note)
         else:
             report.sections.append(("seed", note))
     return report
+
+
+def pytest_report_header(config):
+    return f"run seed {RUN_SEED} ({SEED_ENV}={RUN_SEED} replays it)"
