@@ -93,7 +93,7 @@ def _kill_run(argv, seed):
 
 
 @pytest.mark.slow
-def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
+def test_kill9_resume_exact(tmp_path, small_corpus, micro_args, seed):
     """kill -9 twice at random moments (saves happen every step, so some kills land inside a save): every
     checkpoint on disk loads, and resuming ends with the same final loss as an uninterrupted run."""
     common = ["--data", small_corpus, "--sample-tokens", "0", "--max-steps", "40", "--save-every", "1",
@@ -101,7 +101,6 @@ def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
     ref = train(micro_args(small_corpus, str(tmp_path / "ref"), *common[2:]))
     out = str(tmp_path / "killed")
     argv = [*MICRO, *common, "--out", out]
-    seed = int(os.environ.get("HYBRIDLM_KILL_SEED", time.time_ns() % 10_000))
     kills = 0
     for i in range(2):
         finished = _kill_run(argv + (["--resume"] if i else []), seed + i)
