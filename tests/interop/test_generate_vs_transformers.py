@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import FAMILIES, make_hf
+from hf_models import FAMILIES
 
 from hybridlm import HybridLM
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_transformers(family, tmp_path, seed):
-    hf = make_hf(family, seed)
-    hf.save_pretrained(str(tmp_path))
-    ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+def test_greedy_matches_transformers(family, hf_and_folder):
+    hf, folder = hf_and_folder(family)
+    ours = HybridLM.from_pretrained(str(folder), dtype=torch.float32)
     x = torch.randint(3, 97, (2, 10))
     mask = torch.ones_like(x)
     mask[1, :4] = 0

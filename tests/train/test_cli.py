@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from hybridlm.cli import main as cli_main
 from hybridlm.train import checkpoint as ckpt
 from hybridlm.train.main import train
 
@@ -54,19 +55,20 @@ def test_module_entry_point_help():
         (["--batch-size", "100000"], "lower --batch-size"),
     ],
 )
-def test_bad_input_messages(tmp_path, small_corpus, argv, match):
+def test_bad_input_messages(tmp_path, small_corpus, argv, match, capsys):
+    """In-process through the CLI's main (the same code the command runs; test_cli_smoke covers the process)."""
     args = [*MICRO, "--out", str(tmp_path / "o"), "--max-steps", "1"]
     if "--data" not in argv:
         args += ["--data", small_corpus]
-    r = _cli(*args, *argv, timeout=120)
-    assert r.returncode == 2
-    assert match in r.stderr and "Traceback" not in r.stderr
+    assert cli_main(["train", *args, *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err, err
 
 
-def test_empty_corpus_message(tmp_path):
+def test_empty_corpus_message(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")
-    r = _cli(*MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"), timeout=120)
-    assert r.returncode == 2 and "empty" in r.stderr
+    assert cli_main(["train", *MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "empty" in capsys.readouterr().err
 
 
 def _kill_run(argv, seed):
