@@ -16,7 +16,6 @@ from hybridlm.model.presets import get_preset
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("good")
     HybridLM(get_preset("tiny")).save_pretrained(str(folder))
     return folder

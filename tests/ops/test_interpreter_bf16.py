@@ -10,10 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("triton")
-
 SCRIPT = Path(__file__).parent / "triton" / "interp_bf16.py"
 
 

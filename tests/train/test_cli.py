@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from hybridlm.cli import main as cli_main
 from hybridlm.train import checkpoint as ckpt
 from hybridlm.train.main import train
 
@@ -54,19 +55,20 @@ def test_module_entry_point_help():
         (["--batch-size", "100000"], "lower --batch-size"),
     ],
 )
-def test_bad_input_messages(tmp_path, small_corpus, argv, match):
+def test_bad_input_messages(tmp_path, small_corpus, argv, match, capsys):
+    """In-process through the CLI's main (the same code the command runs; test_cli_smoke covers the process)."""
     args = [*MICRO, "--out", str(tmp_path / "o"), "--max-steps", "1"]
     if "--data" not in argv:
         args += ["--data", small_corpus]
-    r = _cli(*args, *argv, timeout=120)
-    assert r.returncode == 2
-    assert match in r.stderr and "Traceback" not in r.stderr
+    assert cli_main(["train", *args, *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err, err
 
 
-def test_empty_corpus_message(tmp_path):
+def test_empty_corpus_message(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")
-    r = _cli(*MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"), timeout=120)
-    assert r.returncode == 2 and "empty" in r.stderr
+    assert cli_main(["train", *MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "empty" in capsys.readouterr().err
 
 
 def _kill_run(argv, seed):
@@ -93,7 +95,7 @@ def _kill_run(argv, seed):
 
 
 @pytest.mark.slow
-def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
+def test_kill9_resume_exact(tmp_path, small_corpus, micro_args, seed):
     """kill -9 twice at random moments (saves happen every step, so some kills land inside a save): every
     checkpoint on disk loads, and resuming ends with the same final loss as an uninterrupted run."""
     common = ["--data", small_corpus, "--sample-tokens", "0", "--max-steps", "40", "--save-every", "1",
@@ -101,7 +103,6 @@ def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
     ref = train(micro_args(small_corpus, str(tmp_path / "ref"), *common[2:]))
     out = str(tmp_path / "killed")
     argv = [*MICRO, *common, "--out", out]
-    seed = int(os.environ.get("HYBRIDLM_KILL_SEED", time.time_ns() % 10_000))
     kills = 0
     for i in range(2):
         finished = _kill_run(argv + (["--resume"] if i else []), seed + i)
