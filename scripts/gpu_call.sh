@@ -55,7 +55,7 @@ for spec in "$@"; do
     ncu) cmd=(bash -c "python3 scripts/gpu_ncu_bytes.py --op gdn --out $OUT/ncu; \
                        python3 scripts/gpu_ncu_bytes.py --op kda --gates init --out $OUT/ncu") ;;
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
-    train350m) cmd=(python3 -m hybridlm bench train --out "$OUT/train350m") ;;
+    train350m) cmd=(python3 -m hybridlm.bench.train --data bundled,short-docs --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results.json "$OUT/mqar/" 2>/dev/null
           cmd=(python3 -m hybridlm bench mqar --preset paper --cuda-graphs --out "$OUT/mqar" \
