@@ -211,15 +211,15 @@ def varlen_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """Stand-in for flash_attn_varlen_func on torch's varlen_attn: q [N, H, d], k / v [N, Hkv, d] with documents
     at cu_seqlens [D+1] (int32) -> [N, H, d]. max_seqlen_* bound the document lengths (fla passes the row length).
 
-    Only what fla's Attention asks for in training: no dropout, no sliding window; causal is varlen_attn's
-    window (-1, 0), GQA its enable_gqa."""
-    from torch.nn.attention.varlen import varlen_attn
+    Only what fla's Attention asks for in training: no dropout, no sliding window; causal and GQA as
+    `hybridlm.layers.attention.varlen_causal`."""
+    from hybridlm.layers.attention import varlen_causal
 
     if dropout_p or tuple(window_size) != (-1, -1):
         raise NotImplementedError(f"the varlen_attn stand-in for flash_attn_varlen_func takes no dropout "
                                   f"({dropout_p}) and no window ({window_size})")
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                       window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q.shape[1] != k.shape[1])
+    return varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                         causal=causal)
 
 
 def _no_varlen(*_args, **_kwargs):

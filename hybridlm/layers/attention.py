@@ -21,6 +21,8 @@ Non-standard here:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 
 import torch
@@ -190,6 +192,33 @@ def _autocast_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q, k, v
 
 
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, *, scale: float | None, causal: bool = True) -> torch.Tensor:
+    """torch's `varlen_attn` on q [N, h, d], k / v [N, hkv, d] -> [N, h, d], query head i reading kv head
+    i // (h / hkv). Its keywords moved between releases: causal is `window_size=(-1, 0)` where it has a window
+    (else `is_causal`), and GQA is `enable_gqa` where it has one (else the kv heads are repeated)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _params(varlen_attn)
+    kw = {"scale": scale}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kw["is_causal"] = causal
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+@functools.cache
+def _params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
                        impl: str = "auto") -> torch.Tensor:
     """Causal attention inside each packed document, none across. q: [1, h, N, dk]; k: [1, hkv, N, dk];
@@ -204,8 +233,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     impl = resolve_document_impl(q, v, impl)
     groups = q.shape[1] // k.shape[1]
     if impl == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-
         cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
         m = docs.max_len
         # FlashAttention takes one head dim, a multiple of 8, for q, k and v: zero channels appended to q and k
@@ -214,7 +241,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
         dv = v.shape[-1]
         d = -(-max(q.shape[-1], dv) // 8) * 8
         q3, k3, v3 = (F.pad(t[0].transpose(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
-        o = varlen_attn(q3, k3, v3, cu, cu, m, m, scale=scale, window_size=(-1, 0), enable_gqa=groups > 1)
+        o = varlen_causal(q3, k3, v3, cu, cu, m, m, scale=scale)
         return o[..., :dv].transpose(0, 1)[None]  # [N, h, d] -> [1, h, N, dv]
     if impl == "flex":
         bm = docs.block_mask(n, q.device)

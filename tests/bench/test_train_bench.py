@@ -116,23 +116,35 @@ def test_flash_attn_stand_in_is_causal_attention(kv_heads):
 
 
 def test_varlen_stand_in_passes_documents_causal_and_gqa(monkeypatch):
-    """The flash_attn_varlen_func stand-in hands fla's arguments to varlen_attn as its documented ones (causal is the
-    window (-1, 0), GQA by enable_gqa); varlen_attn itself needs CUDA (its numbers: the GPU test below)."""
+    """The flash_attn_varlen_func stand-in hands fla's arguments to varlen_attn in either keyword generation of it:
+    causal as the window (-1, 0) and GQA by enable_gqa where varlen_attn has them, else is_causal and repeated kv
+    heads; varlen_attn itself needs CUDA (its numbers: the GPU test below)."""
     import torch.nn.attention.varlen as tv
 
     seen = {}
 
-    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        seen.update(shapes=(q.shape, k.shape, v.shape), cu=(cu_q, cu_k), max=(max_q, max_k), **kw)
+    def windowed(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        seen.update(shapes=(q.shape, k.shape), cu=(cu_q, cu_k), max=(max_q, max_k), scale=scale,
+                    window_size=window_size, enable_gqa=enable_gqa)
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(tv, "varlen_attn", fake)
+    def older(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+        seen.update(shapes=(q.shape, k.shape), is_causal=is_causal, scale=scale)
+        return torch.zeros_like(q)
+
     q, k, v = torch.zeros(10, 4, 8), torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    monkeypatch.setattr(tv, "varlen_attn", windowed)
     o = bench.varlen_flash_attn_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=10, max_seqlen_k=10,
                                      causal=True, window_size=(-1, -1))
     assert o.shape == q.shape and seen["cu"] == (cu, cu) and seen["max"] == (10, 10)
     assert seen["window_size"] == (-1, 0) and seen["enable_gqa"] is True and seen["scale"] is None
+    assert seen["shapes"] == (q.shape, k.shape)
+    seen.clear()
+    monkeypatch.setattr(tv, "varlen_attn", older)
+    o = bench.varlen_flash_attn_func(q, k, v, cu, cu, 10, 10, softmax_scale=0.5, causal=True)
+    assert o.shape == q.shape and seen["is_causal"] is True and seen["scale"] == 0.5
+    assert seen["shapes"] == (q.shape, q.shape)  # kv heads repeated for the query heads
     with pytest.raises(NotImplementedError, match="window"):
         bench.varlen_flash_attn_func(q, k, v, cu, cu, 10, 10, causal=True, window_size=(8, 0))
 
