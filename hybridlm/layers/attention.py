@@ -170,10 +170,10 @@ def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") 
         impl, why = "loop", f"{q.dtype} inputs, head dims {q.shape[-1]}/{v.shape[-1]}"
     elif _varlen_available():
         impl = "varlen"
-    elif _flex_available():
+    elif _flex_available() and min(q.shape[-1], v.shape[-1]) >= 16:  # flex_attention's smallest head dim
         impl, why = "flex", "no torch.nn.attention.varlen (torch < 2.10)"
     else:
-        impl, why = "loop", "neither varlen_attn nor flex_attention in this torch"
+        impl, why = "loop", "no varlen_attn in this torch, and flex_attention needs head dims >= 16"
     key = (q.device.type, q.dtype, impl)
     if key not in _DOC_LOGGED and not torch.compiler.is_compiling():
         _DOC_LOGGED.add(key)
