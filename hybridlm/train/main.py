@@ -116,24 +116,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of each process (default: on CPU the cores not already busy, by the 1-minute "
-                   "load average; on GPU PyTorch's own, which torchrun sets to 1)")
+                   help="CPU threads of each process (default: on CPU the cores this process may run on, "
+                   "os.sched_getaffinity; on GPU PyTorch's own, which torchrun sets to 1)")
 
 
 def cpu_threads() -> int:
-    """Cores not already busy (1-minute load average): OpenMP threads that compete with other processes for the
-    same cores spin and can make a step 10x slower than using fewer threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    return max(1, min(cores, int(cores - load + 0.5)))
+    """The cores this process may run on (its affinity mask, which taskset, cgroups' cpusets and container limits
+    set). Not the load average: right after a pip install it reads busy on an idle machine, and the main job then
+    ran at 1 thread on 2 cores, 1.7x slower."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def set_threads(threads: int | None, device: torch.device) -> None:
-    """--threads on any device (before 2026-11-25 it was read on CPU only, so a GPU run under torchrun kept 1 thread
-    whatever it asked); without it, on CPU the free cores, on GPU PyTorch's setting as it is."""
+    """--threads on any device (a GPU run under torchrun, which sets 1, may ask for more); without it, on CPU the
+    cores this process may run on, on GPU PyTorch's setting as it is."""
     if threads is not None and threads < 1:
         raise TrainError(f"--threads: expected >= 1, got {threads}")
     if threads is not None:
