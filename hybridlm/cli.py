@@ -3,6 +3,8 @@
 Non-standard here: subcommands live in the modules that do the work; each module exposes
 `add_arguments(parser)` and `run(args) -> int`, and is imported only when its subcommand runs, so `hybridlm --help`
 stays fast and a missing optional dependency only breaks the subcommand that needs it.
+Errors are one line on stderr: a bad flag (argparse) or a UsageError (a bad argument, a damaged checkpoint) exits
+with 2, anything else with 1 and the exception's type; `-v` (before or after the subcommand) shows the traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("hybridlm.model.memory", "KV-cache vs recurrent-state bytes against context length"),
     "bench": ("hybridlm.bench.main", "benchmarks: kernels, layers, mqar"),
 }
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line (not the usage block too), pointing at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,12 +55,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    verbose = args.verbose or any(a in ("-v", "--verbose") for a in rest)
+    rest = [a for a in rest if a not in ("-v", "--verbose")]
     module = importlib.import_module(args._module)
-    sub = argparse.ArgumentParser(prog=f"hybridlm {args.command}", description=SUBCOMMANDS[args.command][1])
+    prog = f"hybridlm {args.command}"
+    sub = _OneLineParser(prog=prog, description=SUBCOMMANDS[args.command][1])
     module.add_arguments(sub)
     sub_args = sub.parse_args(rest)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return int(module.run(sub_args) or 0)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from hybridlm.model.locate import UsageError
+
+    try:
+        return int(module.run(sub_args) or 0)
+    except UsageError as e:
+        if verbose:
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line; the traceback is one -v away
+        if verbose:
+            raise
+        print(f"{prog}: error: {type(e).__name__}: {_one_line(e)} (hybridlm -v {args.command} ... shows where)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from torch import nn
 from hybridlm.files import atomic_write_text
 
 from .config import HybridConfig
+from .locate import HYBRID_CONFIG, NATIVE_CONFIG, resolve_folder
 from .safetensors_folder import CheckpointError, TensorSource, save_sharded
 
 log = logging.getLogger(__name__)
@@ -391,12 +392,14 @@ def _checkpoint_dtype(d: dict) -> torch.dtype:
     return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
-NATIVE_CONFIG = "hybridlm_config.json"
-
-
 def _load_native(folder: str, build: Callable[[HybridConfig], nn.Module], dtype: torch.dtype | None) -> nn.Module:
-    """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names."""
-    cfg = HybridConfig.from_json(os.path.join(folder, NATIVE_CONFIG))
+    """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names;
+    a training checkpoint of such a config has the same weights beside hybrid_config.json."""
+    name = NATIVE_CONFIG if os.path.exists(os.path.join(folder, NATIVE_CONFIG)) else HYBRID_CONFIG
+    try:
+        cfg = HybridConfig.from_json(os.path.join(folder, name))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{os.path.join(folder, name)}: not a valid HybridConfig JSON ({e})") from e
     src = TensorSource(folder)
     model = build(cfg)
     expected = model.state_dict()
@@ -418,8 +421,11 @@ def _load_native(folder: str, build: Callable[[HybridConfig], nn.Module], dtype:
 def load_pretrained(folder: str, build: Callable[[HybridConfig], nn.Module], *, dtype: torch.dtype | None = None,
                     strict: bool = True) -> nn.Module:
     """`build(config)` filled from a transformers checkpoint folder (config.json + safetensors), or from our own
-    format (hybridlm_config.json + safetensors) when the folder has no config.json."""
-    if not os.path.exists(os.path.join(folder, "config.json")) and os.path.exists(os.path.join(folder, NATIVE_CONFIG)):
+    format (hybridlm_config.json + safetensors) when the folder has no config.json. `folder` may also be a training
+    run or its checkpoints folder (the latest complete checkpoint) or a Hub id (hybridlm.model.locate)."""
+    folder = resolve_folder(folder)
+    native = any(os.path.exists(os.path.join(folder, n)) for n in (NATIVE_CONFIG, HYBRID_CONFIG))
+    if not os.path.exists(os.path.join(folder, "config.json")) and native:
         return _load_native(folder, build, dtype)
     d = read_hf_config(folder)
     cfg = config_from_hf(d)

@@ -34,8 +34,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HUB_WEIGHTS = ["*.json", "*.safetensors", "tokenizer*"]  # what loading a Hub model fetches (no .bin, no images)
 
 
-class ModelArgumentError(ValueError):
-    """A model argument that names nothing loadable; the message says what was found and what to give instead."""
+class UsageError(ValueError):
+    """An argument that cannot be used as given (here: a model argument that names nothing loadable); the message
+    names it and says what to give instead. The `hybridlm` command line prints it as one line and exits with 2."""
 
 
 def step_name(step: int) -> str:
@@ -107,8 +108,8 @@ class Located:
 
 def locate(target: str, presets: Iterable[str] = (), hub_files: list[str] | None = None) -> Located:
     """A model argument -> Located. `presets`: the preset names that count; `hub_files`: the patterns to fetch for
-    a Hub id (default: config, weights, tokenizer). Raises ModelArgumentError saying what to give instead."""
-    presets = list(presets)
+    a Hub id (default: config, weights, tokenizer). Raises UsageError saying what to give instead."""
+    target, presets = os.fspath(target), list(presets)
     if os.path.isfile(target):
         return Located(file=target)
     if os.path.isdir(target):
@@ -119,7 +120,7 @@ def locate(target: str, presets: Iterable[str] = (), hub_files: list[str] | None
         folder = hub_snapshot(target, hub_files or HUB_WEIGHTS)
         return Located(folder=folder, note=f"{target} from the Hugging Face cache: {folder}")
     known = f"presets: {', '.join(sorted(presets))}; " if presets else ""
-    raise ModelArgumentError(f"{target}: no such file or folder, and not a preset or a Hub id (org/name); give a "
+    raise UsageError(f"{target}: no such file or folder, and not a preset or a Hub id (org/name); give a "
                              f"training run folder, a checkpoint folder, a Hugging Face folder, {known}"
                              "or a Hub id such as Qwen/Qwen3-Next-80B-A3B-Instruct")
 
@@ -129,15 +130,15 @@ def _locate_folder(path: str) -> Located:
         return Located(folder=path)
     root = _checkpoints_root(path)
     if root is None:
-        raise ModelArgumentError(f"{path}: a folder with no {HF_CONFIG}, no {NATIVE_CONFIG} and no {CKPT_DIR}/; "
+        raise UsageError(f"{path}: a folder with no {HF_CONFIG}, no {NATIVE_CONFIG} and no {CKPT_DIR}/; "
                                  "give a training run folder (hybridlm train --out), a checkpoint folder or a Hugging "
                                  "Face folder")
     ckpt = latest_checkpoint(root)
     if ckpt is None:
-        raise ModelArgumentError(f"{path}: no complete checkpoint in {root} (a run saves its first one at "
+        raise UsageError(f"{path}: no complete checkpoint in {root} (a run saves its first one at "
                                  "--save-every steps or at its end); wait for it, or give another folder")
     if not _is_model_folder(ckpt):
-        raise ModelArgumentError(f"{ckpt}: a checkpoint without weights of its own (a sharded run's dcp/ only); "
+        raise UsageError(f"{ckpt}: a checkpoint without weights of its own (a sharded run's dcp/ only); "
                                  "give a checkpoint written by a single-process run or by save_pretrained")
     return Located(folder=ckpt, note=f"the latest complete checkpoint of {path}: {ckpt}")
 
@@ -147,7 +148,7 @@ def resolve_folder(target: str) -> str:
     checkpoint of a run or checkpoints folder (logged), or a Hub snapshot."""
     found = locate(target)
     if found.folder is None:
-        raise ModelArgumentError(f"{target}: a file, not a folder; give the folder that holds {HF_CONFIG} and the "
+        raise UsageError(f"{target}: a file, not a folder; give the folder that holds {HF_CONFIG} and the "
                                  "weights")
     if found.note:
         log.info("loading %s", found.note)
@@ -161,17 +162,17 @@ def hub_snapshot(repo_id: str, patterns: list[str]) -> str:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError as e:
-        raise ModelArgumentError(f"{repo_id}: not a local path; to load it from the Hugging Face Hub install "
+        raise UsageError(f"{repo_id}: not a local path; to load it from the Hugging Face Hub install "
                                  "huggingface_hub (pip install huggingface_hub), or give a local folder") from e
     try:
         return snapshot_download(repo_id, allow_patterns=patterns)
     except RepositoryNotFoundError as e:
-        raise ModelArgumentError(f"{repo_id}: no such local folder, and no such repository on the Hugging Face Hub "
+        raise UsageError(f"{repo_id}: no such local folder, and no such repository on the Hugging Face Hub "
                                  "(or a private one: log in with `hf auth login`); check the name") from e
     except LocalEntryNotFoundError as e:
-        raise ModelArgumentError(f"{repo_id}: no such local folder, and not in the Hugging Face cache while offline "
+        raise UsageError(f"{repo_id}: no such local folder, and not in the Hugging Face cache while offline "
                                  "(HF_HUB_OFFLINE is set or the Hub is unreachable); check the path, or download "
                                  "the repository once online") from e
     except Exception as e:  # noqa: BLE001 - network and HTTP errors of huggingface_hub's own types
-        raise ModelArgumentError(f"{repo_id}: download from the Hugging Face Hub failed ({e}); retry, or give a "
+        raise UsageError(f"{repo_id}: download from the Hugging Face Hub failed ({e}); retry, or give a "
                                  "local folder") from e
