@@ -119,10 +119,10 @@ def locate(target: str, presets: Iterable[str] = (), hub_files: list[str] | None
     if _HUB_ID.match(target) and not os.path.exists(target.split("/")[0]):
         folder = hub_snapshot(target, hub_files or HUB_WEIGHTS)
         return Located(folder=folder, note=f"{target} from the Hugging Face cache: {folder}")
-    known = f"presets: {', '.join(sorted(presets))}; " if presets else ""
+    known = f"a preset (presets: {', '.join(sorted(presets))}), " if presets else ""
     raise UsageError(f"{target}: no such file or folder, and not a preset or a Hub id (org/name); give a "
-                             f"training run folder, a checkpoint folder, a Hugging Face folder, {known}"
-                             "or a Hub id such as Qwen/Qwen3-Next-80B-A3B-Instruct")
+                     f"training run folder, a checkpoint folder, a Hugging Face folder, {known}or a Hub id such "
+                     "as Qwen/Qwen3-Next-80B-A3B-Instruct")
 
 
 def _locate_folder(path: str) -> Located:

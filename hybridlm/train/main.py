@@ -333,6 +333,20 @@ def _cpu_model(cfg, state: dict[str, torch.Tensor]):
     return m
 
 
+def _finished(out: str, path: str, step: int, max_steps: int, dist: Dist) -> dict:
+    """A resume of a run that already reached its last step: nothing is trained, evaluated or written; the summary
+    is the one the run wrote (or, when it never got to write one, the step counts)."""
+    summary = {"final_step": step, "max_steps": max_steps}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    val = summary.get("final_val_nats_per_byte")
+    _log(dist, f"the run in {out} is finished: {path} is step {step} of {max_steps}"
+               f"{f', val {val:.4f} nats/byte' if isinstance(val, float) else ''}; nothing to do (to train "
+               "further, resume with a larger --max-steps or --max-tokens)")
+    return summary
+
+
 def train(args) -> dict:
     """The training job; returns a summary dict (also written to OUT/summary.json)."""
     t_start = time.time()
@@ -432,6 +446,8 @@ def train(args) -> dict:
                 rng = torch.load(rpath, weights_only=True)
         ckpt.set_rng_state(rng)
         resume_step = step
+        if step >= max_steps:
+            return _finished(args.out, path, step, max_steps, dist)
         _log(dist, f"resumed from {path} at step {step}")
 
     if dist.is_main:

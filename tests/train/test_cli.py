@@ -171,3 +171,23 @@ def test_default_threads_are_the_allowed_cores_not_the_load(monkeypatch):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "1"
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, small_corpus, micro_args, capsys):
+    """--resume on a run that reached its last step: exit 0, says it is finished, no step trained, metrics.jsonl
+    and summary.json as they were (no duplicate row, no nan)."""
+    from hybridlm.train.main import run
+
+    out = str(tmp_path / "run")
+    assert run(micro_args(small_corpus, out, "--max-steps", "2")) == 0
+    files = {name: (tmp_path / "run" / name).read_text() for name in ("metrics.jsonl", "summary.json")}
+    capsys.readouterr()
+    assert run(micro_args(small_corpus, out, "--max-steps", "2", "--resume")) == 0
+    said = capsys.readouterr().out
+    assert "is finished" in said and "step 2 of 2" in said and "nan" not in said, said
+    for name, text in files.items():
+        assert (tmp_path / "run" / name).read_text() == text, name
+    steps = [json.loads(line)["step"] for line in files["metrics.jsonl"].splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == sorted(set(steps)), steps
+    assert "NaN" not in files["summary.json"] and "nan" not in files["summary.json"]
