@@ -168,6 +168,8 @@ def _olmo_config(d: dict, common: dict) -> HybridConfig:
     nv = d.get("linear_num_value_heads") or nH
     dk = d.get("linear_key_head_dim") or int(0.75 * D / nk)
     theta, _ = _rope(d)
+    if not d.get("rope_parameters") and not d.get("rope_scaling") and "rope_theta" not in d:
+        theta = 10000.0  # transformers' default when a config names no RoPE at all; NoPE is rope_theta null
     return HybridConfig(
         **common, layer_types=list(layer_types), mlp_types=["dense"] * n, norm_kind="fp32_weight", block_style="olmo",
         linear_kind="gdn", gdn_layout="olmo", linear_num_key_heads=nk, linear_num_value_heads=nv,
@@ -238,7 +240,7 @@ def config_to_hf(cfg: HybridConfig, model_type: str) -> dict:
         d.update(head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
                  linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
                  linear_value_head_dim=c.linear_value_head_dim, linear_allow_neg_eigval=c.linear_beta_scale == 2.0,
-                 rope_parameters=rope if c.rope_theta is not None else None)
+                 rope_parameters=rope)  # NoPE is rope_theta null; a null rope_parameters reloads with theta 10000
     return d
 
 
