@@ -1,5 +1,6 @@
-"""The newcomer's path through the command line: the README's main job, then `generate` and `info` on its run
-folder; every bad model input is one line on stderr with exit status 2; `generate --help` shows every default."""
+"""The newcomer's path through the command line: the README's main job, then `generate`, `info` and `memory` on
+its run folder; every bad model input is one line on stderr with exit status 2; `generate --help` shows every
+default."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def test_main_job_then_generate_and_info_on_its_run_folder(tmp_path):
     i = _cli("info", out)
     assert i.returncode == 0, i.stderr
     assert "parameters" in i.stdout and "pattern           LLLA" in i.stdout
+    m = _cli("memory", "--config", out, "--max-context", "4096")
+    assert m.returncode == 0 and "hybrid (this config)" in m.stdout, m.stderr
 
 
 @pytest.fixture(scope="module")
