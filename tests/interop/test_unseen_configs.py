@@ -15,7 +15,7 @@ import torch
 from hf_models import VOCAB, randomize, transformers
 
 from hybridlm import HybridLM
-from hybridlm.interop.hf import config_from_hf
+from hybridlm.model.hf import config_from_hf
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, rms_norm_eps=1e-6)
 
