@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(module.run(sub_args) or 0)
+    except BrokenPipeError:  # the reader left (`| head`): nothing to say; stdout to devnull so exit's flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except UsageError as e:
         if verbose:
             raise
