@@ -29,7 +29,7 @@ from torch import nn
 from hybridlm.files import atomic_write_text
 
 from .config import HybridConfig
-from .locate import HYBRID_CONFIG, NATIVE_CONFIG, resolve_folder
+from .locate import HYBRID_CONFIG, NATIVE_CONFIG, UsageError, resolve_folder
 from .safetensors_folder import CheckpointError, TensorSource, save_sharded
 
 log = logging.getLogger(__name__)
@@ -425,7 +425,10 @@ def load_pretrained(folder: str, build: Callable[[HybridConfig], nn.Module], *, 
     """`build(config)` filled from a transformers checkpoint folder (config.json + safetensors), or from our own
     format (hybridlm_config.json + safetensors) when the folder has no config.json. `folder` may also be a training
     run or its checkpoints folder (the latest complete checkpoint) or a Hub id (hybridlm.model.locate)."""
-    folder = resolve_folder(folder)
+    try:
+        folder = resolve_folder(folder)
+    except UsageError as e:  # what from_pretrained raises for a folder it cannot load
+        raise CheckpointError(str(e)) from e
     native = any(os.path.exists(os.path.join(folder, n)) for n in (NATIVE_CONFIG, HYBRID_CONFIG))
     if not os.path.exists(os.path.join(folder, "config.json")) and native:
         return _load_native(folder, build, dtype)
