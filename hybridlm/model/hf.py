@@ -29,6 +29,7 @@ from torch import nn
 from hybridlm.files import atomic_write_text
 
 from .config import HybridConfig
+from .locate import HYBRID_CONFIG, NATIVE_CONFIG, UsageError, resolve_folder
 from .safetensors_folder import CheckpointError, TensorSource, save_sharded
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ def _olmo_config(d: dict, common: dict) -> HybridConfig:
     nv = d.get("linear_num_value_heads") or nH
     dk = d.get("linear_key_head_dim") or int(0.75 * D / nk)
     theta, _ = _rope(d)
+    if not d.get("rope_parameters") and not d.get("rope_scaling") and "rope_theta" not in d:
+        theta = 10000.0  # transformers' default when a config names no RoPE at all; NoPE is rope_theta null
     return HybridConfig(
         **common, layer_types=list(layer_types), mlp_types=["dense"] * n, norm_kind="fp32_weight", block_style="olmo",
         linear_kind="gdn", gdn_layout="olmo", linear_num_key_heads=nk, linear_num_value_heads=nv,
@@ -237,7 +240,7 @@ def config_to_hf(cfg: HybridConfig, model_type: str) -> dict:
         d.update(head_dim=c.head_dim, linear_num_key_heads=c.linear_num_key_heads,
                  linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
                  linear_value_head_dim=c.linear_value_head_dim, linear_allow_neg_eigval=c.linear_beta_scale == 2.0,
-                 rope_parameters=rope if c.rope_theta is not None else None)
+                 rope_parameters=rope)  # NoPE is rope_theta null; a null rope_parameters reloads with theta 10000
     return d
 
 
@@ -391,12 +394,14 @@ def _checkpoint_dtype(d: dict) -> torch.dtype:
     return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
-NATIVE_CONFIG = "hybridlm_config.json"
-
-
 def _load_native(folder: str, build: Callable[[HybridConfig], nn.Module], dtype: torch.dtype | None) -> nn.Module:
-    """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names."""
-    cfg = HybridConfig.from_json(os.path.join(folder, NATIVE_CONFIG))
+    """Our own format (any HybridConfig, e.g. headwise gates): hybridlm_config.json + safetensors, our key names;
+    a training checkpoint of such a config has the same weights beside hybrid_config.json."""
+    name = NATIVE_CONFIG if os.path.exists(os.path.join(folder, NATIVE_CONFIG)) else HYBRID_CONFIG
+    try:
+        cfg = HybridConfig.from_json(os.path.join(folder, name))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{os.path.join(folder, name)}: not a valid HybridConfig JSON ({e})") from e
     src = TensorSource(folder)
     model = build(cfg)
     expected = model.state_dict()
@@ -418,8 +423,14 @@ def _load_native(folder: str, build: Callable[[HybridConfig], nn.Module], dtype:
 def load_pretrained(folder: str, build: Callable[[HybridConfig], nn.Module], *, dtype: torch.dtype | None = None,
                     strict: bool = True) -> nn.Module:
     """`build(config)` filled from a transformers checkpoint folder (config.json + safetensors), or from our own
-    format (hybridlm_config.json + safetensors) when the folder has no config.json."""
-    if not os.path.exists(os.path.join(folder, "config.json")) and os.path.exists(os.path.join(folder, NATIVE_CONFIG)):
+    format (hybridlm_config.json + safetensors) when the folder has no config.json. `folder` may also be a training
+    run or its checkpoints folder (the latest complete checkpoint) or a Hub id (hybridlm.model.locate)."""
+    try:
+        folder = resolve_folder(folder)
+    except UsageError as e:  # what from_pretrained raises for a folder it cannot load
+        raise CheckpointError(str(e)) from e
+    native = any(os.path.exists(os.path.join(folder, n)) for n in (NATIVE_CONFIG, HYBRID_CONFIG))
+    if not os.path.exists(os.path.join(folder, "config.json")) and native:
         return _load_native(folder, build, dtype)
     d = read_hf_config(folder)
     cfg = config_from_hf(d)

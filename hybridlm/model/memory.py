@@ -70,7 +70,8 @@ def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_mutually_exclusive_group(required=True)
     g.add_argument("--preset", help="preset name")
-    g.add_argument("--config", help="config JSON (transformers or HybridConfig) or checkpoint folder")
+    g.add_argument("--config", help="config JSON (transformers or HybridConfig), checkpoint or Hugging Face folder, "
+                   "training run folder (its latest checkpoint) or Hub id (org/name)")
     parser.add_argument("--max-context", type=int, default=None, help="largest context (default: the model's)")
     parser.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES),
@@ -79,11 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .locate import UsageError
+
     target = args.preset or args.config
-    cfg = load_config(target)
+    cfg = load_config(target, "--preset" if args.preset else "--config")
     max_ctx = args.max_context or cfg.max_position_embeddings
     if max_ctx < 1:
-        raise SystemExit(f"--max-context: expected >= 1, got {max_ctx}")
+        raise UsageError(f"--max-context: expected >= 1, got {max_ctx}")
+    if args.batch < 1:
+        raise UsageError(f"--batch: expected >= 1, got {args.batch}")
     ctxs = contexts_up_to(max_ctx)
     rows = table(cfg, ctxs, _DTYPE_BYTES[args.dtype], args.batch)
     width = max(len(k) for k in rows)

@@ -16,13 +16,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridlm.files import atomic_write, atomic_write_text
+from hybridlm.model.locate import UsageError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint folder that cannot be loaded as asked; the message names the file / key / shapes."""
+class CheckpointError(UsageError, RuntimeError):
+    """A checkpoint folder that cannot be loaded as asked; the message names the file / key / shapes. A UsageError
+    (the command line prints it as one line) and, as it always was, a RuntimeError."""
 
 
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:

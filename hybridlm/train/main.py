@@ -116,24 +116,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of each process (default: on CPU the cores not already busy, by the 1-minute "
-                   "load average; on GPU PyTorch's own, which torchrun sets to 1)")
+                   help="CPU threads of each process (default: on CPU the cores this process may run on, "
+                   "os.sched_getaffinity; on GPU PyTorch's own, which torchrun sets to 1)")
 
 
 def cpu_threads() -> int:
-    """Cores not already busy (1-minute load average): OpenMP threads that compete with other processes for the
-    same cores spin and can make a step 10x slower than using fewer threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    return max(1, min(cores, int(cores - load + 0.5)))
+    """The cores this process may run on (its affinity mask, which taskset, cgroups' cpusets and container limits
+    set). Not the load average: right after a pip install it reads busy on an idle machine, and the main job then
+    ran at 1 thread on 2 cores, 1.7x slower."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def set_threads(threads: int | None, device: torch.device) -> None:
-    """--threads on any device (before 2026-11-25 it was read on CPU only, so a GPU run under torchrun kept 1 thread
-    whatever it asked); without it, on CPU the free cores, on GPU PyTorch's setting as it is."""
+    """--threads on any device (a GPU run under torchrun, which sets 1, may ask for more); without it, on CPU the
+    cores this process may run on, on GPU PyTorch's setting as it is."""
     if threads is not None and threads < 1:
         raise TrainError(f"--threads: expected >= 1, got {threads}")
     if threads is not None:
@@ -335,6 +333,20 @@ def _cpu_model(cfg, state: dict[str, torch.Tensor]):
     return m
 
 
+def _finished(out: str, path: str, step: int, max_steps: int, dist: Dist) -> dict:
+    """A resume of a run that already reached its last step: nothing is trained, evaluated or written; the summary
+    is the one the run wrote (or, when it never got to write one, the step counts)."""
+    summary = {"final_step": step, "max_steps": max_steps}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    val = summary.get("final_val_nats_per_byte")
+    _log(dist, f"the run in {out} is finished: {path} is step {step} of {max_steps}"
+               f"{f', val {val:.4f} nats/byte' if isinstance(val, float) else ''}; nothing to do (to train "
+               "further, resume with a larger --max-steps or --max-tokens)")
+    return summary
+
+
 def train(args) -> dict:
     """The training job; returns a summary dict (also written to OUT/summary.json)."""
     t_start = time.time()
@@ -434,6 +446,8 @@ def train(args) -> dict:
                 rng = torch.load(rpath, weights_only=True)
         ckpt.set_rng_state(rng)
         resume_step = step
+        if step >= max_steps:
+            return _finished(args.out, path, step, max_steps, dist)
         _log(dist, f"resumed from {path} at step {step}")
 
     if dist.is_main:

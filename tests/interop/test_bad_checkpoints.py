@@ -41,7 +41,7 @@ def test_missing_safetensors(good, tmp_path):
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json: missing"):
+    with pytest.raises(CheckpointError, match="a folder with no config.json"):
         HybridLM.from_pretrained(str(tmp_path))
 
 

@@ -130,3 +130,55 @@ def test_tokenizer_json_from_a_checkpoint_folder(tmp_path):
     assert isinstance(byte, ByteTokenizer) and byte.decode(byte.encode("héllo")) == "héllo"
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path / "nowhere"), vocab_size=1000)
+
+
+def test_generate_leaves_the_global_rng_alone():
+    """Sampling with and without a seed draws from a private generator: the global torch and Python RNG states
+    are the same after generate as before."""
+    import random
+
+    model = HybridLM(small_variants()["gdn_split_headwise"]).eval()
+    x = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(123)
+    random.seed(123)
+    before, py_before = torch.get_rng_state(), random.getstate()
+    for seed in (None, 5):
+        model.generate(x, max_new_tokens=4, do_sample=True, top_p=0.9, seed=seed)
+        assert torch.equal(torch.get_rng_state(), before), f"seed={seed}: the global torch RNG moved"
+        assert random.getstate() == py_before, f"seed={seed}: the Python RNG moved"
+
+
+def test_repetition_penalty_by_hand():
+    """The penalty against numbers worked out by hand: a seen positive logit is divided, a seen negative one
+    multiplied, unseen ones untouched, a token seen twice penalised once."""
+    from hybridlm.model.generate import _penalize
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, -2.0, 0.0]])
+    tokens = torch.tensor([[0, 1, 1], [2, 3, 2]])
+    want = torch.tensor([[1.0, -2.0, 0.5, 3.0], [1.0, 1.0, -4.0, 0.0]])
+    assert torch.equal(_penalize(logits, tokens, 2.0), want)
+
+
+def test_stop_strings_end_at_the_first_occurrence():
+    """Greedy generation with a stop string equals the greedy tokens without one, cut right after the token that
+    completes the string's first occurrence in the new text (found by str.find on the decoded bytes), with the
+    model's eos turned off so only the stop string ends the row."""
+    from hybridlm.model.tokenizer import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = small_variants()["gdn_split_headwise"]
+    cfg.vocab_size = 256
+    model = HybridLM(cfg).eval()
+    tok = ByteTokenizer()
+    x = torch.tensor([tok.encode("To be")])
+    full = model.generate(x, max_new_tokens=24, eos_token_id=[])[0, x.shape[1]:].tolist()
+    text = bytes(full).decode("latin-1")  # one char per byte: positions are token indices
+    stop = text[6:8]
+    end = text.find(stop) + len(stop)
+    got = model.generate(x, max_new_tokens=24, eos_token_id=[], stop_strings=[stop],
+                         tokenizer=type("Latin1", (), {"decode": lambda self, ids: bytes(ids).decode("latin-1")})())
+    assert got[0, x.shape[1]:].tolist() == full[:end], (stop, text)
+    with pytest.raises(ValueError, match="stop_strings: need tokenizer="):
+        model.generate(x, max_new_tokens=2, stop_strings=["a"])
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        model.generate(x, max_new_tokens=2, repetition_penalty=0.0)
