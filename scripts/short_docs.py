@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridlm.interop.files import atomic_write_text  # noqa: E402
+from hybridlm.files import atomic_write_text  # noqa: E402
 from hybridlm.train.data import bundled_corpus_text, short_documents  # noqa: E402
 
 
