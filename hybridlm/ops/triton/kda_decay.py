@@ -49,7 +49,7 @@ def _off_parts(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16):
     i+1 .. the last row of i's block}, and the block totals Tb [BT // SPAN, BK] of g. For i in a later block than
     j, e^{b_i - b_j} = E_i (e^ of the totals between) Y_j, every factor <= 1 (SPAN 8: the two halves of a 16-row
     block, DIAG 4). Two scans over the tile seen as [BT // SPAN, SPAN, BK] and two exponentials, instead of two
-    masked whole-tile scans and two exponentials per column block (the form before 2026-11-24: 5% slower in the
+    masked whole-tile scans and two exponentials per column block (5% slower in the
     prep and in the backward on the H100)."""
     BK: tl.constexpr = gg.shape[1]
     pos = (tl.arange(0, BT) % SPAN)[:, None]
@@ -84,8 +84,8 @@ def _centred(s, BT: tl.constexpr, SPAN: tl.constexpr):
     down a block, so its first and last rows hold its range). e^{s_i} e^{-s_j} is unchanged (the shift cancels) and
     max |s| is half the block's log-decay span, the least any reference can give: the dot bound then takes blocks
     whose decay is uneven between the two halves (the kernel bench's init gates, B4 T4096 H16: 63% of (chunk, head)
-    pairs by the 16-row dot instead of 50%, 25% by the half-block dots instead of 37%, none exact instead of 1%;
-    `scripts/kda_whole_share.py --bench-init [--middle-row]`). Rows past a sequence's end repeat the last row's
+    pairs by the 16-row dot instead of 50%, 25% by the half-block dots instead of 37%, none exact instead of 1%).
+    Rows past a sequence's end repeat the last row's
     s."""
     BK: tl.constexpr = s.shape[1]
     s3 = tl.reshape(s, [BT // SPAN, SPAN, BK])
@@ -101,8 +101,7 @@ def _mid_sums(gg, gn, BT: tl.constexpr, SPAN: tl.constexpr = 16, CENTRE: tl.cons
     the block's middle row m = SPAN / 2 - 1, by one scan each way over the tile seen as [BT // SPAN, SPAN, BK]
     (masked scans over the whole tile, one block at a time, made the dot launches slower than the exact loop on the
     H100); with CENTRE (the backward kernels) then shifted to the midpoint of the block's range (`_centred`). The
-    prep keeps the middle row: centred, it took the forward 2.371 -> 2.413 ms while the backward gained (H100,
-    2026-11-25 06:12-06:20, `scripts/gpu_kda_centred.sh`)."""
+    prep keeps the middle row: centred, it took the forward 2.371 -> 2.413 ms while the backward gained (H100)."""
     BK: tl.constexpr = gg.shape[1]
     M: tl.constexpr = SPAN // 2 - 1
     pos = (tl.arange(0, BT) % SPAN)[:, None]
@@ -214,7 +213,7 @@ def _block_row(ptr, row0, nrow, p, stride, col0, offs, BT: tl.constexpr):
     """[BT, BK] fp32 whose row i is x[row0 + 16 (i // 16) + p, col0 + offs] (0 where 16 (i // 16) + p >= nrow): the
     row p of every 16-row block, as the exact diagonal loops pair it with each row of its block. Loads the NB rows
     once and broadcasts them over their blocks, instead of gathering BT rows (16x the addresses and the L1
-    requests: Nsight Compute on the H100, 2026-11-24, found the exact launches limited by integer (address) work and
+    requests: Nsight Compute on the H100 found the exact launches limited by integer (address) work and
     latency, at a third of the issue rate)."""
     NB: tl.constexpr = BT // 16
     BK: tl.constexpr = offs.shape[0]
@@ -229,7 +228,7 @@ def _band(M, BT: tl.constexpr):
     """The diagonal 16x16 blocks of M [BT, BT] as a [BT, 16] band: band[i, j] = M[i, 16 (i // 16) + j]. By one
     reshape to [NB, 16, NB, 16] and a masked sum over the column blocks, not a 16-step loop of masked [BT, BT] row sums
     (H100, B4 T4096 H16 D128 bf16 on a fresh layer's gates, half of whose chunks take the exact launches: forward +
-    backward 12.06-12.18 ms with the loop at 11:46-11:55 UTC, 10.62 with the reshape at 12:48; same script and seed,
+    backward 12.06-12.18 ms with the loop, 10.62 with the reshape; same script and seed,
     two runs; BENCHMARKS.md)."""
     NB: tl.constexpr = BT // 16
     blk = tl.arange(0, NB)
@@ -289,7 +288,7 @@ def _rows_prod_blk(M, band, yr, gg, gn, y, g, bos, nval, ihv, stride, col0, HV, 
         s = _mid_sums(gg, gn, BT)
         Md = tl.where(_same_block(BT), M, 0.0)
         # fp32 operands (tf32 dots for 16-bit inputs): these blocks carry the least-decayed, largest terms, and
-        # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check, 2026-11-24 02:30)
+        # with 16-bit operands KDA's bf16 dg reached 9.4e-3 of its 1e-2 bar (H100 check)
         out += tl.dot(Md, yr * tl.exp(-s), input_precision=PREC) * tl.exp(s)
     elif DIAG == 4:  # the diagonal blocks by their 8-row halves: within a half, then across the two (fp32 operands)
         s = _mid_sums(gg, gn, BT, 8)
