@@ -18,6 +18,11 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
+if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process too: the interpreter's fixes first
+    sys.path.insert(0, str(HERE / "ops" / "triton"))
+    from interp_patches import patch_interpreter
+
+    patch_interpreter()
 # job: (its script, the test file whose tests read it, timeout in seconds), in the order the suite reads them
 JOBS = {"gdn": (HERE / "ops" / "triton" / "interp_gdn.py", "tests/ops/test_triton_gdn.py", 1200),
         "kda": (HERE / "ops" / "triton" / "interp_kda.py", "tests/ops/test_triton_kda.py", 1200)}

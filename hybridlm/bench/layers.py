@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of repeats)")
     parser.add_argument("--no-fla", action="store_true", help="skip fla's layers even if installed")
     parser.add_argument("--tune-json", default=None,
-                        help="GDN launch settings from scripts/gpu_tune_gdn.py --json (its 'best'), or any JSON "
+                        help="GDN launch settings from scripts/gpu_tune.py --json (its 'best'), or any JSON "
                         "file of the form {\"best\": {...}}; default: built-in")
     parser.add_argument("--no-recompute", action="store_true",
                         help="skip the rows of our layers with recompute=True (one variant less per row)")
@@ -207,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune_json:
         with open(args.tune_json) as f:
-            gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
+            gdn.TUNE.update(**json.load(f)["best"])  # names checked
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "fla": fla_version, "python": platform.python_version(), "tokens": args.tokens,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "gdn_tune": dict(gdn.TUNE)}
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "gdn_tune": gdn.TUNE.as_dict()}
     rows = []
 
     def save():  # after every row, atomically: a run cut short keeps its finished rows

@@ -199,7 +199,7 @@ def test_norm_module_under_cpu_autocast_interpreter(interp_autocast, case, impl)
     assert r["y32_rel_l2"] <= 1e-6, where  # float32 without autocast: unchanged
     assert r["y_is_rounded_y32"], where  # bf16 output = the float32 output rounded once
     # to nearest even, also the fused norm: the interpreter's fp32 -> bf16 cast is hybridlm's
-    # (gdn_kernels._patch_interpreter_bf16; Triton 3.6's own truncates)
+    # (tests/ops/triton/interp_patches.py; Triton 3.6's own truncates)
     assert r["y_equal_rtne_y32"], where
     assert r["y_rel_elem"] <= U + 1e-6, (where, r["y_rel_elem"])
     assert r["dx_equal_fp32_path"] and r["dw_equal_fp32_path"], where

@@ -32,11 +32,7 @@ import triton
 import triton.language as tl
 
 from ..offsets import host_offsets
-from .gdn_kernels import _patch_interpreter_index
 from .tune import LaunchTable
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
 
 MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows

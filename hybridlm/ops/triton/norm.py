@@ -19,7 +19,6 @@ Custom ops: `hybridlm::norm_fwd`, `hybridlm::norm_bwd`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +26,7 @@ import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
-from .gdn_kernels import _patch_interpreter_index
 from .tune import LaunchTable
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
 
 MAX_D = 16384
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows

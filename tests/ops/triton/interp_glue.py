@@ -9,7 +9,7 @@ the glue differs; "full": the whole layer on Triton, glue and recurrence, vs the
 variable must be set before triton decorates the kernels, so these cases cannot share the
 pytest process. Prints one JSON line "RESULT {case: {tensor: relative error}}". Fresh random inputs every run
 (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32, and three bf16 cases
-(`bf16_cases`: gdn_kernels._patch_interpreter_bf16 makes the interpreter round float32 -> bfloat16 to nearest;
+(`bf16_cases`: tests/ops/triton/interp_patches.py makes the interpreter round float32 -> bfloat16 to nearest;
 Triton 3.6's own cast truncates); bf16 is also checked on the GPU (scripts/gpu_check_glue.py).
 """
 
@@ -22,6 +22,10 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interp_patches import patch_interpreter  # noqa: E402  (the interpreter's fixes, before any kernel runs)
+
+patch_interpreter()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -218,7 +222,7 @@ def compiled_case(gen):
 
 def bf16_cases(gen) -> dict:
     """bf16 inputs (the GPU default) of the short conv + SiLU, the gated RMSNorm and SwiGLU, against float64 on the
-    same rounded inputs (the interpreter rounds fp32 -> bf16 to nearest with gdn_kernels._patch_interpreter_bf16;
+    same rounded inputs (the interpreter rounds fp32 -> bf16 to nearest with tests/ops/triton/interp_patches.py;
     Triton 3.6's own cast truncates)."""
     bf = lambda *s, scale=1.0, shift=0.0: (shift + scale * torch.randn(*s, generator=gen)).bfloat16()  # noqa: E731
     cases = {
