@@ -92,7 +92,8 @@ def gdn_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
                                     dg=f32, dKKbuf=sd, dsk=f32), dict(scale=f32, H=i32, HV=i32),
                                dict(common, BK=BK, BV=BVb, LOWP=lowp), T.bwd_warps, T.bwd_stages),
         "_decode_step": (decode._decode_step, dict(q=dt, k=dt, v=dt, g=f32, beta=f32, pool=f32, idx=i32, o=dt),
-                         dict(scale=f32, H=i32, HV=i32), dict(K=K, V=V, BV=32 if K <= 128 else 16, L2=True), 4, 1),
+                         dict(scale=f32, H=i32, HV=i32), dict(K=K, V=V, BK=K, BV=32 if K <= 128 else 16, L2=True),
+                         4, 1),
     }
     for store_p in (False, True):  # inference; training (P stored for the backward)
         jobs[f"_out_fwd_raw{' store P' if store_p else ''}"] = (

@@ -33,7 +33,10 @@ from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .tune import LaunchTable
 
-SUPPORTED_DIMS = (64, 128, 256)
+# head dims the kernels' blocks are built for; any K, V in 1..MAX_HEAD_DIM run zero-padded to the next of these
+# (`padded_dim`, `pad_heads`)
+NATIVE_DIMS = (64, 128, 256)
+MAX_HEAD_DIM = NATIVE_DIMS[-1]
 BT_CHOICES = (64, 32, 16)
 
 
@@ -472,18 +475,52 @@ def _check_device(x: torch.Tensor) -> None:
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when the chunk kernels take these inputs, else why not (used by impl="auto")."""
     K, V = q.shape[-1], v.shape[-1]
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        return f"head dims K={K}, V={V} not in {SUPPORTED_DIMS}"
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        return f"head dims K={K}, V={V} not in 1..{MAX_HEAD_DIM}"
     if q.dtype == torch.float64:
         return "float64 inputs"
     return None
 
 
 def _check_dims(K: int, V: int) -> None:
-    if K not in SUPPORTED_DIMS:
-        raise ValueError(f"q/k: the Triton kernels support head dim K in {SUPPORTED_DIMS}, got K={K}")
-    if V not in SUPPORTED_DIMS:
-        raise ValueError(f"v: the Triton kernels support head dim V in {SUPPORTED_DIMS}, got V={V}")
+    if not 1 <= K <= MAX_HEAD_DIM:
+        raise ValueError(f"q/k: the Triton kernels support head dim K in 1..{MAX_HEAD_DIM}, got K={K}")
+    if not 1 <= V <= MAX_HEAD_DIM:
+        raise ValueError(f"v: the Triton kernels support head dim V in 1..{MAX_HEAD_DIM}, got V={V}")
+
+
+def padded_dim(d: int) -> int:
+    """The head dim the chunk kernels run a dim d (1..MAX_HEAD_DIM) at: the smallest of NATIVE_DIMS >= d."""
+    return next(n for n in NATIVE_DIMS if n >= d)
+
+
+def pad_heads(q, k, v, g, initial_state, *, channel: bool):
+    """q, k [B, T, H, K], v [B, T, HV, V], initial_state [N, HV, K, V] (or None) and, with channel (KDA's
+    per-channel log-decay), g [B, T, HV, K] zero-padded to K, V = `padded_dim` (autograd slices the gradients back).
+    Exact: zero key channels add nothing to K K^T, Q K^T, the l2 norms or the state products, and zero value
+    columns never reach the real ones (each value column is its own recurrence); a zero log-decay on a padded key
+    channel decays nothing that is ever written."""
+    K, V = q.shape[-1], v.shape[-1]
+    dk, dv = padded_dim(K) - K, padded_dim(V) - V
+    pad = torch.nn.functional.pad
+    if dk:
+        q, k = pad(q, (0, dk)), pad(k, (0, dk))
+        if channel:
+            g = pad(g, (0, dk))
+    if dv:
+        v = pad(v, (0, dv))
+    if initial_state is not None and (dk or dv):
+        initial_state = pad(initial_state, (0, dv, 0, dk))
+    return q, k, v, g, initial_state
+
+
+def unpad_outputs(o: torch.Tensor, ht: torch.Tensor, K: int, V: int, output_final_state: bool):
+    """o [.., Vp] and the final state [N, HV, Kp, Vp] of a padded run cut back to V and K, V (contiguous)."""
+    if o.shape[-1] != V:
+        o = o[..., :V].contiguous()
+    if output_final_state and tuple(ht.shape[-2:]) != (K, V):
+        ht = ht[..., :K, :V].contiguous()
+    return o, ht
 
 
 def chunk_gated_delta_rule(
@@ -506,8 +543,10 @@ def chunk_gated_delta_rule(
     # the kernels read contiguous rows: copy views (q, k, v split from one conv output) here, before autograd saves
     # them, so the backward reads the saved copies instead of copying again (and the conv output can be freed)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, initial_state = pad_heads(q, k, v, g, initial_state, channel=False)
     o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
+    o, ht = unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)
 
 
@@ -516,14 +555,21 @@ def gdn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> torch.Tensor:
+    return decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=False)
+
+
+def decode_launch(q, k, v, g, beta, state_pool, state_indices, scale: float, l2: bool, *, channel: bool):
+    """`decode._decode_step` over (V blocks, N * HV); any K, V up to MAX_HEAD_DIM (key block the next power of two,
+    V blocks masked at V's end). Returns o [N, HV, V] in q's dtype."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    BV = 32 if K <= 128 else 16
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(32 if BK <= 128 else 16, max(16, triton.next_power_of_2(V)))
     o = _out((N, HV, V), q, q.dtype)
     if N > 0:
-        decode._decode_step[(V // BV, N * HV)](
+        decode._decode_step[(triton.cdiv(V, BV), N * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
-            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BV=BV, L2=use_qk_l2norm, num_warps=4,
+            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=l2, CHANNEL=channel, num_warps=4,
         )
     return o
 
@@ -590,6 +636,6 @@ def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> fl
     return nc * per
 
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason",
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason", "padded_dim",
            "gdn_chunk_fwd", "gdn_chunk_bwd",
            "gdn_decode", "flops_chunk_fwd", "triton"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chunk_out, decode, gdn, kda_bwd, kda_prep, state_pass, ut_solve
+from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
 from .tune import LaunchTable
 
@@ -304,8 +304,10 @@ def chunk_kda(
         cu_seqlens = cu_seqlens.to(torch.int32)
     # contiguous copies of views made here, before autograd saves them, so the backward does not copy them again
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, initial_state = gdn.pad_heads(q, k, v, g, initial_state, channel=True)
     o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
+    o, ht = gdn.unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)
 
 
@@ -314,16 +316,7 @@ def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> torch.Tensor:
-    N, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    BV = 32 if K <= 128 else 16
-    o = gdn._out((N, HV, V), q, q.dtype)
-    if N > 0:
-        decode._decode_step[(V // BV, N * HV)](
-            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
-            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BV=BV, L2=use_qk_l2norm, CHANNEL=True, num_warps=4,
-        )
-    return o
+    return gdn.decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=True)
 
 
 @kda_decode.register_fake
