@@ -213,14 +213,14 @@ def test_auto_picks_chunk_on_cpu_and_logs_once(caplog, monkeypatch):
 
 
 def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, monkeypatch):
-    """impl="auto" on CUDA uses the Triton kernel only for head dims it supports; the fallback is logged once
+    """impl="auto" on CUDA uses the Triton kernel only for head dims it supports (1..256); the fallback is logged once
     with the reason (checked without a GPU: resolve_impl only looks at the device type)."""
     import hybridlm.ops.recurrence as rec
     import hybridlm.ops.triton  # noqa: F401  (triton is a dependency: a kernel that fails to import fails here)
 
     assert "gated_delta_rule" in rec.TRITON_SUPPORTS
     cuda = torch.device("cuda")
-    q32, v32 = torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 48)
+    q32, v32 = torch.zeros(1, 2, 1, 288), torch.zeros(1, 2, 1, 48)  # past the kernels' 256
     q64, v128 = torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 128)
     monkeypatch.setattr(rec, "_LOGGED", set())
     with caplog.at_level("INFO", logger="hybridlm.ops"):
@@ -230,7 +230,7 @@ def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, mo
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q64.double(), v128.double()) == "chunk"
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[0] == ("hybridlm.ops.gated_delta_rule: impl='auto' picked 'chunk' on cuda (Triton kernel not used: "
-                       "head dims K=32, V=48 not in (64, 128, 256))")
+                       "head dims K=288, V=48 not in 1..256)")
     assert len(msgs) == 3 and "float64" in msgs[2]
 
 

@@ -41,7 +41,8 @@ def interp_results(interp_job):
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "gva4_K64_V128_T65_public", "T1", "K256_V256_T70", "compiled_T70",
-         "decay30_gva2_T130", "decay_cliff_gva2_T130", "bt32_gva2_varlen", "bt16_gva2_varlen"]
+         "decay30_gva2_T130", "decay_cliff_gva2_T130", "bt32_gva2_varlen", "bt16_gva2_varlen",
+         "K48_V48_gva2_T70", "K96_V192_T70", "K32_V16_varlen_T70"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -188,10 +189,21 @@ def test_bwd_stages_is_checked(stages):
                            "ieee", False)
 
 
-def test_decode_step_matches_float64(interp_results):
-    res = interp_results["decode"]
-    assert res["o"] <= TOL_OUT and res["state"] <= TOL_OUT, res
+@pytest.mark.parametrize("case", ["decode", "decode_K48_V48", "decode_K96_V192", "decode_K32_V16"])
+def test_decode_step_matches_float64(interp_results, case):
+    """One token on a state pool, at native head dims and at masked ones (key block and V blocks past K, V)."""
+    res = interp_results[case]
+    assert res["o"] <= TOL_OUT and res["state"] <= TOL_OUT, (case, res)
     assert res["others_unchanged"] == 1.0
+
+
+def test_expanded_output_and_state_gradients(interp_results):
+    """(o.sum() + final_state.sum()).backward(): the gradients reach the backward as expanded (stride-0) tensors;
+    every gradient matches float64."""
+    res, seed = interp_results["expanded_grads_T65"], interp_results["seed"]
+    for name, err in res.items():
+        tol = TOL_OUT if name in ("o", "final_state") else TOL_GRAD
+        assert err <= tol, f"{name}: rel {err:.3g} (seed {seed})"
 
 
 def test_fake_kernels_trace():
@@ -216,12 +228,38 @@ def test_fake_kernels_trace():
 def test_bad_head_dim_is_a_clear_error():
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
-    q = torch.randn(1, 4, 1, 48)
+    q = torch.randn(1, 4, 1, 288)
     v = torch.randn(1, 4, 1, 64)
-    with pytest.raises(ValueError, match="K=48"):
+    with pytest.raises(ValueError, match=r"K in 1\.\.256, got K=288"):
         chunk_gated_delta_rule(q, q, v, g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1))
-    with pytest.raises(ValueError, match="V=96"):
-        chunk_gated_delta_rule(v, v, torch.randn(1, 4, 1, 96), g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1))
+    with pytest.raises(ValueError, match=r"V in 1\.\.256, got V=320"):
+        chunk_gated_delta_rule(v, v, torch.randn(1, 4, 1, 320), g=torch.zeros(1, 4, 1), beta=torch.ones(1, 4, 1))
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_auto_dispatch_takes_olmo_hybrid_head_dims_on_cuda(op, caplog):
+    """impl="auto" on a CUDA device picks the Triton kernel for OLMo-Hybrid's K 96 / V 192 (and 48, 32 / 16), and
+    falls back with the reason past 256 or for float64; checked on the support function and `resolve_impl` (no
+    kernel runs), with the INFO line the layers log."""
+    import logging
+
+    import hybridlm.ops.triton  # noqa: F401  (registers the kernels)
+    from hybridlm.ops.recurrence import TRITON_SUPPORTS, resolve_impl
+
+    cuda = torch.device("cuda")
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    for K, V in ((96, 192), (48, 48), (32, 16), (256, 256)):
+        q, v = meta(1, 8, 2, K), meta(1, 8, 4, V)
+        assert TRITON_SUPPORTS[op](q, v) is None, (K, V)
+        assert resolve_impl(op, "auto", cuda, q, v) == "triton", (K, V)
+    assert "K=288" in TRITON_SUPPORTS[op](meta(1, 8, 2, 288), meta(1, 8, 4, 64))
+    assert TRITON_SUPPORTS[op](meta(1, 8, 2, 96, dt=torch.float64), meta(1, 8, 4, 192)) == "float64 inputs"
+    from hybridlm.ops import recurrence
+
+    recurrence._LOGGED.discard((op, "cuda", "triton", None))
+    with caplog.at_level(logging.INFO, logger="hybridlm.ops"):
+        resolve_impl(op, "auto", cuda, meta(1, 8, 2, 96), meta(1, 8, 4, 192))
+    assert f"hybridlm.ops.{op}: impl='auto' picked 'triton' on cuda" in caplog.text
 
 
 @pytest.mark.gpu

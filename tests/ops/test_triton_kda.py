@@ -38,7 +38,7 @@ def interp_results(interp_job):
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
          "whole_chunk_bound_decay3.75_T150", "T1", "K256_V256_T70", "cliff_gva2_T150", "varlen_decay3.75",
-         "half_blocks_decay20_gva2_T150"]
+         "half_blocks_decay20_gva2_T150", "K48_V48_gva2_T70", "K96_V192_T70", "K32_V16_varlen_T70"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):
@@ -89,10 +89,21 @@ def test_kda_bf16_inputs_within_the_gpu_bars(interp_results):
         assert res[name] <= 1e-2, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
-def test_kda_decode_matches_float64(interp_results):
-    res = interp_results["decode"]
-    assert res["o"] <= TOL and res["state"] <= TOL, res
+@pytest.mark.parametrize("case", ["decode", "decode_K48_V48", "decode_K96_V192", "decode_K32_V16"])
+def test_kda_decode_matches_float64(interp_results, case):
+    """One token on a state pool, at native head dims and at masked ones (key block and V blocks past K, V)."""
+    res = interp_results[case]
+    assert res["o"] <= TOL and res["state"] <= TOL, (case, res)
     assert res["others_unchanged"] == 1.0
+
+
+def test_kda_expanded_output_and_state_gradients(interp_results):
+    """(o.sum() + final_state.sum()).backward(): the gradients reach the backward as expanded (stride-0) tensors;
+    every gradient matches float64."""
+    res, seed = interp_results["expanded_grads_T65"], interp_results["seed"]
+    for name, err in res.items():
+        tol = TOL if name in ("o", "final_state") else TOL_GRAD
+        assert err <= tol, f"{name}: rel {err:.3g} (seed {seed})"
 
 
 def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
@@ -102,8 +113,9 @@ def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
     rec._LOGGED.clear()
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64)) == "triton"
-        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 64)) == "chunk"
-    assert "K=32" in caplog.records[-1].getMessage()
+        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 96), torch.zeros(1, 2, 1, 192)) == "triton"
+        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 288), torch.zeros(1, 2, 1, 64)) == "chunk"
+    assert "K=288" in caplog.records[-1].getMessage()
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
@@ -127,7 +139,7 @@ def test_decode_step_bad_input_names_the_argument(op):
         (dict(state_pool=torch.zeros(P, HV, K, V, dtype=torch.float64)), r"state_pool: expected float32"),
         (dict(state_pool=torch.zeros(P, HV, V, K).transpose(2, 3)), r"state_pool: expected a contiguous tensor"),
         (dict(state_indices=torch.tensor([0.0, 1.0])), r"state_indices: expected int32/int64 \[2\]"),
-        (dict(q=torch.randn(N, H, 48), k=torch.randn(N, H, 48)), r"q/k: .* got K=48"),
+        (dict(q=torch.randn(N, H, 288), k=torch.randn(N, H, 288)), r"q/k: .* got K=288"),
     ]
     for change, msg in cases:
         with pytest.raises(ValueError, match=msg):

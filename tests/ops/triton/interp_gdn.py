@@ -144,6 +144,25 @@ def _decode_ref(q, k, v, g, beta, pool0, idx, l2):
     return torch.stack(outs), torch.stack(states)
 
 
+ODD_DIMS = ((48, 48), (96, 192), (32, 16))
+
+
+def sums_case(op, ref_op, xs) -> dict:
+    """Gradients of o.sum() + final_state.sum() (both arrive at the backward expanded, stride 0) of the kernel op
+    against ref_op(..., impl="chunk") in float64; xs = [q, k, v, g, beta, h0] (fp32)."""
+    def grads(fn, xs, **kw):
+        leaf = [x.clone().requires_grad_() for x in xs]
+        o, ht = fn(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], output_final_state=True,
+                   use_qk_l2norm=True, **kw)
+        (o.sum() + ht.sum()).backward()
+        return [o, ht] + [x.grad for x in leaf]
+
+    a = grads(op, xs)
+    b = grads(ref_op, [x.to(F64) for x in xs], impl="chunk")
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    return {n: rel(x, y) for n, x, y in zip(names, a, b)}
+
+
 def main() -> int:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -178,6 +197,16 @@ def main() -> int:
         res[f"bt{bt}_gva2_varlen"] = bt_case(gen, bt, B=1, T=100, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                              cu=[0, 1, 40, 100])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
+    # head dims off the native 64/128/256: the chunk ops run zero-padded, the decode step masked (OLMo-Hybrid's
+    # K 96 / V 192, the cpu-tiny preset's 48, and dims below 64)
+    res["K48_V48_gva2_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, l2=True, h0=True)
+    res["K96_V192_T70"] = run_case(gen, B=1, T=70, H=1, HV=1, K=96, V=192, l2=True, h0=True)
+    res["K32_V16_varlen_T70"] = run_case(gen, B=1, T=70, H=1, HV=1, K=32, V=16, l2=False, h0=True, cu=[0, 5, 70])
+    for K, V in ODD_DIMS:
+        res[f"decode_K{K}_V{V}"] = decode_case(gen, N=2, P=4, H=1, HV=2, K=K, V=V, l2=True)
+    # o.sum() + ht.sum(): both gradients reach the backward as expanded (stride-0) tensors
+    res["expanded_grads_T65"] = sums_case(chunk_gated_delta_rule, gated_delta_rule,
+                                          inputs(gen, 1, 65, 1, 2, 64, 64, 1, True, torch.float32))
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     res["recompute_varlen"] = recompute_case(chunk_gated_delta_rule, inputs(gen, 1, 150, 1, 2, 64, 64, 2, True,
                                                                             torch.float32), gen,

@@ -19,7 +19,7 @@ from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interp_gdn import cliff_bounds  # noqa: E402  (also applies the interpreter's fixes)
+from interp_gdn import ODD_DIMS, cliff_bounds, sums_case  # noqa: E402  (also applies the interpreter's fixes)
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -131,6 +131,13 @@ def main() -> int:
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
+    # head dims off the native 64/128/256: the chunk ops run zero-padded (a zero log-decay on the padded key
+    # channels), the decode step masked
+    res["K48_V48_gva2_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, l2=True, h0=True)
+    res["K96_V192_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=96, V=192, l2=True, h0=True)
+    res["K32_V16_varlen_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=32, V=16, l2=False, h0=True, cu=[0, 5, 70])
+    for K, V in ODD_DIMS:
+        res[f"decode_K{K}_V{V}"] = decode_case(gen, N=2, P=4, H=1, HV=2, K=K, V=V)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     xs = [r(1, 150, 1, 64), r(1, 150, 1, 64), r(1, 150, 2, 64), -1.5 * torch.rand(1, 150, 2, 64, generator=gen),
@@ -140,6 +147,10 @@ def main() -> int:
                                              use_qk_l2norm=True)
     res["recompute_frees_early"] = frees_early_case(xs)
     res["launch_marks"] = marks_case(gen)
+    # o.sum() + ht.sum(): both gradients reach the backward as expanded (stride-0) tensors
+    xs = [r(1, 65, 1, 64), r(1, 65, 1, 64), r(1, 65, 2, 64), -1.5 * torch.rand(1, 65, 2, 64, generator=gen),
+          2.0 * torch.rand(1, 65, 2, generator=gen), r(1, 2, 64, 64)]
+    res["expanded_grads_T65"] = sums_case(chunk_kda, kda, xs)
     print("RESULT " + json.dumps(res))
     return 0
 
