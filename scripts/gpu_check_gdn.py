@@ -5,8 +5,9 @@
 The same cases run as pytest tests marked `gpu` in tests/ops/test_gpu_check.py (`cases(quick=True)` there).
 
 Cases: the benchmark shapes (bf16) and awkward ones (T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700;
-HV/H = 2, 4; K=64 V=128; K=V=256), in bf16 and fp32, with autograd and without (the inference forward); the
-decode step on a state pool [256, 32, 128, 128].
+HV/H = 2, 4; K=64 V=128; K=V=256; head dims off 64/128/256: OLMo-Hybrid's K=96 V=192, 48 and 32/16), in bf16 and
+fp32, with autograd and without (the inference forward); the decode step on a state pool [256, 32, 128, 128] and
+at K=96 V=192.
 Fresh random inputs each run (seed printed); outputs are NaN-poisoned by the kernels' wrappers and every
 non-finite value fails. Bars (relative RMS vs float64 on the same rounded inputs): bf16 o/final state <= 5e-3,
 every gradient <= 1e-2; fp32 <= 1e-5 (TF32 off; the kernels use IEEE fp32 dots for fp32 inputs).
@@ -146,7 +147,7 @@ def check_kda_decode(gen, *, P=256, N=256, HV=32, H=32, K=128, V=128, dtype=torc
                  output_final_state=True, use_qk_l2norm=True, impl="naive")
     res = {"o": rel(o, o2[:, 0]), "state": rel(pool[idx.long()], s2)}
     tol = BARS[dtype][0]
-    return {"case": f"kda decode P{P} N{N} HV{HV} K{K}", "dtype": str(dtype).replace("torch.", ""),
+    return {"case": f"kda decode P{P} N{N} HV{HV} K{K} V{V}", "dtype": str(dtype).replace("torch.", ""),
             "pass": all(x <= tol for x in res.values()), "worst": max(res, key=res.get),
             "worst_rel": max(res.values()), "errors": res}
 
@@ -173,7 +174,7 @@ def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bf
     untouched = bool(torch.equal(pool[mask], pool0[mask]))
     tol = BARS[dtype][0] if dtype != torch.float32 else 1e-5
     ok = all(x <= tol for x in res.values()) and untouched
-    return {"case": f"decode P{P} N{N} HV{HV} H{H} K{K}", "dtype": str(dtype).replace("torch.", ""), "pass": ok,
+    return {"case": f"decode P{P} N{N} HV{HV} H{H} K{K} V{V}", "dtype": str(dtype).replace("torch.", ""), "pass": ok,
             "worst": max(res, key=res.get), "worst_rel": max(res.values()), "errors": res}
 
 
@@ -188,6 +189,11 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
         out.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
         out.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         out.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+        # head dims the kernels run zero-padded (OLMo-Hybrid 7B's K 96 / V 192; cpu-tiny's 48; a small 32 / 16)
+        out.append(("T300 B2 H2 HV2 K96 V192", dict(B=2, T=300, H=2, HV=2, K=96, V=192, dtype=dt)))
+        out.append(("varlen 1,15,100,700 K48 V48", dict(B=1, T=816, H=2, HV=4, K=48, V=48, dtype=dt,
+                                                         cu=[0, 1, 16, 116, 816])))
+        out.append(("T130 H1 HV2 K32 V16 no-l2", dict(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dt, l2=False)))
         # log-decays down to -30 a step: each exponent keeps its own precision (chunk_jit `_cum_split`)
         out.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
         out.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
@@ -203,6 +209,7 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
         out.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         out.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
                                                      cu=[0, 1, 16, 116, 816])))
+        out.append(("kda:T300 H2 HV2 K96 V192", dict(B=1, T=300, H=2, HV=2, K=96, V=192, dtype=dt)))
         out.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
                                                            decay=30.0)))
     if not bench_only:
@@ -234,10 +241,13 @@ def run_case(gen, name: str, kw: dict) -> dict:
                 "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
 
 
-def run_decode(gen, kda: bool, dtype) -> dict:
-    """The decode step's row (GDN's, or KDA's with kda)."""
+DECODE_DIMS = ((128, 128), (96, 192))  # (K, V) of the decode rows: native, and masked (OLMo-Hybrid's)
+
+
+def run_decode(gen, kda: bool, dtype, K: int = 128, V: int = 128) -> dict:
+    """The decode step's row (GDN's, or KDA's with kda) at head dims K, V."""
     try:
-        return check_kda_decode(gen, dtype=dtype) if kda else check_decode(gen, dtype=dtype)
+        return check_kda_decode(gen, dtype=dtype, K=K, V=V) if kda else check_decode(gen, dtype=dtype, K=K, V=V)
     except Exception as e:  # noqa: BLE001
         return {"case": "kda decode" if kda else "decode", "dtype": str(dtype), "pass": False, "worst": "error",
                 "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
@@ -286,7 +296,8 @@ def main(argv=None) -> int:
               f"{row['worst_rel']:.2e}", flush=True)
         torch.cuda.empty_cache()
     for dt in (torch.bfloat16, torch.float32) if part == 0 and not args.only else ():
-        rows += [run_decode(gen, True, dt), run_decode(gen, False, dt)]
+        for K, V in DECODE_DIMS:
+            rows += [run_decode(gen, True, dt, K, V), run_decode(gen, False, dt, K, V)]
     n_fail = _print_table(rows, seed)
     print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in _gdn._BT_OK.items()})
     print("launch settings:", json.dumps(_gdn.TUNE.as_dict()))

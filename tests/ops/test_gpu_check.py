@@ -1,7 +1,8 @@
 """The float64 GPU check (scripts/gpu_check_gdn.py) as pytest tests: every awkward-shape case of the GDN and KDA
-kernels (bf16 and fp32, with and without autograd, varlen, GVA, K=V=256, strong decay, recompute, torch.compile)
-and both decode steps, each against the float64 reference at the check's bars (bf16: 5e-3 outputs, 1e-2 gradients;
-fp32: 1e-5, TF32 off). The benchmark shapes stay in the script (`--quick` leaves them out as these tests do).
+kernels (bf16 and fp32, with and without autograd, varlen, GVA, K=V=256, the zero-padded head dims K=96 V=192,
+48 and 32/16, strong decay, recompute, torch.compile) and both decode steps (K=V=128 and the masked K=96 V=192),
+each against the float64 reference at the check's bars (bf16: 5e-3 outputs, 1e-2 gradients; fp32: 1e-5, TF32
+off). The benchmark shapes stay in the script (`--quick` leaves them out as these tests do).
 One fresh seed per session, printed in every failure."""
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def test_chunk_case_matches_float64(gen, name, kw):
     _assert_pass(check.run_case(gen, name, kw))
 
 
+@pytest.mark.parametrize("dims", check.DECODE_DIMS, ids=[f"K{k}V{v}" for k, v in check.DECODE_DIMS])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_decode_step_matches_float64(gen, kda, dtype):
-    _assert_pass(check.run_decode(gen, kda, dtype))
+def test_decode_step_matches_float64(gen, kda, dtype, dims):
+    _assert_pass(check.run_decode(gen, kda, dtype, *dims))
