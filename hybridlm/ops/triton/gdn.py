@@ -19,6 +19,11 @@ Intermediates kept for the backward: T [NC, HV, BT, BT] (16-bit for 16-bit input
 dtype (the input dtype; fp32 for fp32 inputs) W [Ttot, HV, K], the chunk-initial states [NC, HV, K, V], the
 corrected values Vn [Ttot, HV, V] and the intra-chunk attention P [NC, HV, BT, BT]; no scaled copies of q and k
 (the backward reads the raw ones). NC is bounded by Ttot // BT + N so the fake kernels need no data.
+
+Head dims: the chunk kernels are built for K, V in NATIVE_DIMS (64, 128, 256). Any other K, V up to 256 (OLMo-Hybrid
+7B's 96 / 192, small research models' 16-48) runs them on inputs zero-padded to the next native dim (`pad_heads`,
+exact, KDA's too), so these dims take exactly the kernels and launch settings checked on the GPU at 64/128/256,
+at the padded dims' cost; the decode step masks its loads and stores instead (no copy of the state pool).
 """
 
 import math
