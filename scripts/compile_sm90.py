@@ -61,8 +61,13 @@ def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=No
 
 
 def gdn_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
-    """name -> (kernel, pointer dtypes, int args, constexprs, num_warps, num_stages) of every GDN launch."""
+    """name -> (kernel, pointer dtypes, int args, constexprs, num_warps, num_stages) of every GDN launch. The chunk
+    kernels compile at K, V padded to the next native dim (`gdn.padded_dim`: what they run at), the decode step at
+    K, V themselves (it masks)."""
     T = gdn.TUNE
+    dbk = max(16, triton.next_power_of_2(K))  # the decode step's blocks, as `gdn.decode_launch` sets them
+    dbv = min(32 if dbk <= 128 else 16, max(16, triton.next_power_of_2(V)))
+    DK, DV, K, V = K, V, gdn.padded_dim(K), gdn.padded_dim(V)
     sd, i32, f32 = dt, "i32", "fp32"
     prec, lowp = ("ieee", False) if dt == "fp32" else ("tf32", True)
     common = dict(K=K, V=V, BT=BT, L2=True, PREC=prec)
@@ -92,8 +97,7 @@ def gdn_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
                                     dg=f32, dKKbuf=sd, dsk=f32), dict(scale=f32, H=i32, HV=i32),
                                dict(common, BK=BK, BV=BVb, LOWP=lowp), T.bwd_warps, T.bwd_stages),
         "_decode_step": (decode._decode_step, dict(q=dt, k=dt, v=dt, g=f32, beta=f32, pool=f32, idx=i32, o=dt),
-                         dict(scale=f32, H=i32, HV=i32), dict(K=K, V=V, BK=K, BV=32 if K <= 128 else 16, L2=True),
-                         4, 1),
+                         dict(scale=f32, H=i32, HV=i32), dict(K=DK, V=DV, BK=dbk, BV=dbv, L2=True), 4, 1),
     }
     for store_p in (False, True):  # inference; training (P stored for the backward)
         jobs[f"_out_fwd_raw{' store P' if store_p else ''}"] = (
@@ -106,12 +110,13 @@ def gdn_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
 def kda_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
     """As `gdn_jobs`, for KDA's launches (its state passes are GDN's with CHANNEL)."""
     T = kda.TUNE
+    g = gdn_jobs(dt, K, V, BT, bv)
+    K, V = gdn.padded_dim(K), gdn.padded_dim(V)  # the chunk kernels run padded
     sd, i32, f32 = dt, "i32", "fp32"
     prec, lowp = ("ieee", False) if dt == "fp32" else ("tf32", True)
     common = dict(K=K, BT=BT, L2=True, PREC=prec)
     chunks = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
     bk = min(T.bk, K)
-    g = gdn_jobs(dt, K, V, BT, bv)
     jobs = {name + " channel": (fn, ptrs, ints, dict(cx, CHANNEL=True), T.state_warps, st)
             for name, (fn, ptrs, ints, cx, _w, st) in g.items() if name in ("_recur_fwd", "_recur_bwd")}
     jobs["_recur_fwd channel"][1].update(Kd=sd)
