@@ -3,10 +3,11 @@
 CPU (CI): the kernels run under TRITON_INTERPRET=1 in a child process (tests/ops/triton/interp_gdn.py; the
 variable must be set before triton decorates the kernels), on fresh random fp32 inputs: GVA 2 and 4, varlen
 (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, beta up to 2, T = 1, 65, 70, K=64 with V=64/128,
-K=V=256 (several key blocks in every K-blocked launch), chunk sizes 32 and 16 (the fallback when the 64-token kernels
-do not fit a device), the public `gated_delta_rule(..., impl="triton")`, a `torch.compile(fullgraph=True)` call
-(aot_eager backend: the custom ops' fake kernels trace, the real kernels run), inference without autograd, and the
-decode step on a state pool with indices.
+K=V=256 (several key blocks in every K-blocked launch), head dims off 64/128/256 (K=V=48, K=96 V=192, K=32 V=16:
+the chunk ops zero-padded, the decode step masked), expanded o and final-state gradients, chunk sizes 32 and 16
+(the fallback when the 64-token kernels do not fit a device), the public `gated_delta_rule(..., impl="triton")`,
+a `torch.compile(fullgraph=True)` call (aot_eager backend: the custom ops' fake kernels trace, the real kernels
+run), inference without autograd, and the decode step on a state pool with indices.
 Tolerance (relative RMS vs float64): 2e-6 for o and final state, 1e-5 (the GDN issue's fp32 bar) for every
 gradient. Measured: o ~2.5e-7, gradients up to 1.4e-6 (dg at K=V=256); a case with log-decays down to -30 a step is
 among them (dg 2.7e-7), and a decay cliff (in every chunk 32 steps down to -30, then 32 mild; kernels that took

@@ -5,6 +5,7 @@ GVA 2, varlen (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, be
 log-decays from mild to -30 a step, so that every launch of the K-blocked kernels is at work (the whole chunk by
 one dot, its diagonal blocks by one dot, by their 8-row halves, exactly), also within one call (strong and mild
 decay in different chunks and heads) and at a decay cliff, T = 1, 65, 70, K = 64 with V = 64/128, K = V = 256, the
+head dims 48, 96/192 and 32/16 (chunk ops zero-padded, decode masked), expanded o and final-state gradients, the
 public `kda(..., impl="triton")`, fp16 and bf16 inputs, and the decode step on a state pool.
 Tolerances (relative RMS): 2e-6 for o and the states (against the naive recurrence and the chunk path), 1e-5 (the
 fp32 bar of the GPU check) for every gradient (q, k, v, g, beta, initial_state; against the float64 chunk path's
