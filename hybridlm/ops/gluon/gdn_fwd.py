@@ -1,0 +1,335 @@
+"""The fused Gated DeltaNet forward for Hopper (sm_90), in Gluon: one launch, the state on chip.
+
+Non-standard here:
+- One program per (value block, sequence, value head) walks its whole sequence in 64-token chunks and keeps the
+  fp32 state [K, BV] in the registers of its warpgroup; nothing but q, k, v, g, beta is read and nothing but o and
+  the final state is written (no T, W, U, chunk states or new values in memory).
+- Per chunk, with b the in-chunk cumulative log-decay and gamma = e^b (docs/math.md):
+      A  = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}
+      V' = T (beta * (V - gamma * Kn S))                 (T applied after the state correction: W, U never exist)
+      O  = gamma * Qn S + (Qn Kn^T * e^{b_i - b_j}, j <= i) V'
+      S  = e^{b_last} S + (Kn * e^{b_last - b})^T V'
+  where Qn, Kn are the (optionally l2-normalised, q also scaled) inputs. Every product is a warpgroup MMA on the
+  RAW 16-bit inputs widened to fp32 in shared memory, so its tf32 operands hold them exactly; the l2 norms, beta
+  and the decays enter as fp32 row and column scales of the results. Only the state, T and the new values are
+  rounded to tf32 (~5e-4 relative) on their way into a product.
+- T: the four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward substitution
+  (all four at once, one warp per block); with Td that block-diagonal inverse and L the strictly block-lower part
+  of A, N = Td L is nilpotent (N^4 = 0), so T = (I + N)^{-1} Td = (I - N)(I + N^2) Td: four 64x64 products.
+- tf32 warpgroup MMAs read both operands K-major, so every matrix that enters as the right operand is stored
+  through a transposed NVMMA shared layout, and k is copied transposed into q's buffer for the state update.
+
+Not here yet (the host refuses it): K or V other than 128, fp32 inputs, warp specialization (a TMA load warp and
+an auxiliary warpgroup computing the next chunk's T and Q K^T while this one updates the state).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = None
+    _IMPORT_ERROR = e
+
+CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
+BV_DEFAULT = 64  # value block: fits the 227 KB of shared memory with every staging buffer
+NUM_WARPS = 4  # one warpgroup
+SUPPORTED_K = (128,)
+SUPPORTED_V = (128,)
+
+
+def gluon_available() -> bool:
+    """True when the installed Triton has the Gluon API this kernel is written against (Triton 3.6's
+    `triton.experimental.gluon` with Hopper warpgroup MMA and NVMMA layouts)."""
+    if _IMPORT_ERROR is not None:
+        return False
+    needed = (gl, ("NVMMADistributedLayout", "NVMMASharedLayout", "SwizzledSharedLayout", "BlockedLayout",
+                   "SliceLayout", "allocate_shared_memory", "warp_specialize"))
+    return all(hasattr(needed[0], n) for n in needed[1])
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _mma(a_smem, b_smem, acc, USE_ACC: gl.constexpr):
+        """acc (+)= a @ b with fp32 accumulation; fp32 operands run as tf32 (the compile option's default input
+        precision, which the host leaves as is); the caller has fenced its shared-memory stores."""
+        return warpgroup_mma(a_smem, b_smem, acc, use_acc=USE_ACC)
+
+    @gluon.jit
+    def _diag_inverse(a_smem, d3_smem, C: gl.constexpr):
+        """Td = (I + D)^{-1} for the four diagonal [16, 16] blocks D of the strictly lower A in `a_smem` (plain
+        [C, C] fp32), by forward substitution in fp32: row s of every block at once, 15 steps. Returns Td as
+        [4, 16, 16] (block, row, column) in a layout with one warp per block, so every reduction stays in a warp."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        for blk in gl.static_range(4):
+            d = a_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).load(L16)
+            d3_smem.slice(16 * blk, 16, dim=0).store(gl.permute(d, (1, 0)))  # Dt[blk, j, i] = A[16 blk + i, 16 blk + j]
+        Dt = d3_smem.reshape([4, 16, 16]).load(L3)
+        ax1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        ax2 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        r3 = gl.expand_dims(gl.expand_dims(ax1, 0), 2)  # [1, 16, 1]
+        c3 = gl.expand_dims(gl.expand_dims(ax2, 0), 1)  # [1, 1, 16]
+        zero = gl.zeros([4, 16, 16], gl.float32, L3)
+        eye = gl.where(r3 == c3, 1.0, 0.0) + zero
+        Td = eye
+        for s in gl.static_range(1, 16):
+            a = gl.sum(gl.where(c3 == s, Dt, 0.0), axis=2)  # [4, 16 (j)]: A[s, j] of every block
+            row = gl.sum(gl.expand_dims(a, 2) * Td, axis=1)  # [4, 16 (c)]: sum_j A[s, j] Td[j, c]
+            Td = gl.where(r3 == s, eye - gl.expand_dims(row, 1), Td)
+        return Td
+
+    @gluon.jit
+    def _block_diag(Td, d3_smem, plain_smem, C: gl.constexpr, LAYOUT: gl.constexpr):
+        """The [C, C] block-diagonal matrix of the four [16, 16] blocks Td, through plain shared memory."""
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        d3_smem.reshape([4, 16, 16]).store(Td)
+        plain_smem.store(gl.zeros([C, C], gl.float32, LAYOUT))
+        for blk in gl.static_range(4):
+            plain_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).store(d3_smem.slice(16 * blk, 16, dim=0).load(L16))
+        return plain_smem.load(LAYOUT)
+
+    @gluon.jit
+    def _gdn_fwd_kernel(
+        q, k, v, g, beta, o, h0, ht, cu, scale, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        """Grid (V / BV, sequences x HV). q, k: [Ttot, H, K]; v, o: [Ttot, HV, V]; g, beta: [Ttot, HV];
+        h0, ht: [N, HV, K, V] fp32; cu: [N + 1] int32 token offsets."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        eos = gl.load(cu + i_n + 1)
+        seq_len = eos - bos
+
+        # register layouts: MMA accumulators (tf32: instruction k = 8), and a coalesced one for the loads
+        MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
+        MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        LDV: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        ROW_C: gl.constexpr = gl.SliceLayout(1, MC)
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        ROW_V: gl.constexpr = gl.SliceLayout(1, MV)
+
+        # shared memory: left operands row-major, right operands transposed (K-major for tf32)
+        SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                  transposed=True)
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        q_s = gl.allocate_shared_memory(gl.float32, [C, K], SL_ROW)
+        k_s = gl.allocate_shared_memory(gl.float32, [C, K], SL_ROW)
+        kt_s = q_s._reinterpret(gl.float32, [K, C], SL_ROW)  # k^T for the state update, once q is used
+        s_s = gl.allocate_shared_memory(gl.float32, [K, BV], SL_T)  # the state as a right operand
+        v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)  # beta (v - gamma K S), then V'
+        m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+        m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+        m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+        plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+        d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)  # four [16, 16] blocks
+
+        # index vectors
+        t_ld = gl.arange(0, C, layout=gl.SliceLayout(1, LD))
+        c_ld = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
+        t_ldv = gl.arange(0, C, layout=gl.SliceLayout(1, LDV))
+        c_ldv = gl.arange(0, BV, layout=gl.SliceLayout(0, LDV))
+        i_c = gl.arange(0, C, layout=ROW_C)
+        j_c = gl.arange(0, C, layout=COL_C)
+        t_v = gl.arange(0, C, layout=ROW_V)
+        c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, MV))
+        r_k = gl.arange(0, K, layout=ROW_V)
+        lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
+        causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
+
+        # the state, [K, BV] fp32 in registers for the whole sequence
+        col0 = i_v * BV
+        p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+        if HAS_H0:
+            S = gl.load(h0 + p_h)
+        else:
+            S = gl.zeros([K, BV], gl.float32, MV)
+
+        for c0 in range(0, seq_len, C):
+            # 1. raw inputs of the chunk; rows past the sequence are zero (no write, no decay)
+            tok_ld = bos + c0 + t_ld
+            ok_ld = gl.expand_dims(c0 + t_ld < seq_len, 1)
+            p_qk = gl.expand_dims(tok_ld.to(gl.int64) * H + i_h, 1) * K + gl.expand_dims(c_ld, 0)
+            qr = gl.load(q + p_qk, mask=ok_ld, other=0.0).to(gl.float32)
+            kr = gl.load(k + p_qk, mask=ok_ld, other=0.0).to(gl.float32)
+            if L2:
+                rq = gl.rsqrt(gl.sum(qr * qr, axis=1) + 1e-6) * scale
+                rk = gl.rsqrt(gl.sum(kr * kr, axis=1) + 1e-6)
+            else:
+                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, LD)) * scale
+                rk = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, LD))
+            q_s.store(qr)
+            k_s.store(kr)
+            s_s.store(S)
+            tok_c = bos + c0 + i_c
+            ok_c = c0 + i_c < seq_len
+            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                          other=0.0).to(gl.float32)
+            bi = gl.load(beta + tok_c.to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)  # [C] rows: b_i = sum_{j<=i} g_j
+            b_c = gl.convert_layout(b_r, COL_C)  # the same, as columns
+            b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
+            rq_r = gl.convert_layout(rq, ROW_C)
+            rk_r = gl.convert_layout(rk, ROW_C)
+            rk_c = gl.convert_layout(rk, COL_C)
+            fence_async_shared()
+
+            # 2. chunk-local products and the state reads, all from the raw inputs
+            zc = gl.zeros([C, C], gl.float32, MC)
+            zv = gl.zeros([C, BV], gl.float32, MV)
+            kk = _mma(k_s, k_s.permute((1, 0)), zc, False)
+            qk = _mma(q_s, k_s.permute((1, 0)), zc, False)
+            ks = _mma(k_s, s_s, zv, False)
+            qs = _mma(q_s, s_s, zv, False)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            decay_l = gl.exp(gl.where(lower, diff, float("-inf")))
+            decay_c = gl.exp(gl.where(causal, diff, float("-inf")))
+            A = kk * decay_l * gl.expand_dims(bi * rk_r, 1) * gl.expand_dims(rk_c, 0)
+            P = qk * decay_c * gl.expand_dims(rq_r, 1) * gl.expand_dims(rk_c, 0)
+
+            # 3. T = (I - N)(I + N^2) Td with Td the diagonal blocks' inverse and N = Td L
+            plain.store(A)
+            Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
+            m_row.store(Td)
+            m_t1.store(gl.where(block_lower, A, 0.0))
+            m_t2.store(Td)
+            fence_async_shared()
+            N = _mma(m_row, m_t1, zc, False)
+            m_row.store(N)
+            m_t1.store(N)
+            fence_async_shared()
+            N2 = _mma(m_row, m_t1, zc, False)
+            m_row.store(N2)
+            fence_async_shared()
+            P1 = _mma(m_row, m_t2, Td, True)  # (I + N^2) Td
+            m_row.store(N)
+            m_t2.store(P1)
+            fence_async_shared()
+            T = P1 - _mma(m_row, m_t2, zc, False)
+
+            # 4. new values V' = T (beta (v - gamma K S) ) with the key scales on K S
+            tok_v = bos + c0 + t_ldv
+            p_v = gl.expand_dims(tok_v.to(gl.int64) * HV + i_hv, 1) * V + col0 + gl.expand_dims(c_ldv, 0)
+            ok_v = gl.expand_dims(c0 + t_ldv < seq_len, 1)
+            vr = gl.convert_layout(gl.load(v + p_v, mask=ok_v, other=0.0).to(gl.float32), MV)
+            b_v = gl.convert_layout(b_r, ROW_V)
+            beta_v = gl.convert_layout(bi, ROW_V)
+            gam_v = gl.exp(b_v)
+            R = gl.expand_dims(beta_v, 1) * (vr - gl.expand_dims(gam_v * gl.convert_layout(rk_r, ROW_V), 1) * ks)
+            m_row.store(T)
+            v_s.store(R)
+            fence_async_shared()
+            Vn = _mma(m_row, v_s, zv, False)
+
+            # 5. output: gamma Qn S + P V'
+            m_row.store(P)
+            v_s.store(Vn)
+            fence_async_shared()
+            out = _mma(m_row, v_s, gl.expand_dims(gam_v * gl.convert_layout(rq_r, ROW_V), 1) * qs, True)
+            p_o = gl.expand_dims((bos + c0 + t_v).to(gl.int64) * HV + i_hv, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            gl.store(o + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
+
+            # 6. state: S = e^{b_last} S + K^T (V' * rk * e^{b_last - b})
+            v_s.store(Vn * gl.expand_dims(gl.convert_layout(rk_r, ROW_V) * gl.exp(b_last - b_v), 1))
+            kt_s.store(gl.permute(k_s.load(LD), (1, 0)))
+            fence_async_shared()
+            S = _mma(kt_s, v_s, S * gl.exp(b_last), True)
+
+        if STORE_HT:
+            gl.store(ht + p_h, S)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k: expected equal shapes [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v: expected [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
+    HV, V = v.shape[2:]
+    if HV % H:
+        raise ValueError(f"v: expected its heads HV a multiple of q's H = {H}, got HV = {HV}")
+    if K not in SUPPORTED_K or V not in SUPPORTED_V:
+        raise ValueError(f"q, v: expected head dims K in {SUPPORTED_K} and V in {SUPPORTED_V}, got K={K} V={V}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v: expected one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x is None or tuple(x.shape) != (B, T, HV):
+            raise ValueError(f"{name}: expected [B, T, HV] = [{B}, {T}, {HV}], got "
+                             f"{None if x is None else tuple(x.shape)}")
+    if not q.is_cuda:
+        raise ValueError(f"q: expected a CUDA tensor, got device {q.device}")
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        raise ValueError(f"q: expected a device of compute capability (9, 0) (Hopper), got {cap}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens: expected B = 1 (sequences packed along T), got B = {B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, V):
+        raise ValueError(f"initial_state: expected [N, HV, K, V] = [{N}, {HV}, {K}, {V}], "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def fused_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule forward in one launch (Hopper only; no autograd).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head hv reads key head hv // (HV // H));
+    g (log-decay), beta: [B, T, HV]; initial_state: [N, HV, K, V] (N = B, or len(cu_seqlens) - 1 with B = 1);
+    cu_seqlens: [N + 1] token offsets of packed sequences. Returns o [B, T, HV, V] in q's dtype and the final
+    state [N, HV, K, V] in fp32 (None unless output_final_state). Same contract as
+    `hybridlm.ops.gated_delta_rule` for these arguments.
+    """
+    if not gluon_available():
+        raise ValueError(f"triton: expected the Gluon API of Triton 3.6, got Triton {triton.__version__}")
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if scale is None:
+        scale = K**-0.5
+    dev = q.device
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=dev)
+    else:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+    N = cu.numel() - 1
+    qc, kc, vc = (x.contiguous() for x in (q, k, v))
+    gc, bc = g.contiguous(), beta.contiguous()
+    o = torch.empty_like(vc)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
+    BV = BV_DEFAULT
+    grid = (V // BV, N * HV)
+    _gdn_fwd_kernel[grid](
+        qc, kc, vc, gc, bc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
+        float(scale), H, HV, K=K, V=V, BV=BV, C=CHUNK, L2=bool(use_qk_l2norm), HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, num_warps=NUM_WARPS,
+    )
+    return o, ht
