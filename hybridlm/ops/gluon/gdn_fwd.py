@@ -72,7 +72,8 @@ if _IMPORT_ERROR is None:
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
         for blk in gl.static_range(4):
             d = a_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).load(L16)
-            d3_smem.slice(16 * blk, 16, dim=0).store(gl.permute(d, (1, 0)))  # Dt[blk, j, i] = A[16 blk + i, 16 blk + j]
+            d3_smem.slice(16 * blk, 16, dim=0).store(gl.permute(d, (1, 0)))  # Dt[blk, j, i] = A_blk[i, j]
+        gl.thread_barrier()
         Dt = d3_smem.reshape([4, 16, 16]).load(L3)
         ax1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         ax2 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
@@ -93,9 +94,28 @@ if _IMPORT_ERROR is None:
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
         d3_smem.reshape([4, 16, 16]).store(Td)
         plain_smem.store(gl.zeros([C, C], gl.float32, LAYOUT))
+        gl.thread_barrier()  # every zero written before any block lands on it (write after write)
         for blk in gl.static_range(4):
-            plain_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).store(d3_smem.slice(16 * blk, 16, dim=0).load(L16))
+            blk_val = d3_smem.slice(16 * blk, 16, dim=0).load(L16)
+            plain_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).store(blk_val)
+        gl.thread_barrier()
         return plain_smem.load(LAYOUT)
+
+    @gluon.jit
+    def _stage_rows(x, x_smem, nrm_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
+        """Rows c0.. c0 + C of one head of x ([Ttot, H, K], 16-bit) into x_smem as fp32, zero past the sequence,
+        and their squared norms into nrm_smem [C]; 16 rows at a time, so the tile's pointers (64-bit each) never
+        hold more than 32 registers a thread."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        t = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
+        x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K  # scalar base, 32-bit offsets: few registers
+        for r in gl.static_range(C // 16):
+            row = 16 * r + t
+            p = gl.expand_dims(row * (H * K), 1) + gl.expand_dims(col, 0)
+            xr = gl.load(x_chunk + p, mask=gl.expand_dims(c0 + row < seq_len, 1), other=0.0).to(gl.float32)
+            x_smem.slice(16 * r, 16, dim=0).store(xr)
+            nrm_smem.slice(16 * r, 16, dim=0).store(gl.sum(xr * xr, axis=1))
 
     @gluon.jit
     def _gdn_fwd_kernel(
@@ -119,7 +139,6 @@ if _IMPORT_ERROR is None:
         MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         LDV: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-        ROW_C: gl.constexpr = gl.SliceLayout(1, MC)
         COL_C: gl.constexpr = gl.SliceLayout(0, MC)
         ROW_V: gl.constexpr = gl.SliceLayout(1, MV)
 
@@ -137,76 +156,66 @@ if _IMPORT_ERROR is None:
         m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
         m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
         plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)  # squared row norms of q
+        nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)  # and of k
         d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)  # four [16, 16] blocks
 
         # index vectors
-        t_ld = gl.arange(0, C, layout=gl.SliceLayout(1, LD))
-        c_ld = gl.arange(0, K, layout=gl.SliceLayout(0, LD))
         t_ldv = gl.arange(0, C, layout=gl.SliceLayout(1, LDV))
         c_ldv = gl.arange(0, BV, layout=gl.SliceLayout(0, LDV))
-        i_c = gl.arange(0, C, layout=ROW_C)
+        i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
         j_c = gl.arange(0, C, layout=COL_C)
         t_v = gl.arange(0, C, layout=ROW_V)
         c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, MV))
         r_k = gl.arange(0, K, layout=ROW_V)
-        lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
-        causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
-        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
 
         # the state, [K, BV] fp32 in registers for the whole sequence
         col0 = i_v * BV
-        p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
         if HAS_H0:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             S = gl.load(h0 + p_h)
         else:
             S = gl.zeros([K, BV], gl.float32, MV)
 
         for c0 in range(0, seq_len, C):
-            # 1. raw inputs of the chunk; rows past the sequence are zero (no write, no decay)
-            tok_ld = bos + c0 + t_ld
-            ok_ld = gl.expand_dims(c0 + t_ld < seq_len, 1)
-            p_qk = gl.expand_dims(tok_ld.to(gl.int64) * H + i_h, 1) * K + gl.expand_dims(c_ld, 0)
-            qr = gl.load(q + p_qk, mask=ok_ld, other=0.0).to(gl.float32)
-            kr = gl.load(k + p_qk, mask=ok_ld, other=0.0).to(gl.float32)
-            if L2:
-                rq = gl.rsqrt(gl.sum(qr * qr, axis=1) + 1e-6) * scale
-                rk = gl.rsqrt(gl.sum(kr * kr, axis=1) + 1e-6)
+            # 1. raw inputs of the chunk, widened to fp32 in shared memory; rows past the sequence are zero (no
+            #    write, no decay). Each product below is staged just before its use to keep few tiles live.
+            _stage_rows(q, q_s, nq, bos, c0, seq_len, i_h, H, K, C)
+            _stage_rows(k, k_s, nk, bos, c0, seq_len, i_h, H, K, C)
+            if L2:  # the reference's l2norm: x * rsqrt(sum x^2 + 1e-6), as row and column scales
+                rq = gl.rsqrt(nq.load(gl.SliceLayout(1, MC)) + 1e-6) * scale
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
             else:
-                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, LD)) * scale
-                rk = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, LD))
-            q_s.store(qr)
-            k_s.store(kr)
+                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC)) * scale
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
             s_s.store(S)
-            tok_c = bos + c0 + i_c
             ok_c = c0 + i_c < seq_len
             g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
                           other=0.0).to(gl.float32)
-            bi = gl.load(beta + tok_c.to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
             b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)  # [C] rows: b_i = sum_{j<=i} g_j
             b_c = gl.convert_layout(b_r, COL_C)  # the same, as columns
             b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
-            rq_r = gl.convert_layout(rq, ROW_C)
-            rk_r = gl.convert_layout(rk, ROW_C)
-            rk_c = gl.convert_layout(rk, COL_C)
             fence_async_shared()
 
-            # 2. chunk-local products and the state reads, all from the raw inputs
+            # 2. A = strict_lower(beta_i rk_i rk_j (K K^T)_ij e^{b_i - b_j}) from the raw keys
             zc = gl.zeros([C, C], gl.float32, MC)
             zv = gl.zeros([C, BV], gl.float32, MV)
             kk = _mma(k_s, k_s.permute((1, 0)), zc, False)
-            qk = _mma(q_s, k_s.permute((1, 0)), zc, False)
-            ks = _mma(k_s, s_s, zv, False)
-            qs = _mma(q_s, s_s, zv, False)
+            lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
-            decay_l = gl.exp(gl.where(lower, diff, float("-inf")))
-            decay_c = gl.exp(gl.where(causal, diff, float("-inf")))
-            A = kk * decay_l * gl.expand_dims(bi * rk_r, 1) * gl.expand_dims(rk_c, 0)
-            P = qk * decay_c * gl.expand_dims(rq_r, 1) * gl.expand_dims(rk_c, 0)
+            A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
+                * gl.expand_dims(rk_c, 0)
 
             # 3. T = (I - N)(I + N^2) Td with Td the diagonal blocks' inverse and N = Td L
             plain.store(A)
             Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
             m_row.store(Td)
+            block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
             m_t1.store(gl.where(block_lower, A, 0.0))
             m_t2.store(Td)
             fence_async_shared()
@@ -223,35 +232,42 @@ if _IMPORT_ERROR is None:
             fence_async_shared()
             T = P1 - _mma(m_row, m_t2, zc, False)
 
-            # 4. new values V' = T (beta (v - gamma K S) ) with the key scales on K S
-            tok_v = bos + c0 + t_ldv
-            p_v = gl.expand_dims(tok_v.to(gl.int64) * HV + i_hv, 1) * V + col0 + gl.expand_dims(c_ldv, 0)
-            ok_v = gl.expand_dims(c0 + t_ldv < seq_len, 1)
-            vr = gl.convert_layout(gl.load(v + p_v, mask=ok_v, other=0.0).to(gl.float32), MV)
-            b_v = gl.convert_layout(b_r, ROW_V)
-            beta_v = gl.convert_layout(bi, ROW_V)
-            gam_v = gl.exp(b_v)
-            R = gl.expand_dims(beta_v, 1) * (vr - gl.expand_dims(gam_v * gl.convert_layout(rk_r, ROW_V), 1) * ks)
+            # 4. new values V' = T (beta (v - gamma Kn S)), the key scales entering on K S
             m_row.store(T)
+            ks = _mma(k_s, s_s, zv, False)
+            ok_v = gl.expand_dims(c0 + t_ldv < seq_len, 1)
+            p_v = gl.expand_dims(t_ldv * (HV * V), 1) + gl.expand_dims(c_ldv, 0)
+            v_chunk = v + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+            vr = gl.convert_layout(gl.load(v_chunk + p_v, mask=ok_v, other=0.0).to(gl.float32), MV)
+            b_v = gl.convert_layout(b_r, ROW_V)
+            gam_v = gl.exp(b_v)
+            rk_v = gl.convert_layout(rk_r, ROW_V)
+            R = gl.expand_dims(gl.convert_layout(bi, ROW_V), 1) * (vr - gl.expand_dims(gam_v * rk_v, 1) * ks)
             v_s.store(R)
             fence_async_shared()
             Vn = _mma(m_row, v_s, zv, False)
 
-            # 5. output: gamma Qn S + P V'
+            # 5. output: gamma Qn S + P V', P = (rq_i rk_j (Q K^T)_ij e^{b_i - b_j}, j <= i)
+            qk = _mma(q_s, k_s.permute((1, 0)), zc, False)
+            P = qk * gl.exp(gl.where(causal, diff, float("-inf"))) * gl.expand_dims(rq, 1) \
+                * gl.expand_dims(rk_c, 0)
             m_row.store(P)
             v_s.store(Vn)
             fence_async_shared()
-            out = _mma(m_row, v_s, gl.expand_dims(gam_v * gl.convert_layout(rq_r, ROW_V), 1) * qs, True)
-            p_o = gl.expand_dims((bos + c0 + t_v).to(gl.int64) * HV + i_hv, 1) * V + col0 + gl.expand_dims(c_v, 0)
-            gl.store(o + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
+            qs = _mma(q_s, s_s, zv, False)
+            out = _mma(m_row, v_s, gl.expand_dims(gam_v * gl.convert_layout(rq, ROW_V), 1) * qs, True)
+            p_o = gl.expand_dims(t_v * (HV * V), 1) + gl.expand_dims(c_v, 0)
+            o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+            gl.store(o_chunk + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
 
             # 6. state: S = e^{b_last} S + K^T (V' * rk * e^{b_last - b})
-            v_s.store(Vn * gl.expand_dims(gl.convert_layout(rk_r, ROW_V) * gl.exp(b_last - b_v), 1))
+            v_s.store(Vn * gl.expand_dims(rk_v * gl.exp(b_last - b_v), 1))
             kt_s.store(gl.permute(k_s.load(LD), (1, 0)))
             fence_async_shared()
             S = _mma(kt_s, v_s, S * gl.exp(b_last), True)
 
-        if STORE_HT:
+        if STORE_HT:  # the offsets again: kept from before the loop they would hold 128 registers
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             gl.store(ht + p_h, S)
 
 
