@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_DEFAULT = 64  # value block: fits the 227 KB of shared memory with every staging buffer
 NUM_WARPS = 4  # one warpgroup
+POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
 SUPPORTED_V = (128,)
 
@@ -337,8 +338,9 @@ def fused_gated_delta_rule_fwd(
     N = cu.numel() - 1
     qc, kc, vc = (x.contiguous() for x in (q, k, v))
     gc, bc = g.contiguous(), beta.contiguous()
-    o = torch.empty_like(vc)
-    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    alloc = torch.full if POISON else lambda shape, _, **kw: torch.empty(shape, **kw)
+    o = alloc(vc.shape, float("nan"), dtype=vc.dtype, device=dev)
+    ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
     BV = BV_DEFAULT
