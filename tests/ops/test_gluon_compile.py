@@ -25,12 +25,12 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 
 
-def compile_fwd(dtype: str, *, l2: bool, h0: bool, ht: bool):
+def compile_fwd(dtype: str, *, bv: int, l2: bool, h0: bool, ht: bool):
     fn = gdn_fwd._gdn_fwd_kernel
     ptrs = dict(q=dtype, k=dtype, v=dtype, g="fp32", beta=dtype, o=dtype, h0="fp32", ht="fp32", cu="i32")
     sig = {n: "*" + t for n, t in ptrs.items()}
     sig.update(scale="fp32", H="i32", HV="i32")
-    consts = dict(K=128, V=128, BV=gdn_fwd.BV_DEFAULT, C=gdn_fwd.CHUNK, L2=l2, HAS_H0=h0, STORE_HT=ht)
+    consts = dict(K=128, V=128, BV=bv, C=gdn_fwd.CHUNK, L2=l2, HAS_H0=h0, STORE_HT=ht)
     sig.update({n: "constexpr" for n in consts})
     assert list(sig) == fn.arg_names, "the test's signature is out of date with the kernel's arguments"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
@@ -38,9 +38,10 @@ def compile_fwd(dtype: str, *, l2: bool, h0: bool, ht: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gdn_fwd.NUM_WARPS})
 
 
-@pytest.mark.parametrize("dtype,l2,state", [("bf16", True, True), ("fp16", False, False)])
-def test_fused_fwd_compiles_for_sm90(dtype, l2, state):
-    k = compile_fwd(dtype, l2=l2, h0=state, ht=state)
+@pytest.mark.parametrize("dtype,bv,l2,state", [("bf16", 64, True, True), ("fp16", 32, False, False)])
+def test_fused_fwd_compiles_for_sm90(dtype, bv, l2, state):
+    assert bv in gdn_fwd.BV_CHOICES
+    k = compile_fwd(dtype, bv=bv, l2=l2, h0=state, ht=state)
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert "ttng.warp_group_dot" in k.asm["ttgir"], "expected warpgroup MMA ops in the TTGIR"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"

@@ -5,14 +5,16 @@ inputs each run, the seed in every failure message; outputs are NaN-poisoned by 
 element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16. Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton kernels' 16-bit checks: 5e-3 for
-o and the final state.
+fp16; both value blocks (32, 64). Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
+kernels' 16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, the Gluon
 kernel and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -65,8 +67,7 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     dev, K, V = "cuda", 128, 128
     if lens is not None:
         B, T = 1, sum(lens)
-    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
-                                                   device=dev)
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
     N = B if lens is None else len(lens)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
@@ -87,13 +88,20 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     assert all(e <= BAR for e in errs.values()), msg
 
 
+@pytest.fixture(params=gdn_fwd.BV_CHOICES, ids=lambda bv: f"BV{bv}")
+def value_block(request, monkeypatch):
+    """Both value blocks the host may pick (it picks by head count, so small cases would only see 32)."""
+    monkeypatch.setattr(gdn_fwd, "_value_block", lambda heads, V, dev: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("T", [1, 63, 65, 1000])
-def test_lengths(T):
+def test_lengths(T, value_block):
     _case(B=2, T=T, H=2, HV=4)
 
 
 @pytest.mark.parametrize("decay", ["mild", "strong", "cliff"])
-def test_varlen(decay):
+def test_varlen(decay, value_block):
     _case(lens=[1, 15, 100, 700], H=2, HV=2, decay=decay)
 
 

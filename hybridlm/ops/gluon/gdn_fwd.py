@@ -39,7 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
-BV_DEFAULT = 64  # value block: fits the 227 KB of shared memory with every staging buffer
+BV_CHOICES = (64, 32)  # value blocks: 64 fits the 227 KB of shared memory (one program per multiprocessor)
 NUM_WARPS = 4  # one warpgroup
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
@@ -302,6 +302,13 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
                          f"got {tuple(initial_state.shape)}")
 
 
+def _value_block(heads: int, V: int, dev: torch.device) -> int:
+    """64, or 32 when V / 64 x heads programs would leave multiprocessors idle (one program fits on each: its
+    shared memory); a smaller block repeats the chunk-local work (A, T, P) once more per value block."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return 64 if heads * (V // 64) >= sms else 32
+
+
 def fused_gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -343,7 +350,7 @@ def fused_gated_delta_rule_fwd(
     ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
-    BV = BV_DEFAULT
+    BV = _value_block(N * HV, V, dev)
     grid = (V // BV, N * HV)
     _gdn_fwd_kernel[grid](
         qc, kc, vc, gc, bc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
