@@ -3,7 +3,7 @@
 Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drift and shared-memory overflow in CI.
 Each kernel variant is compiled once through `triton.compile` with a CUDA `GPUTarget` of capability 90, its
 arguments typed as the host wrapper passes them (16-byte aligned pointers, as torch allocations are). About 12 s
-a variant on one core.
+a variant on one core (both kernels, two variants each).
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 
 
-def compile_fwd(dtype: str, *, bv: int, l2: bool, h0: bool, ht: bool):
-    fn = gdn_fwd._gdn_fwd_kernel
+KERNELS = {"simple": "_gdn_fwd_kernel", "prefetch": "_gdn_fwd_prefetch_kernel"}
+
+
+def compile_fwd(kernel: str, dtype: str, *, bv: int, l2: bool, h0: bool, ht: bool):
+    fn = getattr(gdn_fwd, KERNELS[kernel])
     ptrs = dict(q=dtype, k=dtype, v=dtype, g="fp32", beta=dtype, o=dtype, h0="fp32", ht="fp32", cu="i32")
     sig = {n: "*" + t for n, t in ptrs.items()}
     sig.update(scale="fp32", H="i32", HV="i32")
@@ -38,10 +41,11 @@ def compile_fwd(dtype: str, *, bv: int, l2: bool, h0: bool, ht: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gdn_fwd.NUM_WARPS})
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype,bv,l2,state", [("bf16", 64, True, True), ("fp16", 32, False, False)])
-def test_fused_fwd_compiles_for_sm90(dtype, bv, l2, state):
+def test_fused_fwd_compiles_for_sm90(kernel, dtype, bv, l2, state):
     assert bv in gdn_fwd.BV_CHOICES
-    k = compile_fwd(dtype, bv=bv, l2=l2, h0=state, ht=state)
+    k = compile_fwd(kernel, dtype, bv=bv, l2=l2, h0=state, ht=state)
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert "ttng.warp_group_dot" in k.asm["ttgir"], "expected warpgroup MMA ops in the TTGIR"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"

@@ -5,11 +5,11 @@ inputs each run, the seed in every failure message; outputs are NaN-poisoned by 
 element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; both value blocks (32, 64). Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
-kernels' 16-bit checks: 5e-3 for o and the final state.
+fp16; both value blocks (32, 64); both kernels ("simple", "prefetch"). Bar (relative RMS vs float64 on the same
+rounded inputs), as for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
 
-Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, the Gluon
-kernel and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
+Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, both Gluon
+kernels and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _poison():
-    saved = gdn_fwd.POISON
-    gdn_fwd.POISON = True
-    yield
-    gdn_fwd.POISON = saved
+@pytest.fixture(autouse=True, params=["simple", "prefetch"])
+def kernel(request, monkeypatch):
+    """Every case runs on both kernels, outputs NaN-poisoned."""
+    monkeypatch.setattr(gdn_fwd, "POISON", True)
+    monkeypatch.setattr(gdn_fwd, "KERNEL", request.param)
+    return request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -138,8 +138,12 @@ def _time_shape(B, T, H, D, gen, fla_gdn):
     q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
     g = logsigmoid(r(B, T, H) + 3.0)
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    def gluon(kernel):
+        gdn_fwd.KERNEL = kernel
+        return gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]
+
     runs = {"triton": lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0],
-            "gluon": lambda: gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]}
+            "gluon-simple": lambda: gluon("simple"), "gluon-prefetch": lambda: gluon("prefetch")}
     if fla_gdn is not None:
         runs["fla"] = lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     row = {}
@@ -147,10 +151,11 @@ def _time_shape(B, T, H, D, gen, fla_gdn):
         for name, fn in runs.items():
             row[name] = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         ref = runs["triton"]().float()
-        gl_rel = ((runs["gluon"]().float() - ref).norm() / ref.norm()).item()
+        rels = {n: ((runs[n]().float() - ref).norm() / ref.norm()).item() for n in runs if n.startswith("gluon")}
     times = " ".join(f"{n} {ms:.3f} ms" for n, ms in row.items())
-    speed = f", gluon vs fla {row['fla'] / row['gluon']:.2f}x" if "fla" in row else ""
-    print(f"B{B} T{T} H{H} D{D} bf16 forward: {times}{speed}; gluon vs triton rel {gl_rel:.1e}", flush=True)
+    speed = "".join(f", {n} {row['fla'] / row[n]:.2f}x fla" for n in rels if "fla" in row)
+    agree = " ".join(f"{n} {r:.1e}" for n, r in rels.items())
+    print(f"B{B} T{T} H{H} D{D} bf16 forward: {times}{speed}; rel vs triton: {agree}", flush=True)
 
 
 def _time_shapes():

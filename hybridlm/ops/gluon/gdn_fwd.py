@@ -18,6 +18,12 @@ Non-standard here:
   of A, N = Td L is nilpotent (N^4 = 0), so T = (I + N)^{-1} Td = (I - N)(I + N^2) Td: four 64x64 products.
 - tf32 warpgroup MMAs read both operands K-major, so every matrix that enters as the right operand is stored
   through a transposed NVMMA shared layout, and k is copied transposed into q's buffer for the state update.
+- Two kernels, to be measured against each other (KERNEL picks; the loser goes): `_gdn_fwd_kernel` ("simple")
+  loads each chunk synchronously and runs every product in tf32 as above; `_gdn_fwd_prefetch_kernel`
+  ("prefetch") copies the next chunk's q, k, v asynchronously (cp.async, double buffer) while this chunk computes,
+  and runs the products that read q, k or the state with 16-bit operands: q and k as stored (exact), the state and
+  the scaled new values split hi + lo into two 16-bit halves (~2^-16 relative, better than tf32), which also
+  frees the fp32 copies of q and k for the copy buffers. Only T, P and the new values of V' = T R and P V' stay tf32.
 
 Not here yet (the host refuses it): K or V other than 128, fp32 inputs, warp specialization (a TMA load warp and
 an auxiliary warpgroup computing the next chunk's T and Q K^T while this one updates the state).
@@ -31,7 +37,7 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
     _IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - depends on the installed Triton
@@ -41,6 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks: 64 fits the 227 KB of shared memory (one program per multiprocessor)
 NUM_WARPS = 4  # one warpgroup
+KERNEL = "simple"  # "simple" (synchronous loads, tf32 state products) or "prefetch"; see the two kernels
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
 SUPPORTED_V = (128,)
@@ -101,6 +108,32 @@ if _IMPORT_ERROR is None:
             plain_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).store(blk_val)
         gl.thread_barrier()
         return plain_smem.load(LAYOUT)
+
+    @gluon.jit
+    def _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+        """T = (I + A)^{-1} = (I - N)(I + N^2) Td for the strictly lower A [C, C] (fp32, layout MC): Td the exact
+        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products;
+        m_row (row-major) and m_t1, m_t2 (transposed) are [C, C] fp32 staging buffers, plain and d3 the solve's."""
+        zc = gl.zeros([C, C], gl.float32, MC)
+        plain.store(A)
+        Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
+        m_row.store(Td)
+        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
+        m_t1.store(gl.where(block_lower, A, 0.0))
+        m_t2.store(Td)
+        fence_async_shared()
+        N = _mma(m_row, m_t1, zc, False)
+        m_row.store(N)
+        m_t1.store(N)
+        fence_async_shared()
+        N2 = _mma(m_row, m_t1, zc, False)
+        m_row.store(N2)
+        fence_async_shared()
+        P1 = _mma(m_row, m_t2, Td, True)  # (I + N^2) Td
+        m_row.store(N)
+        m_t2.store(P1)
+        fence_async_shared()
+        return P1 - _mma(m_row, m_t2, zc, False)
 
     @gluon.jit
     def _stage_rows(x, x_smem, nrm_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
@@ -212,26 +245,8 @@ if _IMPORT_ERROR is None:
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
 
-            # 3. T = (I - N)(I + N^2) Td with Td the diagonal blocks' inverse and N = Td L
-            plain.store(A)
-            Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
-            m_row.store(Td)
-            block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
-            m_t1.store(gl.where(block_lower, A, 0.0))
-            m_t2.store(Td)
-            fence_async_shared()
-            N = _mma(m_row, m_t1, zc, False)
-            m_row.store(N)
-            m_t1.store(N)
-            fence_async_shared()
-            N2 = _mma(m_row, m_t1, zc, False)
-            m_row.store(N2)
-            fence_async_shared()
-            P1 = _mma(m_row, m_t2, Td, True)  # (I + N^2) Td
-            m_row.store(N)
-            m_t2.store(P1)
-            fence_async_shared()
-            T = P1 - _mma(m_row, m_t2, zc, False)
+            # 3. T = (I + A)^{-1}
+            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
 
             # 4. new values V' = T (beta (v - gamma Kn S)), the key scales entering on K S
             m_row.store(T)
@@ -267,6 +282,198 @@ if _IMPORT_ERROR is None:
             fence_async_shared()
             S = _mma(kt_s, v_s, S * gl.exp(b_last), True)
 
+        if STORE_HT:  # the offsets again: kept from before the loop they would hold 128 registers
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            gl.store(ht + p_h, S)
+
+    @gluon.jit
+    def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
+        """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, W] with row width W = H * K and the
+        head's K columns) into x_smem [C, K]; rows past the sequence are zero-filled. 16 rows a copy, so the tile's
+        pointers never hold more than 32 registers a thread."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        t = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
+        x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K
+        for r in gl.static_range(C // 16):
+            row = 16 * r + t
+            p = gl.expand_dims(row * (H * K), 1) + gl.expand_dims(col, 0)
+            async_copy.async_copy_global_to_shared(x_smem.slice(16 * r, 16, dim=0), x_chunk + p,
+                                                   mask=gl.expand_dims(c0 + row < seq_len, 1))
+
+    @gluon.jit
+    def _row_norms(x_smem, nrm_smem, K: gl.constexpr, C: gl.constexpr):
+        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, 16 rows at a time."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        for r in gl.static_range(C // 16):
+            xr = x_smem.slice(16 * r, 16, dim=0).load(LR).to(gl.float32)
+            nrm_smem.slice(16 * r, 16, dim=0).store(gl.sum(xr * xr, axis=1))
+
+    @gluon.jit
+    def _split_store(x, hi_smem, lo_smem):
+        """x (fp32) as hi + lo in the 16-bit dtype of the buffers (~2^-16 relative): two 16-bit products then
+        carry an fp32 operand at better than tf32 accuracy."""
+        hi = x.to(hi_smem.dtype)
+        hi_smem.store(hi)
+        lo_smem.store((x - hi.to(gl.float32)).to(lo_smem.dtype))
+
+    @gluon.jit
+    def _gdn_fwd_prefetch_kernel(
+        q, k, v, g, beta, o, h0, ht, cu, scale, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        """`_gdn_fwd_kernel` with the next chunk's q, k, v copied asynchronously (double buffer) while this one
+        computes, and the products that read q, k or the state in 16-bit: q and k as stored (exact), the state and
+        the scaled new values split hi + lo. Same arguments and grid."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        eos = gl.load(cu + i_n + 1)
+        seq_len = eos - bos
+        dt: gl.constexpr = q.dtype.element_ty
+
+        # accumulators: tf32 products (instruction k 8) and 16-bit ones (k 16) share the register mapping
+        MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
+        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
+        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BV, 16])
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        ROW_V: gl.constexpr = gl.SliceLayout(1, MV16)
+
+        SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                  transposed=True)
+        SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
+        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        q_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)  # raw q of this chunk and the next
+        k_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)
+        v_st = gl.allocate_shared_memory(dt, [2, C, BV], SL_V)
+        s_hi = gl.allocate_shared_memory(dt, [K, BV], SL_V)  # the state, hi + lo
+        s_lo = gl.allocate_shared_memory(dt, [K, BV], SL_V)
+        u_hi = gl.allocate_shared_memory(dt, [C, BV], SL_V)  # the scaled new values of the state update, hi + lo
+        u_lo = gl.allocate_shared_memory(dt, [C, BV], SL_V)
+        v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)  # beta (v - gamma K S), then V' (tf32)
+        m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+        m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+        m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+        plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+        d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
+        nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+        nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+
+        i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
+        j_c = gl.arange(0, C, layout=COL_C)
+        t_v = gl.arange(0, C, layout=ROW_V)
+        c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, MV16))
+        r_k = gl.arange(0, K, layout=ROW_V)
+        t_ldv = gl.arange(0, C, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        c_ldv = gl.arange(0, BV, layout=gl.SliceLayout(0, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        col0 = i_v * BV
+
+        if HAS_H0:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            S = gl.load(h0 + p_h)
+        else:
+            S = gl.zeros([K, BV], gl.float32, MV16)
+
+        # prologue: chunk 0 into buffer 0
+        _issue_rows(q, q_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        _issue_rows(k, k_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        p_v = gl.expand_dims(t_ldv * (HV * V), 1) + gl.expand_dims(c_ldv, 0)
+        v_base = v + i_hv * V + col0
+        async_copy.async_copy_global_to_shared(v_st.index(0), v_base + bos.to(gl.int64) * HV * V + p_v,
+                                               mask=gl.expand_dims(t_ldv < seq_len, 1))
+        async_copy.commit_group()
+
+        for c0 in range(0, seq_len, C):
+            buf = (c0 // C) % 2
+            # 0. the next chunk's copies into the other buffer (its last readers finished with the previous
+            #    chunk), then wait for this chunk's
+            gl.thread_barrier()
+            nxt = c0 + C
+            _issue_rows(q, q_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            _issue_rows(k, k_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            async_copy.async_copy_global_to_shared(v_st.index(1 - buf),
+                                                   v_base + (bos + nxt).to(gl.int64) * HV * V + p_v,
+                                                   mask=gl.expand_dims(nxt + t_ldv < seq_len, 1))
+            async_copy.commit_group()
+            ok_c = c0 + i_c < seq_len
+            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                          other=0.0).to(gl.float32)
+            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            _split_store(S, s_hi, s_lo)
+            async_copy.wait_group(1)
+            gl.thread_barrier()  # every thread's copies of this chunk have landed
+            qb = q_st.index(buf)
+            kb = k_st.index(buf)
+            vb = v_st.index(buf)
+            if L2:
+                _row_norms(qb, nq, K, C)
+                _row_norms(kb, nk, K, C)
+                rq = gl.rsqrt(nq.load(gl.SliceLayout(1, MC)) + 1e-6) * scale
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC)) * scale
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)  # b_i = sum_{j<=i} g_j
+            b_c = gl.convert_layout(b_r, COL_C)
+            b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
+            fence_async_shared()
+
+            # 1. A from the raw keys (16-bit products, exact)
+            zc16 = gl.zeros([C, C], gl.float32, MC16)
+            zv16 = gl.zeros([C, BV], gl.float32, MV16)
+            kk = gl.convert_layout(_mma(kb, kb.permute((1, 0)), zc16, False), MC)
+            lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
+                * gl.expand_dims(rk_c, 0)
+
+            # 2. T = (I + A)^{-1}
+            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
+
+            # 3. V' = T (beta (v - gamma Kn S)); K S from the state's hi + lo
+            m_row.store(T)
+            ks = _mma(kb, s_lo, _mma(kb, s_hi, zv16, False), True)
+            b_v = gl.convert_layout(b_r, ROW_V)
+            gam_v = gl.exp(b_v)
+            rk_v = gl.convert_layout(rk_r, ROW_V)
+            vr = vb.load(MV16).to(gl.float32)
+            R = gl.expand_dims(gl.convert_layout(bi, ROW_V), 1) * (vr - gl.expand_dims(gam_v * rk_v, 1) * ks)
+            v_s.store(R)
+            fence_async_shared()
+            Vn = gl.convert_layout(_mma(m_row, v_s, gl.zeros([C, BV], gl.float32, MV), False), MV16)
+
+            # 4. output: gamma Qn S + P V'
+            qk = gl.convert_layout(_mma(qb, kb.permute((1, 0)), zc16, False), MC)
+            P = qk * gl.exp(gl.where(causal, diff, float("-inf"))) * gl.expand_dims(rq, 1) * gl.expand_dims(rk_c, 0)
+            m_row.store(P)
+            v_s.store(Vn)
+            fence_async_shared()
+            qs = _mma(qb, s_lo, _mma(qb, s_hi, zv16, False), True)
+            acc = gl.convert_layout(gl.expand_dims(gam_v * gl.convert_layout(rq, ROW_V), 1) * qs, MV)
+            out = gl.convert_layout(_mma(m_row, v_s, acc, True), MV16)
+            p_o = gl.expand_dims(t_v * (HV * V), 1) + gl.expand_dims(c_v, 0)
+            o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+            gl.store(o_chunk + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
+
+            # 5. state: S = e^{b_last} S + K^T (V' * rk * e^{b_last - b}), the scaled values split hi + lo
+            _split_store(Vn * gl.expand_dims(rk_v * gl.exp(b_last - b_v), 1), u_hi, u_lo)
+            fence_async_shared()
+            kt = kb.permute((1, 0))
+            S = _mma(kt, u_lo, _mma(kt, u_hi, S * gl.exp(b_last), True), True)
+
+        async_copy.wait_group(0)  # no copy may outlive the program
         if STORE_HT:  # the offsets again: kept from before the loop they would hold 128 registers
             p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             gl.store(ht + p_h, S)
@@ -352,7 +559,8 @@ def fused_gated_delta_rule_fwd(
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
     BV = _value_block(N * HV, V, dev)
     grid = (V // BV, N * HV)
-    _gdn_fwd_kernel[grid](
+    kernel = {"simple": _gdn_fwd_kernel, "prefetch": _gdn_fwd_prefetch_kernel}[KERNEL]
+    kernel[grid](
         qc, kc, vc, gc, bc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
         float(scale), H, HV, K=K, V=V, BV=BV, C=CHUNK, L2=bool(use_qk_l2norm), HAS_H0=h0 is not None,
         STORE_HT=ht is not None, num_warps=NUM_WARPS,
