@@ -169,7 +169,7 @@ def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
         return
     saved = gdn_fwd.KERNEL
     try:
-        for kernel in ("simple", "prefetch"):
+        for kernel in ("simple", "prefetch", "split"):
             gdn_fwd.KERNEL = kernel
             f = lambda: gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
             try:
@@ -463,7 +463,7 @@ def _table(info, rows):
         lines += ["", "Fused Gluon forward (sm_90; hybridlm.ops.gluon.gdn_fwd, not yet behind impl=\"auto\"):", "",
                   "| shape | kernel | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|---|"]
         for r in fused:
-            for kernel in ("simple", "prefetch"):
+            for kernel in ("simple", "prefetch", "split"):
                 ms = r.get(f"gluon_{kernel}_fwd_ms")
                 if ms is None:
                     lines.append(f"| {r['shape']} | {kernel} | failed: {r.get(f'gluon_{kernel}_error', '-')} | | | |")

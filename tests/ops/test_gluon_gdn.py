@@ -5,11 +5,11 @@ inputs each run, the seed in every failure message; outputs are NaN-poisoned by 
 element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; both value blocks (32, 64); both kernels ("simple", "prefetch"). Bar (relative RMS vs float64 on the same
-rounded inputs), as for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
+fp16; both value blocks (32, 64); every plan ("simple", "prefetch", "split"). Bar (relative RMS vs float64 on the
+same rounded inputs), as for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
 
-Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, both Gluon
-kernels and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
+Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, each Gluon
+plan and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True, params=["simple", "prefetch"])
+@pytest.fixture(autouse=True, params=["simple", "prefetch", "split"])
 def kernel(request, monkeypatch):
-    """Every case runs on both kernels, outputs NaN-poisoned."""
+    """Every case runs on each plan, outputs NaN-poisoned."""
     monkeypatch.setattr(gdn_fwd, "POISON", True)
     monkeypatch.setattr(gdn_fwd, "KERNEL", request.param)
     return request.param
@@ -143,7 +143,8 @@ def _time_shape(B, T, H, D, gen, fla_gdn):
         return gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]
 
     runs = {"triton": lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0],
-            "gluon-simple": lambda: gluon("simple"), "gluon-prefetch": lambda: gluon("prefetch")}
+            "gluon-simple": lambda: gluon("simple"), "gluon-prefetch": lambda: gluon("prefetch"),
+            "gluon-split": lambda: gluon("split")}
     if fla_gdn is not None:
         runs["fla"] = lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     row = {}

@@ -18,12 +18,17 @@ Non-standard here:
   of A, N = Td L is nilpotent (N^4 = 0), so T = (I + N)^{-1} Td = (I - N)(I + N^2) Td: four 64x64 products.
 - tf32 warpgroup MMAs read both operands K-major, so every matrix that enters as the right operand is stored
   through a transposed NVMMA shared layout, and k is copied transposed into q's buffer for the state update.
-- Two kernels, to be measured against each other (KERNEL picks; the loser goes): `_gdn_fwd_kernel` ("simple")
+- Three plans, to be measured against each other (KERNEL picks; the losers go): `_gdn_fwd_kernel` ("simple")
   loads each chunk synchronously and runs every product in tf32 as above; `_gdn_fwd_prefetch_kernel`
   ("prefetch") copies the next chunk's q, k, v asynchronously (cp.async, double buffer) while this chunk computes,
   and runs the products that read q, k or the state with 16-bit operands: q and k as stored (exact), the state and
   the scaled new values split hi + lo into two 16-bit halves (~2^-16 relative, better than tf32), which also
   frees the fp32 copies of q and k for the copy buffers. Only T, P and the new values of V' = T R and P V' stay tf32.
+  "split": two launches, `_gdn_t_kernel` solving T of every chunk in parallel (all multiprocessors, two programs
+  each) into a [chunks, HV, 64, 64] fp32 buffer, then `_gdn_fwd_split_kernel`, the prefetch kernel reading T with
+  the next chunk's inputs: the sequential chain per chunk keeps only the products that need the state, for 16 KB
+  written and read again per chunk and value head (q, k, v bring 48 KB). Not the one-launch design, but the
+  measure of what the T solve costs the sequential chain.
 
 Not here yet (the host refuses it): K or V other than 128, fp32 inputs, warp specialization (a TMA load warp and
 an auxiliary warpgroup computing the next chunk's T and Q K^T while this one updates the state).
@@ -47,7 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks: 64 fits the 227 KB of shared memory (one program per multiprocessor)
 NUM_WARPS = 4  # one warpgroup
-KERNEL = "simple"  # "simple" (synchronous loads, tf32 state products) or "prefetch"; see the two kernels
+KERNEL = "simple"  # "simple", "prefetch" or "split" (see the module docstring): to be settled by measurement
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
 SUPPORTED_V = (128,)
@@ -478,6 +483,226 @@ if _IMPORT_ERROR is None:
             p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             gl.store(ht + p_h, S)
 
+    @gluon.jit
+    def _gdn_t_kernel(
+        k, g, beta, Tbuf, cu, chunk_off, H, HV,
+        K: gl.constexpr, C: gl.constexpr, L2: gl.constexpr,
+    ):
+        """T = (I + A)^{-1} of every chunk, in parallel: grid (most chunks of a sequence, sequences x HV); T of
+        chunk c of sequence n and value head hv goes to Tbuf[chunk_off[n] + c, hv] ([chunks, HV, C, C] fp32).
+        A from the raw keys in 16-bit products (exact), as in `_gdn_fwd_prefetch_kernel`."""
+        i_c0 = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        seq_len = gl.load(cu + i_n + 1) - bos
+        c0 = i_c0 * C
+        if c0 < seq_len:
+            dt: gl.constexpr = k.dtype.element_ty
+            MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, C, 8])
+            MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, C, 16])
+            COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+            SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+            SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                      transposed=True)
+            SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
+            PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
+            m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+            m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+            m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+            plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+            d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
+            nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+            i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
+            j_c = gl.arange(0, C, layout=COL_C)
+
+            _issue_rows(k, k_st, bos, c0, seq_len, i_h, H, K, C)
+            async_copy.commit_group()
+            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                          other=0.0).to(gl.float32)
+            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=c0 + i_c < seq_len,
+                         other=0.0).to(gl.float32)
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            if L2:
+                _row_norms(k_st, nk, K, C)
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
+            b_c = gl.convert_layout(b_r, COL_C)
+            fence_async_shared()
+            kk = gl.convert_layout(_mma(k_st, k_st.permute((1, 0)), gl.zeros([C, C], gl.float32, MC16), False), MC)
+            lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
+                * gl.expand_dims(rk_c, 0)
+            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
+            slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
+            p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
+            gl.store(Tbuf + slot * C * C + p_t, T)
+
+    @gluon.jit
+    def _gdn_fwd_split_kernel(
+        q, k, v, g, beta, Tbuf, o, h0, ht, cu, chunk_off, scale, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        """`_gdn_fwd_prefetch_kernel` with T read from Tbuf (written by `_gdn_t_kernel` before it) instead of
+        solved here: the sequential chain per chunk keeps only the products that need the state, and T is copied
+        in with the next chunk's q, k, v. Same grid."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        eos = gl.load(cu + i_n + 1)
+        seq_len = eos - bos
+        t_first = gl.load(chunk_off + i_n).to(gl.int64)
+        dt: gl.constexpr = q.dtype.element_ty
+
+        MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
+        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
+        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BV, 16])
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        ROW_V: gl.constexpr = gl.SliceLayout(1, MV16)
+        LT: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+
+        SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                  transposed=True)
+        SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
+        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)
+        k_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)
+        v_st = gl.allocate_shared_memory(dt, [2, C, BV], SL_V)
+        t_st = gl.allocate_shared_memory(gl.float32, [2, C, C], SL_ROW)  # T of this chunk and the next
+        s_hi = gl.allocate_shared_memory(dt, [K, BV], SL_V)
+        s_lo = gl.allocate_shared_memory(dt, [K, BV], SL_V)
+        u_hi = gl.allocate_shared_memory(dt, [C, BV], SL_V)
+        u_lo = gl.allocate_shared_memory(dt, [C, BV], SL_V)
+        v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)
+        m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+        nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+        nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+
+        i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
+        j_c = gl.arange(0, C, layout=COL_C)
+        t_v = gl.arange(0, C, layout=ROW_V)
+        c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, MV16))
+        r_k = gl.arange(0, K, layout=ROW_V)
+        t_ldv = gl.arange(0, C, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        c_ldv = gl.arange(0, BV, layout=gl.SliceLayout(0, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        p_t = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(1, LT)) * C, 1) \
+            + gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, LT)), 0)
+        col0 = i_v * BV
+
+        if HAS_H0:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            S = gl.load(h0 + p_h)
+        else:
+            S = gl.zeros([K, BV], gl.float32, MV16)
+
+        p_v = gl.expand_dims(t_ldv * (HV * V), 1) + gl.expand_dims(c_ldv, 0)
+        v_base = v + i_hv * V + col0
+        _issue_rows(q, q_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        _issue_rows(k, k_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        async_copy.async_copy_global_to_shared(v_st.index(0), v_base + bos.to(gl.int64) * HV * V + p_v,
+                                               mask=gl.expand_dims(t_ldv < seq_len, 1))
+        async_copy.async_copy_global_to_shared(t_st.index(0), Tbuf + (t_first * HV + i_hv) * C * C + p_t,
+                                               mask=(p_t >= 0) & (seq_len > 0))
+        async_copy.commit_group()
+
+        for c0 in range(0, seq_len, C):
+            buf = (c0 // C) % 2
+            gl.thread_barrier()
+            nxt = c0 + C
+            _issue_rows(q, q_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            _issue_rows(k, k_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            async_copy.async_copy_global_to_shared(v_st.index(1 - buf),
+                                                   v_base + (bos + nxt).to(gl.int64) * HV * V + p_v,
+                                                   mask=gl.expand_dims(nxt + t_ldv < seq_len, 1))
+            slot = (t_first + nxt // C) * HV + i_hv
+            async_copy.async_copy_global_to_shared(t_st.index(1 - buf), Tbuf + slot * C * C + p_t,
+                                                   mask=(p_t >= 0) & (nxt < seq_len))
+            async_copy.commit_group()
+            ok_c = c0 + i_c < seq_len
+            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                          other=0.0).to(gl.float32)
+            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            _split_store(S, s_hi, s_lo)
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            qb = q_st.index(buf)
+            kb = k_st.index(buf)
+            vb = v_st.index(buf)
+            if L2:
+                _row_norms(qb, nq, K, C)
+                _row_norms(kb, nk, K, C)
+                rq = gl.rsqrt(nq.load(gl.SliceLayout(1, MC)) + 1e-6) * scale
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC)) * scale
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
+            b_c = gl.convert_layout(b_r, COL_C)
+            b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
+            fence_async_shared()
+            zc16 = gl.zeros([C, C], gl.float32, MC16)
+            zv16 = gl.zeros([C, BV], gl.float32, MV16)
+
+            # 1. V' = T (beta (v - gamma Kn S))
+            ks = _mma(kb, s_lo, _mma(kb, s_hi, zv16, False), True)
+            b_v = gl.convert_layout(b_r, ROW_V)
+            gam_v = gl.exp(b_v)
+            rk_v = gl.convert_layout(rk_r, ROW_V)
+            vr = vb.load(MV16).to(gl.float32)
+            R = gl.expand_dims(gl.convert_layout(bi, ROW_V), 1) * (vr - gl.expand_dims(gam_v * rk_v, 1) * ks)
+            v_s.store(R)
+            fence_async_shared()
+            Vn = gl.convert_layout(_mma(t_st.index(buf), v_s, gl.zeros([C, BV], gl.float32, MV), False), MV16)
+
+            # 2. output: gamma Qn S + P V'
+            qk = gl.convert_layout(_mma(qb, kb.permute((1, 0)), zc16, False), MC)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            P = qk * gl.exp(gl.where(causal, diff, float("-inf"))) * gl.expand_dims(rq, 1) * gl.expand_dims(rk_c, 0)
+            m_row.store(P)
+            v_s.store(Vn)
+            fence_async_shared()
+            qs = _mma(qb, s_lo, _mma(qb, s_hi, zv16, False), True)
+            acc = gl.convert_layout(gl.expand_dims(gam_v * gl.convert_layout(rq, ROW_V), 1) * qs, MV)
+            out = gl.convert_layout(_mma(m_row, v_s, acc, True), MV16)
+            p_o = gl.expand_dims(t_v * (HV * V), 1) + gl.expand_dims(c_v, 0)
+            o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+            gl.store(o_chunk + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
+
+            # 3. state
+            _split_store(Vn * gl.expand_dims(rk_v * gl.exp(b_last - b_v), 1), u_hi, u_lo)
+            fence_async_shared()
+            kt = kb.permute((1, 0))
+            S = _mma(kt, u_lo, _mma(kt, u_hi, S * gl.exp(b_last), True), True)
+
+        async_copy.wait_group(0)
+        if STORE_HT:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            gl.store(ht + p_h, S)
+
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if q.dim() != 4 or k.shape != q.shape:
@@ -559,10 +784,35 @@ def fused_gated_delta_rule_fwd(
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
     BV = _value_block(N * HV, V, dev)
     grid = (V // BV, N * HV)
-    kernel = {"simple": _gdn_fwd_kernel, "prefetch": _gdn_fwd_prefetch_kernel}[KERNEL]
-    kernel[grid](
-        qc, kc, vc, gc, bc, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
-        float(scale), H, HV, K=K, V=V, BV=BV, C=CHUNK, L2=bool(use_qk_l2norm), HAS_H0=h0 is not None,
-        STORE_HT=ht is not None, num_warps=NUM_WARPS,
-    )
+    states = (h0 if h0 is not None else dummy, ht if ht is not None else dummy)
+    meta = dict(K=K, V=V, BV=BV, C=CHUNK, L2=bool(use_qk_l2norm), HAS_H0=h0 is not None, STORE_HT=ht is not None,
+                num_warps=NUM_WARPS)
+    if KERNEL == "split":
+        Tbuf, chunk_off = _solve_all_chunks(kc, gc, bc, cu, T if cu_seqlens is None else None, H, HV, K,
+                                                  bool(use_qk_l2norm))
+        _gdn_fwd_split_kernel[grid](qc, kc, vc, gc, bc, Tbuf, o, *states, cu, chunk_off, float(scale), H, HV, **meta)
+    else:
+        kernel = {"simple": _gdn_fwd_kernel, "prefetch": _gdn_fwd_prefetch_kernel}[KERNEL]
+        kernel[grid](qc, kc, vc, gc, bc, o, *states, cu, float(scale), H, HV, **meta)
     return o, ht
+
+
+def _solve_all_chunks(k, g, beta, cu, T, H, HV, K, l2):
+    """T of every chunk and value head by `_gdn_t_kernel`: ([chunks, HV, C, C] fp32, chunk offsets of the sequences
+    [N + 1] int32). T: the common length of unpacked sequences, else None (the lengths are read from cu: one host
+    sync)."""
+    N = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + CHUNK - 1) // CHUNK
+    chunk_off = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
+    if T is not None:
+        most = -(-T // CHUNK)
+        total = N * most
+    else:
+        host = nch.tolist()
+        most, total = max(host, default=0), sum(host)
+    Tbuf = torch.empty(max(total, 1), HV, CHUNK, CHUNK, dtype=torch.float32, device=k.device)
+    if most > 0:
+        _gdn_t_kernel[(most, N * HV)](k, g, beta, Tbuf, cu, chunk_off, H, HV, K=K, C=CHUNK, L2=l2,
+                                      num_warps=NUM_WARPS)
+    return Tbuf, chunk_off
