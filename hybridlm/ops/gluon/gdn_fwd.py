@@ -50,7 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
-BV_CHOICES = (64, 32)  # value blocks: 64 fits the 227 KB of shared memory (one program per multiprocessor)
+BV_CHOICES = (64, 32)  # value blocks (shared memory: one program per multiprocessor either way); see _value_block
 NUM_WARPS = 4  # one warpgroup
 KERNEL = "simple"  # "simple", "prefetch" or "split" (see the module docstring): to be settled by measurement
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
@@ -735,10 +735,11 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
 
 
 def _value_block(heads: int, V: int, dev: torch.device) -> int:
-    """64, or 32 when V / 64 x heads programs would leave multiprocessors idle (one program fits on each: its
-    shared memory); a smaller block repeats the chunk-local work (A, T, P) once more per value block."""
+    """64, or 32 when even V / 32 x heads programs fit in one wave (one program per multiprocessor: its shared
+    memory): each program walks the whole sequence, so at few heads only more programs shorten the run, although a
+    smaller block repeats the chunk-local work (A, T, P) once more per value block."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    return 64 if heads * (V // 64) >= sms else 32
+    return 32 if heads * (V // 32) <= sms else 64
 
 
 def fused_gated_delta_rule_fwd(
