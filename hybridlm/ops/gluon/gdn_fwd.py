@@ -30,8 +30,11 @@ Non-standard here:
   written and read again per chunk and value head (q, k, v bring 48 KB). Not the one-launch design, but the
   measure of what the T solve costs the sequential chain.
 
-Not here yet (the host refuses it): K or V other than 128, fp32 inputs, warp specialization (a TMA load warp and
-an auxiliary warpgroup computing the next chunk's T and Q K^T while this one updates the state).
+Not here yet (the host refuses the first two): K or V other than 128; fp32 inputs; the state pool form of chunked
+prefill; warp specialization (a load warp and an auxiliary warpgroup solving the next chunk's T while this one
+runs the state chain: at value block 32 the split kernel's 153 KB of shared memory plus the solve's 69 KB fit).
+All three plans hold one program per multiprocessor (shared memory) with 4 warps, so each runs its chunks as one
+serial chain of products, solves and barriers: latency, not bandwidth or tensor-core throughput, bounds them.
 """
 
 from __future__ import annotations
