@@ -326,6 +326,15 @@ if _IMPORT_ERROR is None:
         lo_smem.store((x - hi.to(gl.float32)).to(lo_smem.dtype))
 
     @gluon.jit
+    def _gates(g, beta, bos, c0, seq_len, i_hv, HV, i_c, j_c):
+        """g of the chunk at c0 as columns (j_c's layout) and beta as rows (i_c's), fp32, zero past the sequence."""
+        g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                      other=0.0).to(gl.float32)
+        b_r = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=c0 + i_c < seq_len,
+                      other=0.0).to(gl.float32)
+        return g_c, b_r
+
+    @gluon.jit
     def _gdn_fwd_prefetch_kernel(
         q, k, v, g, beta, o, h0, ht, cu, scale, H, HV,
         K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
@@ -399,6 +408,7 @@ if _IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(v_st.index(0), v_base + bos.to(gl.int64) * HV * V + p_v,
                                                mask=gl.expand_dims(t_ldv < seq_len, 1))
         async_copy.commit_group()
+        g_nxt, beta_nxt = _gates(g, beta, bos, 0, seq_len, i_hv, HV, i_c, j_c)  # in registers a chunk ahead
 
         for c0 in range(0, seq_len, C):
             buf = (c0 // C) % 2
@@ -412,10 +422,8 @@ if _IMPORT_ERROR is None:
                                                    v_base + (bos + nxt).to(gl.int64) * HV * V + p_v,
                                                    mask=gl.expand_dims(nxt + t_ldv < seq_len, 1))
             async_copy.commit_group()
-            ok_c = c0 + i_c < seq_len
-            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
-                          other=0.0).to(gl.float32)
-            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            g_c, bi = g_nxt, beta_nxt
+            g_nxt, beta_nxt = _gates(g, beta, bos, nxt, seq_len, i_hv, HV, i_c, j_c)
             _split_store(S, s_hi, s_lo)
             async_copy.wait_group(1)
             gl.thread_barrier()  # every thread's copies of this chunk have landed
@@ -628,6 +636,7 @@ if _IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(t_st.index(0), Tbuf + (t_first * HV + i_hv) * C * C + p_t,
                                                mask=(p_t >= 0) & (seq_len > 0))
         async_copy.commit_group()
+        g_nxt, beta_nxt = _gates(g, beta, bos, 0, seq_len, i_hv, HV, i_c, j_c)  # in registers a chunk ahead
 
         for c0 in range(0, seq_len, C):
             buf = (c0 // C) % 2
@@ -642,10 +651,8 @@ if _IMPORT_ERROR is None:
             async_copy.async_copy_global_to_shared(t_st.index(1 - buf), Tbuf + slot * C * C + p_t,
                                                    mask=(p_t >= 0) & (nxt < seq_len))
             async_copy.commit_group()
-            ok_c = c0 + i_c < seq_len
-            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
-                          other=0.0).to(gl.float32)
-            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=ok_c, other=0.0).to(gl.float32)
+            g_c, bi = g_nxt, beta_nxt
+            g_nxt, beta_nxt = _gates(g, beta, bos, nxt, seq_len, i_hv, HV, i_c, j_c)
             _split_store(S, s_hi, s_lo)
             async_copy.wait_group(1)
             gl.thread_barrier()
