@@ -296,26 +296,23 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
-        """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, W] with row width W = H * K and the
-        head's K columns) into x_smem [C, K]; rows past the sequence are zero-filled. 16 rows a copy, so the tile's
-        pointers never hold more than 32 registers a thread."""
+        """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, K]) into x_smem [C, K]; rows past
+        the sequence are zero-filled. One copy of the whole tile: copies into slices of one buffer would each be
+        fenced from the next by a barrier (the compiler sees writes to one allocation)."""
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        t = gl.arange(0, 16, layout=gl.SliceLayout(1, LR))
+        t = gl.arange(0, C, layout=gl.SliceLayout(1, LR))
         col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
         x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K
-        for r in gl.static_range(C // 16):
-            row = 16 * r + t
-            p = gl.expand_dims(row * (H * K), 1) + gl.expand_dims(col, 0)
-            async_copy.async_copy_global_to_shared(x_smem.slice(16 * r, 16, dim=0), x_chunk + p,
-                                                   mask=gl.expand_dims(c0 + row < seq_len, 1))
+        p = gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0)
+        async_copy.async_copy_global_to_shared(x_smem, x_chunk + p, mask=gl.expand_dims(c0 + t < seq_len, 1))
 
     @gluon.jit
     def _row_norms(x_smem, nrm_smem, K: gl.constexpr, C: gl.constexpr):
-        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, 16 rows at a time."""
+        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, in one pass (stores to
+        slices of one buffer would each wait on a barrier)."""
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        for r in gl.static_range(C // 16):
-            xr = x_smem.slice(16 * r, 16, dim=0).load(LR).to(gl.float32)
-            nrm_smem.slice(16 * r, 16, dim=0).store(gl.sum(xr * xr, axis=1))
+        xr = x_smem.load(LR).to(gl.float32)
+        nrm_smem.store(gl.sum(xr * xr, axis=1))
 
     @gluon.jit
     def _split_store(x, hi_smem, lo_smem):
