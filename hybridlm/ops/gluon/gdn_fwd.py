@@ -118,30 +118,31 @@ if _IMPORT_ERROR is None:
         return plain_smem.load(LAYOUT)
 
     @gluon.jit
-    def _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+    def _t_matrix(A, plain, d3, m_row, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
         """T = (I + A)^{-1} = (I - N)(I + N^2) Td for the strictly lower A [C, C] (fp32, layout MC): Td the exact
-        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products;
-        m_row (row-major) and m_t1, m_t2 (transposed) are [C, C] fp32 staging buffers, plain and d3 the solve's."""
+        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products
+        through two [C, C] fp32 staging buffers, m_row (left operands) and m_t (right ones, transposed); plain and
+        d3 are the solve's."""
         zc = gl.zeros([C, C], gl.float32, MC)
         plain.store(A)
         Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
         m_row.store(Td)
         block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
-        m_t1.store(gl.where(block_lower, A, 0.0))
-        m_t2.store(Td)
+        m_t.store(gl.where(block_lower, A, 0.0))
         fence_async_shared()
-        N = _mma(m_row, m_t1, zc, False)
+        N = _mma(m_row, m_t, zc, False)
         m_row.store(N)
-        m_t1.store(N)
+        m_t.store(N)
         fence_async_shared()
-        N2 = _mma(m_row, m_t1, zc, False)
+        N2 = _mma(m_row, m_t, zc, False)
         m_row.store(N2)
+        m_t.store(Td)
         fence_async_shared()
-        P1 = _mma(m_row, m_t2, Td, True)  # (I + N^2) Td
+        P1 = _mma(m_row, m_t, Td, True)  # (I + N^2) Td
         m_row.store(N)
-        m_t2.store(P1)
+        m_t.store(P1)
         fence_async_shared()
-        return P1 - _mma(m_row, m_t2, zc, False)
+        return P1 - _mma(m_row, m_t, zc, False)
 
     @gluon.jit
     def _stage_rows(x, x_smem, nrm_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
@@ -196,7 +197,6 @@ if _IMPORT_ERROR is None:
         v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)  # beta (v - gamma K S), then V'
         m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
         m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
-        m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
         plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
         PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)  # squared row norms of q
@@ -254,7 +254,7 @@ if _IMPORT_ERROR is None:
                 * gl.expand_dims(rk_c, 0)
 
             # 3. T = (I + A)^{-1}
-            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
+            T = _t_matrix(A, plain, d3, m_row, m_t1, i_c, j_c, C, MC)
 
             # 4. new values V' = T (beta (v - gamma Kn S)), the key scales entering on K S
             m_row.store(T)
@@ -376,7 +376,6 @@ if _IMPORT_ERROR is None:
         v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)  # beta (v - gamma K S), then V' (tf32)
         m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
         m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
-        m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
         plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
         d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
         nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
@@ -453,7 +452,7 @@ if _IMPORT_ERROR is None:
                 * gl.expand_dims(rk_c, 0)
 
             # 2. T = (I + A)^{-1}
-            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
+            T = _t_matrix(A, plain, d3, m_row, m_t1, i_c, j_c, C, MC)
 
             # 3. V' = T (beta (v - gamma Kn S)); K S from the state's hi + lo
             m_row.store(T)
@@ -523,7 +522,6 @@ if _IMPORT_ERROR is None:
             k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
             m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
             m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
-            m_t2 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
             plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
             d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
             nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
@@ -554,7 +552,7 @@ if _IMPORT_ERROR is None:
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
-            T = _t_matrix(A, plain, d3, m_row, m_t1, m_t2, i_c, j_c, C, MC)
+            T = _t_matrix(A, plain, d3, m_row, m_t1, i_c, j_c, C, MC)
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
             gl.store(Tbuf + slot * C * C + p_t, T)
