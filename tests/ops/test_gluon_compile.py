@@ -3,7 +3,8 @@
 Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drift and shared-memory overflow in CI.
 Each kernel is compiled through `triton.compile` with a CUDA `GPUTarget` of capability 90, its arguments typed as
 the host wrapper passes them (16-byte aligned pointers, as torch allocations are): every kernel once in bf16 with
-l2norm and both states at value block 64, the forward kernels once more in fp16 without them at value block 32.
+l2norm and both states at value block 64 (the warp-specialized one at 32, the only block it takes), the forward
+kernels once more in fp16 without them at value block 32.
 About 10 s a compile on one core.
 """
 
@@ -24,7 +25,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
-KERNELS = ["_gdn_fwd_kernel", "_gdn_fwd_prefetch_kernel", "_gdn_t_kernel", "_gdn_fwd_split_kernel"]
+KERNELS = ["_gdn_fwd_kernel", "_gdn_fwd_prefetch_kernel", "_gdn_t_kernel", "_gdn_fwd_split_kernel",
+           "_gdn_fwd_ws_kernel"]
 FP32_PTRS = ("g", "h0", "ht", "Tbuf")
 INT_PTRS = ("cu", "chunk_off")
 INTS = ("H", "HV")
@@ -51,7 +53,7 @@ def compile_kernel(name: str, dtype: str, *, bv: int, l2: bool, state: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gdn_fwd.NUM_WARPS})
 
 
-CASES = [(name, "bf16", 64, True, True) for name in KERNELS]
+CASES = [(name, "bf16", 32 if name == "_gdn_fwd_ws_kernel" else 64, True, True) for name in KERNELS]
 CASES += [(name, "fp16", 32, False, False) for name in KERNELS if name != "_gdn_t_kernel"]
 
 

@@ -29,11 +29,13 @@ Non-standard here:
   the next chunk's inputs: the sequential chain per chunk keeps only the products that need the state, for 16 KB
   written and read again per chunk and value head (q, k, v bring 48 KB). Not the one-launch design, but the
   measure of what the T solve costs the sequential chain.
+  "ws": `_gdn_fwd_ws_kernel`, the one-launch form of "split": warp-specialized, a worker partition (4 warps)
+  solves T of the next chunks into a double buffer guarded by mbarriers (t_full / t_empty) while the default
+  partition (4 warps) runs the state chain; value block 32, where both partitions' buffers fit (221 KB).
 
 Not here yet (the host refuses the first two): K or V other than 128; fp32 inputs; the state pool form of chunked
-prefill; warp specialization (a load warp and an auxiliary warpgroup solving the next chunk's T while this one
-runs the state chain: at value block 32 the split kernel's 153 KB of shared memory plus the solve's 69 KB fit).
-All three plans hold one program per multiprocessor (shared memory) with 4 warps, so each runs its chunks as one
+prefill; a load warp (TMA) feeding both partitions of "ws" instead of their own asynchronous copies.
+All plans hold one program per multiprocessor (shared memory) with 4 warps, so each runs its chunks as one
 serial chain of products, solves and barriers: latency, not bandwidth or tensor-core throughput, bounds them.
 """
 
@@ -45,7 +47,12 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+    )
 
     _IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - depends on the installed Triton
@@ -55,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks (shared memory: one program per multiprocessor either way); see _value_block
 NUM_WARPS = 4  # one warpgroup
-KERNEL = "simple"  # "simple", "prefetch" or "split" (see the module docstring): to be settled by measurement
+KERNEL = "simple"  # "simple", "prefetch", "split" or "ws" (see the module docstring): to be settled by measurement
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
 SUPPORTED_V = (128,)
@@ -708,6 +715,218 @@ if _IMPORT_ERROR is None:
             p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             gl.store(ht + p_h, S)
 
+    @gluon.jit
+    def _ws_solve_partition(k, g, beta, bos, seq_len, i_h, i_hv, H, HV, k_w, m_row, m_t, plain, d3, nk, t_st, t_full,
+                            t_empty, K: gl.constexpr, C: gl.constexpr, L2: gl.constexpr):
+        """Worker partition of `_gdn_fwd_ws_kernel`: T of every chunk, in order, into t_st[n % 2] (fp32 [C, C]),
+        signalling t_full[n % 2] and waiting on t_empty[n % 2] before it overwrites a slot; it runs up to two chunks
+        ahead of the state chain. Its own copy of k (single buffer)."""
+        MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
+        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
+        j_c = gl.arange(0, C, layout=COL_C)
+        for c0 in range(0, seq_len, C):
+            n = c0 // C
+            slot = n % 2
+            _issue_rows(k, k_w, bos, c0, seq_len, i_h, H, K, C)
+            async_copy.commit_group()
+            g_c, bi = _gates(g, beta, bos, c0, seq_len, i_hv, HV, i_c, j_c)
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            if L2:
+                _row_norms(k_w, nk, K, C)
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
+            b_c = gl.convert_layout(b_r, COL_C)
+            fence_async_shared()
+            kk = gl.convert_layout(_mma(k_w, k_w.permute((1, 0)), gl.zeros([C, C], gl.float32, MC16), False), MC)
+            lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
+                * gl.expand_dims(rk_c, 0)
+            T = _t_matrix(A, plain, d3, m_row, m_t, i_c, j_c, C, MC)
+            mbarrier.wait(t_empty.index(slot), ((n // 2) & 1) ^ 1)  # the chain is done with this slot's last T
+            t_st.index(slot).store(T)
+            fence_async_shared()
+            mbarrier.arrive(t_full.index(slot), count=1)
+
+    @gluon.jit
+    def _ws_chain_partition(q, k, v, g, beta, o, h0, ht, bos, seq_len, i_n, i_h, i_hv, col0, scale, H, HV, q_st, k_st,
+                            v_st, s_hi, s_lo, u_hi, u_lo, v_s, m_row, nq, nk, t_st, t_full, t_empty,
+                            K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, L2: gl.constexpr,
+                            HAS_H0: gl.constexpr, STORE_HT: gl.constexpr):
+        """Default partition of `_gdn_fwd_ws_kernel`: the state chain of `_gdn_fwd_split_kernel`, T taken from
+        t_st[n % 2] once t_full[n % 2] says the solve partition wrote it, and the slot handed back after use."""
+        MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
+        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        MV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
+        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BV, 16])
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        ROW_V: gl.constexpr = gl.SliceLayout(1, MV16)
+        i_c = gl.arange(0, C, layout=gl.SliceLayout(1, MC))
+        j_c = gl.arange(0, C, layout=COL_C)
+        t_v = gl.arange(0, C, layout=ROW_V)
+        c_v = gl.arange(0, BV, layout=gl.SliceLayout(0, MV16))
+        r_k = gl.arange(0, K, layout=ROW_V)
+        t_ldv = gl.arange(0, C, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        c_ldv = gl.arange(0, BV, layout=gl.SliceLayout(0, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])))
+        if HAS_H0:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            S = gl.load(h0 + p_h)
+        else:
+            S = gl.zeros([K, BV], gl.float32, MV16)
+        p_v = gl.expand_dims(t_ldv * (HV * V), 1) + gl.expand_dims(c_ldv, 0)
+        v_base = v + i_hv * V + col0
+        _issue_rows(q, q_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        _issue_rows(k, k_st.index(0), bos, 0, seq_len, i_h, H, K, C)
+        async_copy.async_copy_global_to_shared(v_st.index(0), v_base + bos.to(gl.int64) * HV * V + p_v,
+                                               mask=gl.expand_dims(t_ldv < seq_len, 1))
+        async_copy.commit_group()
+        g_nxt, beta_nxt = _gates(g, beta, bos, 0, seq_len, i_hv, HV, i_c, j_c)
+        for c0 in range(0, seq_len, C):
+            n = c0 // C
+            buf = n % 2
+            gl.thread_barrier()
+            nxt = c0 + C
+            _issue_rows(q, q_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            _issue_rows(k, k_st.index(1 - buf), bos, nxt, seq_len, i_h, H, K, C)
+            async_copy.async_copy_global_to_shared(v_st.index(1 - buf),
+                                                   v_base + (bos + nxt).to(gl.int64) * HV * V + p_v,
+                                                   mask=gl.expand_dims(nxt + t_ldv < seq_len, 1))
+            async_copy.commit_group()
+            g_c, bi = g_nxt, beta_nxt
+            g_nxt, beta_nxt = _gates(g, beta, bos, nxt, seq_len, i_hv, HV, i_c, j_c)
+            _split_store(S, s_hi, s_lo)
+            async_copy.wait_group(1)
+            gl.thread_barrier()
+            qb = q_st.index(buf)
+            kb = k_st.index(buf)
+            vb = v_st.index(buf)
+            if L2:
+                _row_norms(qb, nq, K, C)
+                _row_norms(kb, nk, K, C)
+                rq = gl.rsqrt(nq.load(gl.SliceLayout(1, MC)) + 1e-6) * scale
+                rk_r = gl.rsqrt(nk.load(gl.SliceLayout(1, MC)) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rq = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC)) * scale
+                rk_r = gl.full([C], 1.0, gl.float32, gl.SliceLayout(1, MC))
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
+            b_c = gl.convert_layout(b_r, COL_C)
+            b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
+            fence_async_shared()
+            zc16 = gl.zeros([C, C], gl.float32, MC16)
+            zv16 = gl.zeros([C, BV], gl.float32, MV16)
+
+            # 1. V' = T (beta (v - gamma Kn S)), T from the solve partition
+            ks = _mma(kb, s_lo, _mma(kb, s_hi, zv16, False), True)
+            b_v = gl.convert_layout(b_r, ROW_V)
+            gam_v = gl.exp(b_v)
+            rk_v = gl.convert_layout(rk_r, ROW_V)
+            vr = vb.load(MV16).to(gl.float32)
+            R = gl.expand_dims(gl.convert_layout(bi, ROW_V), 1) * (vr - gl.expand_dims(gam_v * rk_v, 1) * ks)
+            v_s.store(R)
+            fence_async_shared()
+            slot = n % 2
+            mbarrier.wait(t_full.index(slot), (n // 2) & 1)
+            Vn = gl.convert_layout(_mma(t_st.index(slot), v_s, gl.zeros([C, BV], gl.float32, MV), False), MV16)
+            mbarrier.arrive(t_empty.index(slot), count=1)
+
+            # 2. output: gamma Qn S + P V'
+            qk = gl.convert_layout(_mma(qb, kb.permute((1, 0)), zc16, False), MC)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            P = qk * gl.exp(gl.where(causal, diff, float("-inf"))) * gl.expand_dims(rq, 1) * gl.expand_dims(rk_c, 0)
+            m_row.store(P)
+            v_s.store(Vn)
+            fence_async_shared()
+            qs = _mma(qb, s_lo, _mma(qb, s_hi, zv16, False), True)
+            acc = gl.convert_layout(gl.expand_dims(gam_v * gl.convert_layout(rq, ROW_V), 1) * qs, MV)
+            out = gl.convert_layout(_mma(m_row, v_s, acc, True), MV16)
+            p_o = gl.expand_dims(t_v * (HV * V), 1) + gl.expand_dims(c_v, 0)
+            o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+            gl.store(o_chunk + p_o, out.to(o.dtype.element_ty), mask=gl.expand_dims(c0 + t_v < seq_len, 1))
+
+            # 3. state
+            _split_store(Vn * gl.expand_dims(rk_v * gl.exp(b_last - b_v), 1), u_hi, u_lo)
+            fence_async_shared()
+            kt = kb.permute((1, 0))
+            S = _mma(kt, u_lo, _mma(kt, u_hi, S * gl.exp(b_last), True), True)
+        async_copy.wait_group(0)
+        if STORE_HT:
+            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            gl.store(ht + p_h, S)
+
+    @gluon.jit
+    def _gdn_fwd_ws_kernel(
+        q, k, v, g, beta, o, h0, ht, cu, scale, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        """One launch, warp-specialized: the default partition (4 warps) runs the state chain of
+        `_gdn_fwd_split_kernel` while a worker partition (4 warps) solves T of the next chunks into a double
+        buffer guarded by mbarriers. Same arguments and grid as `_gdn_fwd_kernel`; value block 32 (the shared
+        memory of both partitions)."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        seq_len = gl.load(cu + i_n + 1) - bos
+        dt: gl.constexpr = q.dtype.element_ty
+        SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                  transposed=True)
+        SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
+        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        # the chain's buffers
+        q_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)
+        k_st = gl.allocate_shared_memory(dt, [2, C, K], SL_QK)
+        v_st = gl.allocate_shared_memory(dt, [2, C, BV], SL_V)
+        s_hi = gl.allocate_shared_memory(dt, [K, BV], SL_V)
+        s_lo = gl.allocate_shared_memory(dt, [K, BV], SL_V)
+        u_hi = gl.allocate_shared_memory(dt, [C, BV], SL_V)
+        u_lo = gl.allocate_shared_memory(dt, [C, BV], SL_V)
+        v_s = gl.allocate_shared_memory(gl.float32, [C, BV], SL_T)
+        m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+        nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+        nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+        # the solve's buffers, and the hand-over of T
+        k_w = gl.allocate_shared_memory(dt, [C, K], SL_QK)
+        m_row_w = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+        m_t_w = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+        plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+        d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
+        nk_w = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+        t_st = gl.allocate_shared_memory(gl.float32, [2, C, C], SL_ROW)
+        t_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        t_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(t_full.index(i), count=1)
+            mbarrier.init(t_empty.index(i), count=1)
+        col0 = i_v * BV
+        gl.warp_specialize([
+            (_ws_chain_partition, (q, k, v, g, beta, o, h0, ht, bos, seq_len, i_n, i_h, i_hv, col0, scale, H, HV,
+                                   q_st, k_st, v_st, s_hi, s_lo, u_hi, u_lo, v_s, m_row, nq, nk, t_st, t_full,
+                                   t_empty, K, V, BV, C, L2, HAS_H0, STORE_HT)),
+            (_ws_solve_partition, (k, g, beta, bos, seq_len, i_h, i_hv, H, HV, k_w, m_row_w, m_t_w, plain, d3, nk_w,
+                                   t_st, t_full, t_empty, K, C, L2)),
+        ], [4], [152])  # registers a thread of the solve partition (the T kernel alone takes 122)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(t_full.index(i))
+            mbarrier.invalidate(t_empty.index(i))
+
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if q.dim() != 4 or k.shape != q.shape:
@@ -788,7 +1007,7 @@ def fused_gated_delta_rule_fwd(
     ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
-    BV = _value_block(N * HV, V, dev)
+    BV = 32 if KERNEL == "ws" else _value_block(N * HV, V, dev)  # ws: both partitions' buffers fit at 32 only
     grid = (V // BV, N * HV)
     states = (h0 if h0 is not None else dummy, ht if ht is not None else dummy)
     meta = dict(K=K, V=V, BV=BV, C=CHUNK, L2=bool(use_qk_l2norm), HAS_H0=h0 is not None, STORE_HT=ht is not None,
@@ -798,7 +1017,7 @@ def fused_gated_delta_rule_fwd(
                                                   bool(use_qk_l2norm))
         _gdn_fwd_split_kernel[grid](qc, kc, vc, gc, bc, Tbuf, o, *states, cu, chunk_off, float(scale), H, HV, **meta)
     else:
-        kernel = {"simple": _gdn_fwd_kernel, "prefetch": _gdn_fwd_prefetch_kernel}[KERNEL]
+        kernel = {"simple": _gdn_fwd_kernel, "prefetch": _gdn_fwd_prefetch_kernel, "ws": _gdn_fwd_ws_kernel}[KERNEL]
         kernel[grid](qc, kc, vc, gc, bc, o, *states, cu, float(scale), H, HV, **meta)
     return o, ht
 
