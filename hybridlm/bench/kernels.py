@@ -161,26 +161,21 @@ def _gpu_times(res: dict, who: str, f, fb, args) -> None:
 
 
 def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
-    """On sm_90 with Gluon: res[gluon_<kernel>_fwd_ms] of each fused Gluon forward (hybridlm.ops.gluon.gdn_fwd,
-    not yet behind impl="auto") and its relative difference from our Triton forward; an error is recorded."""
+    """On sm_90 with Gluon: res["gluon_fwd_ms"] of the Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd, not behind
+    impl="auto") and res["gluon_vs_ours_rel"], its relative difference from our Triton forward; an error is
+    recorded as res["gluon_error"]."""
     from hybridlm.ops.gluon import gdn_fwd
 
     if not gdn_fwd.gluon_available() or torch.cuda.get_device_capability() != (9, 0):
         return
-    saved = gdn_fwd.KERNEL
+    f = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
     try:
-        for kernel in ("simple", "prefetch", "split"):
-            gdn_fwd.KERNEL = kernel
-            f = lambda: gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
-            try:
-                with torch.no_grad():
-                    res[f"gluon_{kernel}_fwd_ms"] = _bench(f, args.rep)
-                    a, b = f().float(), ours_f().float()
-                res[f"gluon_{kernel}_vs_ours_rel"] = ((a - b).norm() / b.norm()).item()
-            except Exception as e:  # noqa: BLE001
-                res[f"gluon_{kernel}_error"] = repr(e)[:200]
-    finally:
-        gdn_fwd.KERNEL = saved
+        with torch.no_grad():
+            res["gluon_fwd_ms"] = _bench(f, args.rep)
+            a, b = f().float(), ours_f().float()
+        res["gluon_vs_ours_rel"] = ((a - b).norm() / b.norm()).item()
+    except Exception as e:  # noqa: BLE001
+        res["gluon_error"] = repr(e)[:200]
 
 
 def _bench_shape(B, T, H, D, dev, gen, fla, args):
@@ -293,7 +288,6 @@ def _bench_kda(B, T, H, D, dev, gen, args, gates="bench"):
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
-    _gluon_fwd_times(res, q, k, v, g, beta, ours_f, args)
     _gpu_times(res, "ours", ours_f, ours_fb, args)
     try:
         from fla.ops.kda import chunk_kda as fla_kda
@@ -460,18 +454,16 @@ def _table(info, rows):
                          f" | - | - | {gbs:.0f} ({100 * gbs / cg:.0f}% of copy) |")
     fused = [r for r in rows if any(key.startswith("gluon_") for key in r)]
     if fused:
-        lines += ["", "Fused Gluon forward (sm_90; hybridlm.ops.gluon.gdn_fwd, not yet behind impl=\"auto\"):", "",
-                  "| shape | kernel | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|---|"]
+        lines += ["", "Gluon GDN forward (sm_90; hybridlm.ops.gluon.gdn_fwd, not behind impl=\"auto\"):", "",
+                  "| shape | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|"]
         for r in fused:
-            for kernel in ("simple", "prefetch", "split"):
-                ms = r.get(f"gluon_{kernel}_fwd_ms")
-                if ms is None:
-                    lines.append(f"| {r['shape']} | {kernel} | failed: {r.get(f'gluon_{kernel}_error', '-')} | | | |")
-                    continue
-                fl = r.get("fla_fwd_ms")
-                lines.append(f"| {r['shape']} | {kernel} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | "
-                             f"{_fmt(None if fl is None else fl / ms, '.2f')} | "
-                             f"{r[f'gluon_{kernel}_vs_ours_rel']:.1e} |")
+            ms = r.get("gluon_fwd_ms")
+            if ms is None:
+                lines.append(f"| {r['shape']} | failed: {r.get('gluon_error', '-')} | | | |")
+                continue
+            fl = r.get("fla_fwd_ms")
+            lines.append(f"| {r['shape']} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | "
+                         f"{_fmt(None if fl is None else fl / ms, '.2f')} | {r['gluon_vs_ours_rel']:.1e} |")
     gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
     if gpu:
         lines += ["", "Summed CUDA time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",

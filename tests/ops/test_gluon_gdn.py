@@ -1,20 +1,22 @@
-"""The fused Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd) against the float64 chunked reference, on an H100.
+"""The Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd) against the float64 chunked reference, on an H100.
 
 GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
 inputs each run, the seed in every failure message; outputs are NaN-poisoned by the wrapper (gdn_fwd.POISON), so an
 element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; both value blocks (32, 64); every plan ("simple", "prefetch", "split", "ws"). Bar (relative RMS vs float64 on the
-same rounded inputs), as for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
+fp16; both value blocks (32, 64). Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
+kernels' 16-bit checks: 5e-3 for o and the final state.
 
-Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints the forward ms of our Triton kernels, each Gluon
-plan and fla (when installed) at B4 T4096 H16 D128 and B1 T32768 H32 D128, bf16, inputs as `bench kernels`.
+Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16 and B1 T32768 H32 D128 bf16
+(inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon forward, then
+each Gluon launch alone against its floors (see `_stage_rows`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -38,12 +40,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True, params=["simple", "prefetch", "split", "ws"])
-def kernel(request, monkeypatch):
-    """Every case runs on each plan, outputs NaN-poisoned."""
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Outputs start as NaN in every case."""
     monkeypatch.setattr(gdn_fwd, "POISON", True)
-    monkeypatch.setattr(gdn_fwd, "KERNEL", request.param)
-    return request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     state = r(N, HV, K, V) if h0 else None
-    o, ht = gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+    o, ht = gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                                                cu_seqlens=cu, use_qk_l2norm=l2)
     d = lambda x: None if x is None else x.double()
     o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
@@ -126,55 +126,110 @@ def test_bad_input_is_one_line():
     v = torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
     g = torch.zeros(1, 8, 2, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
-        gdn_fwd.fused_gated_delta_rule_fwd(q, q, v, g=g, beta=g)
+        gdn_fwd.gated_delta_rule_fwd(q, q, v, g=g, beta=g)
 
 
-def _time_shape(B, T, H, D, gen, fla_gdn):
-    """Forward ms (median of triton.testing.do_bench) of our Triton forward, fla's and each Gluon plan (with its
-    relative difference from ours-Triton), bf16, one shape."""
+# --- timing (python tests/ops/test_gluon_gdn.py): not collected by pytest --------------------------------------
+
+COPY_BW = 3.0e12  # bytes/s: an H100's measured device-to-device copy bandwidth, the byte floors' rate
+CLOCK = 1.83e9  # Hz: the clock at which an H100 SXM's 989 dense 16-bit TFLOPS are 4096 flops a clock per SM
+FLOPS_16, FLOPS_TF32 = 4096, 2048  # dense flops a clock per multiprocessor, 16-bit and tf32 operands
+MMA_LATENCY = 128  # clocks from issuing one warpgroup MMA to its result (an estimate), paid by each synchronous one
+
+
+def _mma_clocks(m, n, k, bits, count=1):
+    """Clocks of `count` synchronous warpgroup MMAs [m, k] @ [k, n], one after another on one multiprocessor."""
+    return count * (MMA_LATENCY + 2 * m * n * k / (FLOPS_16 if bits == 16 else FLOPS_TF32))
+
+
+def _chain_chunk_clocks(BV, *, output=True):
+    """Clocks of one chunk of `_gdn_chain_kernel`'s products (each waits for its result before the next issues):
+    the state path K S (hi + lo), T R (tf32), K^T U (hi + lo); and, for the output, Q K^T, Q S (hi + lo), P V'."""
+    state = _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32) + _mma_clocks(128, BV, 64, 16, 2)
+    out = _mma_clocks(64, 64, 128, 16) + _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32)
+    return state + (out if output else 0.0)
+
+
+def _bytes(q, k, v, g, beta, Tbuf, *, solve):
+    """Bytes a launch must move, each tensor counted once (re-reads of k and T by the value blocks and of q, k by
+    the GVA heads are left to the L2): the solve reads k, g, beta and writes T; the chain reads q, k, v, g, beta,
+    T and writes o (v's size)."""
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    if solve:
+        return nb(k) + nb(g) + nb(beta) + nb(Tbuf)
+    return nb(q) + nb(k) + 2 * nb(v) + nb(g) + nb(beta) + nb(Tbuf)
+
+
+def _stage_rows(B, T, H, D, gen, fla_gdn):
+    """Print the forward ms of ours (Triton), fla and the Gluon forward at one shape (bf16, l2norm in the kernel),
+    then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW, and for the
+    chain a serial floor = waves x chunks x clocks of one chunk's MMAs back to back (`_chain_chunk_clocks`) / CLOCK,
+    a wave being one program per multiprocessor (shared memory). us/chunk = ms / (waves x chunks) beside the
+    model's per-chunk clocks says how much of a chunk is not MMA."""
     import triton.testing
     from torch.nn.functional import logsigmoid
 
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
     g = logsigmoid(r(B, T, H) + 3.0)
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
-
-    def gluon(kernel):
-        gdn_fwd.KERNEL = kernel
-        return gdn_fwd.fused_gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]
-
-    runs = {"triton": lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]}
-    if fla_gdn is not None:
-        runs["fla"] = lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
-    for plan in ("simple", "prefetch", "split", "ws"):  # ws last: the one most likely to hang if wrong
-        runs[f"gluon-{plan}"] = lambda plan=plan: gluon(plan)
-    shape = f"B{B} T{T} H{H} D{D} bf16 forward"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chunks = math.ceil(T / gdn_fwd.CHUNK)
+    shape = f"B{B} T{T} H{H} D{D}"
+    print(f"\n{shape} bf16 forward, {torch.cuda.get_device_name()}, {sms} SMs", flush=True)
     with torch.no_grad():
-        ref = runs["triton"]().float()
-        for name, fn in runs.items():  # one line each, flushed: a later plan that fails leaves the earlier ones
-            try:
-                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-                line = f"{shape}: {name} {ms:.3f} ms"
-                if name.startswith("gluon"):
-                    rel = ((fn().float() - ref).norm() / ref.norm()).item()
-                    line += f", rel vs triton {rel:.1e}"
-            except Exception as e:  # noqa: BLE001 (reported, and the other plans still run)
-                line = f"{shape}: {name} failed: {e!r}"[:300]
-            print(line, flush=True)
+        ref = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0].float()
+        whole = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
+        rel = ((whole().float() - ref).norm() / ref.norm()).item()
+        times = {"ours (Triton)": bench(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
+                                                                       use_qk_l2norm=True)[0])}
+        if fla_gdn is not None:
+            times["fla"] = bench(lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
+        times["gluon (both launches)"] = bench(whole)
+        for name, ms in times.items():
+            print(f"  {name}: {ms:.3f} ms", flush=True)
+        print(f"  gluon rel vs ours: {rel:.1e}")
+        print("| stage | programs | ms | MB | byte floor ms | serial floor ms | us/chunk | model us/chunk |\n"
+              "|---|---|---|---|---|---|---|---|")
+        picked = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+        picked.solve()
+        ms = bench(picked.solve)
+        mb = _bytes(q, k, v, g, beta, picked.Tbuf, solve=True)
+        print(f"| T solve | {picked.programs[0]} | {ms:.3f} | {mb / 1e6:.0f} | {1e3 * mb / COPY_BW:.3f} | - | - | - |")
+        solve_ms = ms
+        other = [bv for bv in gdn_fwd.BV_CHOICES if bv != picked.BV]
+        for bv, output in [(picked.BV, True), *[(b, True) for b in other], (picked.BV, False)]:
+            launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output)
+            launch.solve()
+            ms = bench(launch.chain)
+            if (bv, output) == (picked.BV, True):
+                chain_ms = ms
+            mb = _bytes(q, k, v, g, beta, launch.Tbuf, solve=False) - (0 if output else v.numel() * v.element_size())
+            waves = math.ceil(launch.programs[1] / sms)
+            per_chunk = _chain_chunk_clocks(bv, output=output) / CLOCK
+            name = f"chain BV{bv}" + (" (rule)" if bv == picked.BV else "") + ("" if output else ", no output")
+            print(f"| {name} | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {ms:.3f} | {mb / 1e6:.0f} "
+                  f"| {1e3 * mb / COPY_BW:.3f} | {1e3 * waves * chunks * per_chunk:.3f} "
+                  f"| {1e3 * ms / (waves * chunks):.2f} | {1e6 * per_chunk:.2f} |", flush=True)
+            del launch
+        gap = times["gluon (both launches)"] - solve_ms - chain_ms
+        print(f"| host prep and gaps (both launches - solve - chain) | - | {gap:.3f} | - | - | - | - | - |")
 
 
-def _time_shapes():
+def _stage_table():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     except ImportError:
         fla_gdn = None
+    print(f"byte floor: bytes / {COPY_BW / 1e12:.1f} TB/s; model: {MMA_LATENCY} clocks a synchronous MMA + its flops "
+          f"at {FLOPS_16} (16-bit) / {FLOPS_TF32} (tf32) a clock per SM, {CLOCK / 1e9:.2f} GHz")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for B, T, H, D in ((4, 4096, 16, 128), (1, 32768, 32, 128)):
-        _time_shape(B, T, H, D, gen, fla_gdn)
+        _stage_rows(B, T, H, D, gen, fla_gdn)
 
 
 if __name__ == "__main__":
-    _time_shapes()
+    _stage_table()
