@@ -31,13 +31,16 @@ Roles:
   shared layout.
 
 Where the time goes: the chain holds one program per multiprocessor (shared memory) and runs its chunks as one
-serial chain of nine synchronous warpgroup MMAs, fences and barriers, so latency, not bytes or tensor-core
-throughput, bounds it; `python tests/ops/test_gluon_gdn.py` prints each launch's time against its byte floor and
-the chain's serial floor. Next step, from that table: if the chain alone is above our Triton forward, the one-launch
-design cannot win (it removes at most the solve launch and T's 16 KB per chunk and head) and the chain comes first:
-state split over two warpgroups (value block 128, one program per head), asynchronous MMAs so the output products
-overlap the state path (V' from K S and T, then S), and a TMA producer warp; then the T solve as a second
-partition of that kernel.
+serial chain of nine synchronous warpgroup MMAs with shared-memory round trips, fences and barriers between them,
+so latency rather than bytes or tensor-core throughput should bound it. `python tests/ops/test_gluon_gdn.py`
+prints each launch alone against its byte floor, and the chain's time per chunk against a model of its MMAs.
+Next step, read from that table: the one-launch design (T solved by a second partition) saves at most the solve
+launch and T's 16 KB per chunk and head, so while the chain alone is slower than our whole Triton forward, the
+chain comes first. If its time per chunk is far above the MMA model, cut what is not MMA (asynchronous MMAs with
+one wait per dependency, the state-path operands kept in registers as wgmma's A operand instead of stored and
+fenced, the output products overlapped with the state path); if near it, cut MMAs (one 16-bit product per hi + lo
+pair where accuracy allows, value block 128 over two warpgroups so Q K^T is not repeated per value block). Then a
+TMA producer warp and the solve as a partition of the same kernel.
 
 Not here (the host refuses the first two): K or V other than 128; fp32 inputs; the state pool form of chunked
 prefill.
@@ -447,7 +450,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
 def _value_block(heads: int, V: int, dev: torch.device) -> int:
     """64, or 32 when even V / 32 x heads programs fit in one wave (one program per multiprocessor: its shared
     memory): each program walks the whole sequence, so at few heads only more programs shorten the run, although a
-    smaller block repeats the chunk-local work (A, T, P) once more per value block."""
+    smaller block repeats the chunk-local work (Q K^T, P) once more per value block. Reasoned, not yet measured:
+    the stage timing of tests/ops/test_gluon_gdn.py times the chain at both blocks."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     return 32 if heads * (V // 32) <= sms else 64
 
