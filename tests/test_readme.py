@@ -27,8 +27,12 @@ def test_python_snippet_runs(i, tmp_path):
     assert r.returncode == 0, f"README snippet {i}:\n{code}\n{r.stderr}"
 
 
-def test_generate_on_the_run_folder_follows_the_main_job():
-    lines = _blocks("bash")[0].splitlines()
-    main = next(i for i, line in enumerate(lines) if line.rstrip().endswith("# main job"))
-    assert "hybridlm train" in lines[main]
-    assert re.match(r"hybridlm generate --model runs/train\b", lines[main + 1]), lines[main + 1]
+def test_readme_opens_with_the_two_setup_commands_then_generate():
+    """The first block is the main job and the tests, nothing else; the next block uses the run folder the main
+    job wrote (`runs/train`)."""
+    first, second = _blocks("bash")[:2]
+    lines = [ln for ln in first.splitlines() if ln.strip()]
+    assert len(lines) == 2, lines
+    assert "hybridlm train" in lines[0] and lines[0].rstrip().endswith("# main job"), lines[0]
+    assert "pytest" in lines[1] and lines[1].rstrip().endswith("# tests"), lines[1]
+    assert re.match(r"hybridlm generate --model runs/train\b", second.strip()), second
