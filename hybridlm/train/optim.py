@@ -1,7 +1,8 @@
-"""AdamW with weight-decay groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with weight-decay groups, the warmup + cosine learning-rate schedule, and the bf16 autocast of a step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -51,3 +52,11 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float = 0
 def set_lr(optimizer: torch.optim.Optimizer, value: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = value
+
+
+def autocast(device: torch.device, bf16: bool, *, cache: bool = True):
+    """bf16 autocast on `device` when bf16, else a no-op context. cache=False turns off autocast's cache of cast
+    weights, which must not live across CUDA-graph replays (torch.cuda.make_graphed_callables' rule)."""
+    if bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
+    return contextlib.nullcontext()
