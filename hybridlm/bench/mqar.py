@@ -156,19 +156,19 @@ def _gate_float(t: torch.Tensor) -> torch.Tensor:
 
 
 class ConvAttention(nn.Module):
-    """The library's softmax attention in its plain form (no output gate, no q/k norm, rotary on every channel),
-    after the same short causal conv + SiLU the recurrent mixers have (over the block input here: what lets a
-    query see the token before it). x: [B, T, D] -> [B, T, D]."""
+    """The library's plain softmax attention (no output gate, no q/k norm, full rotary) with the recurrent mixers'
+    short conv + SiLU after each q/k/v projection (the key at a value's position can be the key before it; a conv over
+    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). x: [B, T, D]."""
 
     def __init__(self, width: int, num_heads: int, *, impl: str = "auto"):
         super().__init__()
         hd = width // num_heads
-        self.conv1d = ShortConv(width, 4, activation="silu", impl=impl)
-        self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd,
-                                   impl=impl)
+        self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.attn, name, nn.Sequential(getattr(self.attn, name), ShortConv(width, 4, "silu", impl=impl)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.conv1d(x), None, torch.arange(x.shape[1], device=x.device)[None])  # positions [1, T]
+        return self.attn(x, None, torch.arange(x.shape[1], device=x.device)[None])  # positions [1, T]
 
 
 def slow_decay_init(mixer: nn.Module) -> None:

@@ -265,16 +265,16 @@ def test_qk_norm_recipe_gives_each_mixer_its_published_form():
 
 
 def test_attention_mixer_matches_explicit_causal_softmax():
-    """Conv + SiLU over the input, q/k/v projections, rotary on pairs (i, i + hd/2) with angle pos * 10000^(-2i/hd),
-    softmax(q k^T / sqrt(hd)) over the past and the present, output projection; float64."""
+    """q/k/v projections, each followed by a causal depthwise conv + SiLU, rotary on pairs (i, i + hd/2) with angle
+    pos * 10000^(-2i/hd), softmax(q k^T / sqrt(hd)) over the past and the present, output projection; float64."""
     seed = _fresh_seed()
     torch.manual_seed(seed)
     mix = ConvAttention(16, 2).double()
     x = torch.randn(2, 9, 16, dtype=torch.float64)
     B, T, H, hd = 2, 9, 2, 8
-    h = _conv_silu(x, mix.conv1d.weight)
     a = mix.attn
-    q, k, v = ((h @ lin.weight.T).reshape(B, T, H, hd).transpose(1, 2) for lin in (a.q_proj, a.k_proj, a.v_proj))
+    q, k, v = (_conv_silu(x @ proj[0].weight.T, proj[1].weight).reshape(B, T, H, hd).transpose(1, 2)
+               for proj in (a.q_proj, a.k_proj, a.v_proj))
     ang = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(hd // 2) / (hd // 2))
 
     def rot(t):
