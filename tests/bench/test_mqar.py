@@ -419,7 +419,8 @@ def test_old_results_files_still_load_and_tabulate():
 # recall at a step that depends on the seed, so a fresh seed per run would be flaky; the bars have margin at seed
 # 0). Two pairs of 16 possible values: a model with no token mixing can only guess a value (1/16), one that keeps
 # the values but not which key each followed gets 1/2; the bar is above both, and the control below shows the
-# task cannot be passed without a mixer.
+# task cannot be passed without a mixer. Seed 0 on one CPU thread gave attention 1.000, linear attention 0.998,
+# gla 1.000, deltanet 1.000, gdn 0.996, kda 0.994, gdn_attention 0.998 (losses dropping by step 100 to 200 of 400).
 LEARN_SETTING = Setting(seq_len=16, num_pairs=2, vocab_size=32)
 LEARN_CONFIG = TrainConfig(num_heads=1, steps=400, batch_size=32, test_examples=256)
 LEARN_BAR = 0.85
