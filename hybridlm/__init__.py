@@ -1,6 +1,22 @@
-"""hybridlm: hybrid linear-attention language models (Gated DeltaNet and family), exact and fast."""
+"""hybridlm: hybrid linear-attention language models (Gated DeltaNet and family), exact and fast.
+
+Non-standard here: `HybridConfig` and `HybridLM` are imported on first use (module __getattr__), so that
+`import hybridlm.cli` does not load torch: the command line sets OpenMP's wait policy before torch starts its
+OpenMP runtime (see hybridlm/cli.py).
+"""
 
 __version__ = "0.1.0"
 
-from hybridlm.model.config import HybridConfig as HybridConfig  # noqa: E402
-from hybridlm.model.hybrid import HybridLM as HybridLM  # noqa: E402
+__all__ = ["HybridConfig", "HybridLM"]
+
+
+def __getattr__(name: str):
+    if name == "HybridConfig":
+        from hybridlm.model.config import HybridConfig
+
+        return HybridConfig
+    if name == "HybridLM":
+        from hybridlm.model.hybrid import HybridLM
+
+        return HybridLM
+    raise AttributeError(f"module 'hybridlm' has no attribute {name!r}")

@@ -2,8 +2,12 @@
 
     python scripts/gpu_check_gdn.py [--quick] [--json PATH]
 
+The same cases run as pytest tests marked `gpu` in tests/ops/test_gpu_check.py (`cases(quick=True)` there).
+
 Cases: the benchmark shapes (bf16) and awkward ones (T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700;
-HV/H = 2, 4; K=64 V=128; K=V=256), in bf16 and fp32; the decode step on a state pool [256, 32, 128, 128].
+HV/H = 2, 4; K=64 V=128; K=V=256; head dims off 64/128/256: OLMo-Hybrid's K=96 V=192, 48 and 32/16), in bf16 and
+fp32, with autograd and without (the inference forward); the decode step on a state pool [256, 32, 128, 128] and
+at K=96 V=192.
 Fresh random inputs each run (seed printed); outputs are NaN-poisoned by the kernels' wrappers and every
 non-finite value fails. Bars (relative RMS vs float64 on the same rounded inputs): bf16 o/final state <= 5e-3,
 every gradient <= 1e-2; fp32 <= 1e-5 (TF32 off; the kernels use IEEE fp32 dots for fp32 inputs).
@@ -17,7 +21,6 @@ import sys
 import time
 
 import torch
-from gpu_tune_gdn import tune_settings  # the sweeps' check of --*-tune settings (same folder)
 
 from hybridlm.ops import gated_delta_rule
 from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
@@ -44,18 +47,10 @@ def cliff_bounds(T: int, device="cuda") -> torch.Tensor:
 
 
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
-          recompute=False, lean=False, decay=None):
-    """One case vs float64; lean: the inference forward (no autograd, gdn.TUNE fwd_variant "lean"); decay: log-decays
-    uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of [-30, 0)
-    then 32 of [-0.05, 0)."""
-    if lean:
-        saved = _gdn.TUNE["fwd_variant"]
-        _gdn.TUNE["fwd_variant"] = "lean"
-        try:
-            return check(gen, name, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0, l2=l2, grads=False,
-                         decay=decay)
-        finally:
-            _gdn.TUNE["fwd_variant"] = saved
+          recompute=False, decay=None):
+    """One case vs float64; grads=False: the inference forward (no autograd, nothing kept for a backward); decay:
+    log-decays uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of
+    [-30, 0) then 32 of [-0.05, 0)."""
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -100,8 +95,7 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
 
 def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
               recompute=False):
-    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays. Runs where gen is (the
-    GPU here; the CPU interpreter in scripts/interp_kda_tail.py, on the same draws)."""
+    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays. Runs where gen is."""
     from hybridlm.ops import kda
 
     dev = gen.device
@@ -153,7 +147,7 @@ def check_kda_decode(gen, *, P=256, N=256, HV=32, H=32, K=128, V=128, dtype=torc
                  output_final_state=True, use_qk_l2norm=True, impl="naive")
     res = {"o": rel(o, o2[:, 0]), "state": rel(pool[idx.long()], s2)}
     tol = BARS[dtype][0]
-    return {"case": f"kda decode P{P} N{N} HV{HV} K{K}", "dtype": str(dtype).replace("torch.", ""),
+    return {"case": f"kda decode P{P} N{N} HV{HV} K{K} V{V}", "dtype": str(dtype).replace("torch.", ""),
             "pass": all(x <= tol for x in res.values()), "worst": max(res, key=res.get),
             "worst_rel": max(res.values()), "errors": res}
 
@@ -180,8 +174,83 @@ def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bf
     untouched = bool(torch.equal(pool[mask], pool0[mask]))
     tol = BARS[dtype][0] if dtype != torch.float32 else 1e-5
     ok = all(x <= tol for x in res.values()) and untouched
-    return {"case": f"decode P{P} N{N} HV{HV} H{H} K{K}", "dtype": str(dtype).replace("torch.", ""), "pass": ok,
+    return {"case": f"decode P{P} N{N} HV{HV} H{H} K{K} V{V}", "dtype": str(dtype).replace("torch.", ""), "pass": ok,
             "worst": max(res, key=res.get), "worst_rel": max(res.values()), "errors": res}
+
+
+def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict]]:
+    """(name, keyword arguments) of every chunked case; names starting "kda:" are KDA's (`run_case`)."""
+    out = []
+    for dt in (torch.bfloat16, torch.float32) if not bench_only else ():
+        for T in (1, 63, 65, 1000):
+            out.append((f"T{T} B2 H2 HV4 K128 V128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
+        out.append(("varlen 1,15,100,700 H2 HV4", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt,
+                                                       cu=[0, 1, 16, 116, 816])))
+        out.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
+        out.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
+        out.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
+        # head dims the kernels run zero-padded (OLMo-Hybrid 7B's K 96 / V 192; cpu-tiny's 48; a small 32 / 16)
+        out.append(("T300 B2 H2 HV2 K96 V192", dict(B=2, T=300, H=2, HV=2, K=96, V=192, dtype=dt)))
+        out.append(("varlen 1,15,100,700 K48 V48", dict(B=1, T=816, H=2, HV=4, K=48, V=48, dtype=dt,
+                                                         cu=[0, 1, 16, 116, 816])))
+        out.append(("T130 H1 HV2 K32 V16 no-l2", dict(B=1, T=130, H=1, HV=2, K=32, V=16, dtype=dt, l2=False)))
+        # log-decays down to -30 a step: each exponent keeps its own precision (chunk_jit `_cum_split`)
+        out.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
+        out.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
+                                                      decay="cliff")))
+        # the inference forward (no autograd: nothing kept for a backward)
+        for T in (1, 65, 1000):
+            out.append((f"no-grad T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, grads=False)))
+        out.append(("no-grad varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt, grads=False,
+                                                        cu=[0, 1, 16, 116, 816])))
+        out.append(("no-grad T200 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt, grads=False)))
+    for dt in (torch.bfloat16, torch.float32) if not bench_only else ():
+        out.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
+        out.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
+        out.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
+                                                     cu=[0, 1, 16, 116, 816])))
+        out.append(("kda:T300 H2 HV2 K96 V192", dict(B=1, T=300, H=2, HV=2, K=96, V=192, dtype=dt)))
+        out.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
+                                                           decay=30.0)))
+    if not bench_only:
+        # recompute=True (the backward reruns the forward inside its own op and frees part of it early)
+        out.append(("recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                                          cu=[0, 1, 16, 116, 816], recompute=True)))
+        out.append(("kda:recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128,
+                                                              dtype=torch.bfloat16, cu=[0, 1, 16, 116, 816],
+                                                              recompute=True)))
+        out.append(("torch.compile T300 H2 HV4", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                                                      compiled=True)))
+    if not quick:
+        out.append(("kda:bench B4 T4096 H16 D128", dict(B=4, T=4096, H=16, HV=16, K=128, V=128,
+                                                        dtype=torch.bfloat16, h0=False)))
+        for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
+            out.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
+                                                           dtype=torch.bfloat16, h0=False)))
+            out.append((f"no-grad bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
+                                                                   dtype=torch.bfloat16, h0=False, grads=False)))
+    return out
+
+
+def run_case(gen, name: str, kw: dict) -> dict:
+    """One case's row (an exception is a failing row, so one table covers the whole run)."""
+    try:
+        return check_kda(gen, name[4:], **kw) if name.startswith("kda:") else check(gen, name, **kw)
+    except Exception as e:  # noqa: BLE001
+        return {"case": name, "dtype": str(kw["dtype"]), "pass": False, "worst": "error",
+                "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
+
+
+DECODE_DIMS = ((128, 128), (96, 192))  # (K, V) of the decode rows: native, and masked (OLMo-Hybrid's)
+
+
+def run_decode(gen, kda: bool, dtype, K: int = 128, V: int = 128) -> dict:
+    """The decode step's row (GDN's, or KDA's with kda) at head dims K, V."""
+    try:
+        return check_kda_decode(gen, dtype=dtype, K=K, V=V) if kda else check_decode(gen, dtype=dtype, K=K, V=V)
+    except Exception as e:  # noqa: BLE001
+        return {"case": "kda decode" if kda else "decode", "dtype": str(dtype), "pass": False, "worst": "error",
+                "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
 
 
 def main(argv=None) -> int:
@@ -191,119 +260,52 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--part", default="0/1", help="I/N: run every N-th case starting at I (parallel processes "
                     "share one GPU; compiling dominates); decode runs in part 0")
-    ap.add_argument("--tune-json", default=None, help="launch settings from scripts/gpu_tune_gdn.py (its 'best')")
+    ap.add_argument("--tune-json", default=None, help="GDN launch settings from scripts/gpu_tune.py (its 'best')")
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this text (no decode cases)")
-    ap.add_argument("--kda-diag", default=None, help="comma-separated K-blocked KDA kernels whose diagonal blocks go "
-                    "by dot (kda.TUNE diag_dot: prep, bwd_out, bwd_state; 'none' for the exact loop everywhere)")
-    ap.add_argument("--kda-tune", default=None, help="JSON object merged into kda.TUNE before the cases run (for "
-                    "example '{\"bk\": 16}')")
     ap.add_argument("--merge", nargs="+", default=None, help="only print the table of these --json files")
     ap.add_argument("--seed", type=int, default=None, help="the inputs' seed (default: fresh); with the same --part "
                     "it repeats an earlier run's inputs case for case")
-    ap.add_argument("--gdn-tune", default=None, help="JSON object merged into gdn.TUNE before the cases run (to "
-                    "compare launch plans on the same --seed)")
+    ap.add_argument("--gdn-tune", default=None, help="JSON object of gdn.TUNE settings for this run (to compare "
+                    "launch settings on the same --seed)")
+    ap.add_argument("--kda-tune", default=None, help="JSON object of kda.TUNE settings for this run (for example "
+                    "'{\"bk\": 16}')")
     args = ap.parse_args(argv)
     if args.merge:
         return _merge(args.merge)
     if args.tune_json:
         with open(args.tune_json) as f:
-            _gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
-    if args.kda_diag is not None:
-        _kda.TUNE["diag_dot"] = () if args.kda_diag == "none" else tuple(args.kda_diag.split(","))
+            _gdn.TUNE.update(**json.load(f)["best"])
+    if args.gdn_tune is not None:
+        _gdn.TUNE.update(**json.loads(args.gdn_tune))
     if args.kda_tune is not None:
-        _kda.TUNE.update(tune_settings(_kda.TUNE, json.loads(args.kda_tune), "--kda-tune"))
+        _kda.TUNE.update(**json.loads(args.kda_tune))
     part, nparts = (int(x) for x in args.part.split("/"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    if args.gdn_tune is not None:
-        _gdn.TUNE.update(tune_settings(_gdn.TUNE, json.loads(args.gdn_tune), "--gdn-tune"))
     seed = torch.seed() % 2**31 if args.seed is None else args.seed
     gen = torch.Generator(device="cuda").manual_seed(seed)
     print(f"seed {seed}; device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
-    cases = []
-    for dt in (torch.bfloat16, torch.float32):
-        for T in (1, 63, 65, 1000):
-            cases.append((f"T{T} B2 H2 HV4 K128 V128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
-        cases.append(("varlen 1,15,100,700 H2 HV4", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt,
-                                                         cu=[0, 1, 16, 116, 816])))
-        cases.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
-        cases.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
-        cases.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
-        # log-decays down to -30 a step: each exponent keeps its own precision (gdn_kernels `_cum_split`)
-        cases.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
-        cases.append(("lean T300 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0,
-                                                     lean=True)))
-        cases.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
-                                                        decay="cliff")))
-        # the inference forward (no autograd): the lean kernels
-        for T in (1, 65, 1000):
-            cases.append((f"lean T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, lean=True)))
-        cases.append(("lean varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt, lean=True,
-                                                       cu=[0, 1, 16, 116, 816])))
-        cases.append(("lean T300 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False,
-                                                       lean=True)))
-        cases.append(("lean T200 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt, lean=True)))
-        cases.append(("lean T130 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False,
-                                                       lean=True)))
-    for dt in (torch.bfloat16, torch.float32):
-        cases.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
-        cases.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
-        cases.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
-                                                       cu=[0, 1, 16, 116, 816])))
-        cases.append(("kda:T300 K64 V128 decay30 no-h0", dict(B=1, T=300, H=1, HV=1, K=64, V=128, dtype=dt, h0=False,
-                                                             decay=30.0)))
-    # recompute=True (the backward reruns the forward inside its own op and frees part of it early)
-    cases.append(("recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
-                                                        cu=[0, 1, 16, 116, 816], recompute=True)))
-    cases.append(("kda:recompute varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128,
-                                                            dtype=torch.bfloat16, cu=[0, 1, 16, 116, 816],
-                                                            recompute=True)))
-    cases.append(("kda:bench B4 T4096 H16 D128", dict(B=4, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16,
-                                                      h0=False)))
-    cases.append(("torch.compile T300 H2 HV4", dict(B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
-                                                    compiled=True)))
-    if args.bench_only:
-        cases = []
-    if not args.quick:
-        for B, T, H in ((4, 4096, 16), (8, 2048, 32), (1, 32768, 32)):
-            cases.append((f"bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
-                                                             dtype=torch.bfloat16, h0=False)))
-            cases.append((f"lean bench B{B} T{T} H{H} D128", dict(B=B, T=T, H=H, HV=H, K=128, V=128,
-                                                                  dtype=torch.bfloat16, h0=False, lean=True)))
+    todo = cases(args.quick, args.bench_only)
     if args.only:
-        cases = [c for c in cases if args.only in c[0]]
-    cases = cases[part::nparts]
+        todo = [c for c in todo if args.only in c[0]]
     rows = []
-    for name, kw in cases:
-        try:
-            row = check_kda(gen, name[4:], **kw) if name.startswith("kda:") else check(gen, name, **kw)
-        except Exception as e:  # report and go on: one table for the whole run
-            row = {"case": name, "dtype": str(kw["dtype"]), "pass": False, "worst": "error",
-                   "worst_rel": float("nan"), "errors": {"exception": repr(e)[:300]}}
+    for name, kw in todo[part::nparts]:
+        row = run_case(gen, name, kw)
         rows.append(row)
         print(f"{'PASS' if row['pass'] else 'FAIL'} {row['case']:<34} {row['dtype']:<9} worst {row['worst']:<11} "
               f"{row['worst_rel']:.2e}", flush=True)
         torch.cuda.empty_cache()
     for dt in (torch.bfloat16, torch.float32) if part == 0 and not args.only else ():
-        try:
-            row = check_kda_decode(gen, dtype=dt)
-        except Exception as e:
-            row = {"case": "kda decode", "dtype": str(dt), "pass": False, "worst": "error", "worst_rel": float("nan"),
-                   "errors": {"exception": repr(e)[:300]}}
-        rows.append(row)
-        try:
-            row = check_decode(gen, dtype=dt)
-        except Exception as e:
-            row = {"case": "decode", "dtype": str(dt), "pass": False, "worst": "error", "worst_rel": float("nan"),
-                   "errors": {"exception": repr(e)[:300]}}
-        rows.append(row)
+        for K, V in DECODE_DIMS:
+            rows += [run_decode(gen, True, dt, K, V), run_decode(gen, False, dt, K, V)]
     n_fail = _print_table(rows, seed)
     print("chunk sizes that fit (K, V, dtype, pass):", {str(k): v for k, v in _gdn._BT_OK.items()})
-    print("launch settings:", json.dumps(_gdn.TUNE))
-    print("KDA launch settings:", json.dumps(_kda.TUNE))
+    print("launch settings:", json.dumps(_gdn.TUNE.as_dict()))
+    print("KDA launch settings:", json.dumps(_kda.TUNE.as_dict()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seed": seed, "rows": rows, "tune": dict(_gdn.TUNE)}, f, indent=1, default=str)
+            json.dump({"seed": seed, "rows": rows, "tune": _gdn.TUNE.as_dict(), "kda_tune": _kda.TUNE.as_dict()}, f,
+                      indent=1, default=str)
     return 1 if n_fail else 0
 
 

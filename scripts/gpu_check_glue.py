@@ -3,6 +3,9 @@
     python scripts/gpu_check_glue.py [--quick] [--no-timing] [--only NAME_PART] [--sweep-conv] [--sweep-norm]
         [--json PATH]
 
+Run it on a GPU after changing a glue kernel or its launch settings (`conv.TUNE`, `norm.TUNE`), and before
+quoting glue timings; `pytest -m gpu tests/ops/test_gpu_check_glue.py` runs the same cases (--quick, no timing).
+
 Kernels (hybridlm/ops/triton/{conv,norm,gates,swiglu}.py): causal depthwise conv1d + SiLU forward/backward
 (widths 2, 3, 4, 6, bias, initial/final state, varlen with documents shorter than the kernel, T = 1) and its pooled
 decode step; gated RMSNorm (SiLU, sigmoid + fp32 output; D = 64, 128, 256) and RMSNorm kinds (D = 2048, 4096); the
@@ -13,13 +16,14 @@ error of the PyTorch reference path run in the same dtype, for scale. Bars: bf16
 weight to bf16 as the reference does, ~2e-3, plus one output rounding), fp32 1e-5.
 Timings (median of CUDA-event timed repeats, bf16, Qwen3-Next widths B4 T4096): fused kernel vs the PyTorch
 reference path, forward and forward+backward; --sweep-conv / --sweep-norm also time the conv's / the gated norm's
-launch settings (hybridlm.ops.triton.conv.TUNE / norm.TUNE). Exit status 1 if any case fails.
+launch settings (`hybridlm.ops.triton.conv.TUNE` / `norm.TUNE`). Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -27,11 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.bench.cuda_profile import kernel_table
-from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rms_norm
+from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, glue, rms_norm
 from hybridlm.ops.triton import conv as tconv
 from hybridlm.ops.triton import gates as tgates
 from hybridlm.ops.triton import norm as tnorm
 from hybridlm.ops.triton import swiglu as tswiglu
+from hybridlm.ops.triton.tune import LaunchTable, tuned
 
 F64 = torch.float64
 DEV = "cuda"
@@ -292,35 +297,29 @@ def timings(gen, quick: bool):
     pair(f"gates kda [{B},{T},16x128]", lambda f, b, A, dt: tgates.kda_gates(f, b, A, dt), kda_ref,
          {"f": f, "b": bk, "A": Ak, "dt": dtk})
     del f
-    from hybridlm.layers.mlp import silu_mul  # the PyTorch path SwiGLU takes (saves less for the backward)
-
     gs, us = rnd(gen, B, T, 2816, dtype=bf), rnd(gen, B, T, 2816, dtype=bf)
     pair(f"swiglu silu(gate) * up [{B},{T},2816]", lambda g, u: (tswiglu.silu_mul(g, u),),
-         lambda g, u: (silu_mul(g, u),), {"g": gs, "u": us})
+         lambda g, u: (glue.silu_mul(g, u, impl="torch"),), {"g": gs, "u": us})
     return rows
 
 
-def sweep(title: str, tune: dict, settings, run):
-    """Time run() under each (name, TUNE update) of settings, TUNE restored after; each setting's outputs are
-    checked against the first setting's (same math, other blocking) as relative errors."""
-    default = dict(tune)
+def sweep(title: str, tune: LaunchTable, settings, run):
+    """Time run() under each (name, settings) of `settings`, applied to the launch table `tune` for that run only;
+    each setting's outputs are checked against the first setting's (same math, other blocking) as relative errors."""
     ref = None
     print(f"\n{title} (ms per call, then the summed CUDA time of its kernels; outputs vs the first setting)")
     for name, upd in settings:
-        tune.clear()
-        tune.update(default, **upd)
         try:
-            outs = run()
-            if ref is None:
-                ref = outs
-            ms = bench_ms(run)
-            gpu = sum(r[1] for r in kernel_table(run, 5)) / 1e3  # the kernels alone, without host overhead
+            with tuned(tune, **upd):
+                outs = run()
+                if ref is None:
+                    ref = outs
+                ms = bench_ms(run)
+                gpu = sum(r[1] for r in kernel_table(run, 5)) / 1e3  # the kernels alone, without host overhead
             errs = "  ".join(f"{k} {rel(v, ref[k]):.1e}" for k, v in outs.items())
             print(f"  {name:46s} {ms:8.3f}  gpu {gpu:6.3f}   {errs}", flush=True)
         except Exception as e:
             print(f"  {name:46s} FAILED {type(e).__name__}: {e}", flush=True)
-    tune.clear()
-    tune.update(default)
 
 
 def sweep_conv(gen, quick: bool):
@@ -342,18 +341,13 @@ def sweep_conv(gen, quick: bool):
     sweep(f"conv forward sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, fwd_settings, fwd)
     settings = [
         ("default", {}),
-        ("two passes (dpre scratch, then a dx launch)", dict(bwd_fused=False)),
-        ("one kernel, bt 32", dict(bwd_fused=True, dw_bt=32)),
-        ("one kernel, bt 16, 4 warps", dict(bwd_fused=True, dw_bt=16, dw_warps=4)),
-        ("acc, bt 32, 4 warps", dict(dw_acc=True, dw_bt=32, dw_warps=4)),
-        ("per-block dw, bt 64, 8 warps", dict(dw_acc=False, dw_bt=64)),
-        ("default, 4 programs / SM", dict(dw_programs_per_sm=4)),
-        ("default, 64 programs / SM", dict(dw_programs_per_sm=64)),
-        ("bwd bc 128", dict(bwd_bc=128)),
-        ("bwd bc 128, bt 8", dict(bwd_bc=128, dw_bt=8)),
-        ("bwd bc 32, bt 32", dict(bwd_bc=32, dw_bt=32)),
-        ("bwd bc 32, bt 32, 4 warps", dict(bwd_bc=32, dw_bt=32, dw_warps=4)),
-        ("bwd bc 128, 4 warps", dict(bwd_bc=128, dw_warps=4)),
+        ("bt 32", dict(bwd_bt=32)),
+        ("bt 16, 4 warps", dict(bwd_warps=4)),
+        ("4 programs / SM", dict(bwd_programs_per_sm=4)),
+        ("64 programs / SM", dict(bwd_programs_per_sm=64)),
+        ("bc 128, bt 8", dict(bwd_bc=128, bwd_bt=8)),
+        ("bc 32", dict(bwd_bc=32)),
+        ("bc 32, bt 32, 4 warps", dict(bwd_bc=32, bwd_bt=32, bwd_warps=4)),
     ]
 
     def fb():
@@ -388,11 +382,47 @@ def sweep_norm(gen, quick: bool):
         return {"dx": dx, "dgate": dz, "dweight": dw}
 
     settings = [("default", {})] + [
-        (f"bwd {e} el, {nw} warps, {pp or 'all'} programs/SM{', acc' if a else ''}",
-         dict(bwd_elems=e, bwd_warps=nw, bwd_programs_per_sm=pp, bwd_acc=a))
-        for e, nw, pp, a in [(1024, 4, None, False), (1024, 4, 4, True), (1024, 4, 16, True), (1024, 4, 64, False),
-                             (2048, 4, None, False), (2048, 8, 8, True), (2048, 8, 32, True), (4096, 8, 8, True)]]
+        (f"bwd {e} el, {nw} warps, {pp} programs/SM", dict(bwd_elems=e, bwd_warps=nw, bwd_programs_per_sm=pp))
+        for e, nw, pp in [(1024, 4, 4), (1024, 4, 16), (2048, 8, 8), (2048, 8, 32), (4096, 8, 8)]]
     sweep(f"gated norm fwd+bwd sweep, bf16 [{M},{D}]", tnorm.TUNE, settings, fb)
+
+
+def run_checks(gen: torch.Generator, quick: bool, only: str = "") -> tuple[list[dict], bool]:
+    """Every correctness case whose name contains `only`, in bf16 and fp32, with NaN-poisoned kernel outputs;
+    prints the table. Returns (one row per case and dtype, whether all passed)."""
+    results, ok_all = [], True
+    print(f"{'case':34s} {'dtype':9s} {'pass':5s} {'worst':18s} {'rel err':>9s} {'ref path':>9s}")
+    tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True  # outputs start as NaN
+    try:
+        for name, fn in cases(quick):
+            if only not in name:
+                continue
+            for dtype in (torch.bfloat16, torch.float32):
+                row = check_case(name, fn, gen, dtype)
+                ok_all &= row["pass"]
+                results.append(row)
+                torch.cuda.empty_cache()
+    finally:
+        tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = False
+    return results, ok_all
+
+
+def check_case(name: str, fn, gen: torch.Generator, dtype: torch.dtype) -> dict:
+    """One case in one dtype against its bar; a case that raises is a failure, reported, not fatal."""
+    try:
+        res = fn(gen, dtype)
+        bar = BARS[dtype]
+        worst = max(res, key=lambda k: res[k][0])
+        ok = all(v[0] <= bar for v in res.values())
+        row = {"case": name, "dtype": str(dtype)[6:], "pass": ok, "worst": worst, "rel": res[worst][0],
+               "ref_rel": res[worst][1], "errors": res}
+        print(f"{name:34s} {row['dtype']:9s} {'ok' if ok else 'FAIL':5s} {worst:18s} {row['rel']:9.2e} "
+              f"{row['ref_rel']:9.2e}")
+    except Exception as e:  # report and go on: one broken case should not hide the others
+        row = {"case": name, "dtype": str(dtype)[6:], "pass": False, "error": repr(e)}
+        print(f"{name:34s} {row['dtype']:9s} FAIL  {type(e).__name__}: {e}")
+        traceback.print_exc()
+    return row
 
 
 def main() -> int:
@@ -404,46 +434,18 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run the correctness cases whose name contains this")
     ap.add_argument("--sweep-conv", action="store_true", help="also time the conv's launch settings")
     ap.add_argument("--sweep-norm", action="store_true", help="also time the gated norm's launch settings")
-    ap.add_argument("--conv-dw-acc", type=int, choices=(0, 1), default=None,
-                    help="conv backward: 1 elementwise dweight accumulators (default), 0 per-block reductions")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.conv_dw_acc is not None:
-        tconv.TUNE["dw_acc"] = bool(args.conv_dw_acc)
-    tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True  # outputs start as NaN
     seed = args.seed if args.seed is not None else torch.seed() % 2**31
     gen = torch.Generator(device=DEV).manual_seed(seed)
     import triton
 
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"seed {seed}")
-    results, ok_all = [], True
-    print(f"{'case':34s} {'dtype':9s} {'pass':5s} {'worst':18s} {'rel err':>9s} {'ref path':>9s}")
-    for name, fn in cases(args.quick):
-        if args.only not in name:
-            continue
-        for dtype in (torch.bfloat16, torch.float32):
-            try:
-                res = fn(gen, dtype)
-                bar = BARS[dtype]
-                worst = max(res, key=lambda k: res[k][0])
-                ok = all(v[0] <= bar for v in res.values())
-                row = {"case": name, "dtype": str(dtype)[6:], "pass": ok, "worst": worst, "rel": res[worst][0],
-                       "ref_rel": res[worst][1], "errors": res}
-                print(f"{name:34s} {row['dtype']:9s} {'ok' if ok else 'FAIL':5s} {worst:18s} {row['rel']:9.2e} "
-                      f"{row['ref_rel']:9.2e}")
-            except Exception as e:  # report and go on: one broken case should not hide the others
-                ok = False
-                row = {"case": name, "dtype": str(dtype)[6:], "pass": False, "error": repr(e)}
-                print(f"{name:34s} {row['dtype']:9s} FAIL  {type(e).__name__}: {e}")
-                traceback.print_exc()
-            ok_all &= ok
-            results.append(row)
-            torch.cuda.empty_cache()
-    tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = False
+    results, ok_all = run_checks(gen, args.quick, args.only)
     rows = []
     if not args.no_timing:
         try:
@@ -464,10 +466,12 @@ def main() -> int:
                 print(f"{fn.__name__} failed: {type(e).__name__}: {e}")
                 traceback.print_exc()
     print("\nALL PASS" if ok_all else "\nSOME FAILED")
-    if args.json:
-        with open(args.json, "w") as fh:
+    if args.json:  # written atomically: a temporary file beside it, then renamed
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as fh:
             json.dump({"seed": seed, "device": torch.cuda.get_device_name(), "checks": results, "timings": rows},
                       fh, indent=1)
+        os.replace(tmp, args.json)
     return 0 if ok_all else 1
 
 

@@ -1,14 +1,17 @@
 """DRAM bytes and GPU time of every kernel of one training step of our GDN or KDA op, per kernel name, and the
-step's floor at the copy bandwidth: what the launch plan moves, measured, against issue 5's and 6's targets.
+step's floor at the copy bandwidth: how far each launch is from what its bytes allow.
+
+Run it after changing a kernel's launch plan (what each launch reads and writes), to see where a step's time goes
+and how far it is from its bytes. Needs Nsight Compute (`ncu`) on the GPU machine.
 
     python3 scripts/gpu_ncu_bytes.py --op kda [--gates init] [--shape 4,4096,16,128] [--out DIR]
 
-runs Nsight Compute twice on this same script (`--step`): one window around the second step's forward (with grad, the
-training forward) and one around its forward and backward (inputs bf16, `gpu_tune_gdn.make` / `gpu_tune_kda.make`;
+runs ncu twice on this same script (`--step`): one window around the second step's forward (with grad, the
+training forward) and one around its forward and backward (bf16 inputs, the inputs of `hybridlm bench kernels`;
 the first step compiles). Every kernel in the window is measured (`dram__bytes_read.sum`, `dram__bytes_write.sum`,
 `gpu__time_duration.sum`, clocks left alone), PyTorch's own kernels too; the backward is the second window less the
-first. Prints a table per pass and writes both CSVs to --out. ncu adds no time to a kernel it measures, but it
-serialises them: the sums are of kernel durations, not of a step's wall time.
+first. Prints a table per pass and writes both CSVs to --out. ncu serialises the kernels it measures: the sums are
+of kernel durations, not of a step's wall time.
 """
 
 from __future__ import annotations
@@ -21,40 +24,53 @@ import subprocess
 import sys
 from collections import defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
+
+
+def inputs(op: str, B: int, T: int, H: int, D: int, gates: str) -> list:
+    """q, k, v [B, T, H, D], g ([B, T, H] for GDN, [B, T, H, D] for KDA, fp32), beta [B, T, H]: bf16-representable."""
+    import torch
+
+    from hybridlm.bench.kernels import kda_bench_gates
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
+    if op == "gdn":
+        g = torch.nn.functional.logsigmoid(r(B, T, H) + 3.0)
+    else:
+        g = kda_bench_gates(gates, B, T, H, D, "cuda", gen)
+    beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
+    return [q, k, v, g, beta]
 
 
 def step(op: str, shape: str, gates: str, backward: bool) -> None:
     """Inside ncu: one unprofiled step, then the profiled window (forward only, or forward and backward)."""
     import torch
 
-    sys.path.insert(0, HERE)
-    B, T, H, D = (int(x) for x in shape.split(","))
-    if op == "gdn":
-        from gpu_tune_gdn import make, run
-        xs = [x.to(torch.bfloat16).float() if i != 3 else x for i, x in enumerate(make(B, T, H, D))]
-    else:
-        from gpu_tune_kda import make, run
-        xs = make(B, T, H, D, gates=gates)
-    do = torch.randn(B, T, H, D, device="cuda").bfloat16().float()
-    run(xs, torch.bfloat16, True, do)
-    torch.cuda.synchronize()
-    cudart = torch.cuda.cudart()
-    q, k, v, g, beta = xs
-    leaf = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)] + [
-        g.detach().clone().requires_grad_(), beta.detach().bfloat16().requires_grad_()]
     if op == "gdn":
         from hybridlm.ops.triton import chunk_gated_delta_rule as fn
     else:
         from hybridlm.ops.triton import chunk_kda as fn
-    torch.cuda.synchronize()
-    cudart.cudaProfilerStart()
-    o, _ = fn(*leaf[:3], g=leaf[3], beta=leaf[4], use_qk_l2norm=True)
-    if backward:
-        torch.autograd.grad(o, leaf, do.to(o.dtype))
-    torch.cuda.synchronize()
-    cudart.cudaProfilerStop()
+    B, T, H, D = (int(x) for x in shape.split(","))
+    q, k, v, g, beta = inputs(op, B, T, H, D, gates)
+    do = torch.randn(B, T, H, D, device="cuda").bfloat16()
+
+    def one_step(window: bool) -> None:
+        leaf = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)] + [
+            g.detach().clone().requires_grad_(), beta.detach().bfloat16().requires_grad_()]
+        torch.cuda.synchronize()
+        if window:
+            torch.cuda.cudart().cudaProfilerStart()
+        o, _ = fn(*leaf[:3], g=leaf[3], beta=leaf[4], use_qk_l2norm=True)
+        if backward or not window:
+            torch.autograd.grad(o, leaf, do)
+        torch.cuda.synchronize()
+        if window:
+            torch.cuda.cudart().cudaProfilerStop()
+
+    one_step(False)
+    one_step(True)
 
 
 def ncu_csv(ncu: str, args: argparse.Namespace, backward: bool) -> str:

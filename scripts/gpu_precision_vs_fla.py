@@ -1,18 +1,18 @@
 """Accuracy of our GDN kernels and fla-core's against the float64 reference, on gates that stress the decay
-exponents. One GPU run, one table.
+exponents: the precision table of BENCHMARKS.md. Run it after a change to how the kernels form decay exponents or
+sum dg, or to compare a new fla-core release.
 
     python scripts/gpu_precision_vs_fla.py [--T 1000] [--json PATH]
 
 Gates (log-decays g per step and value head): "usual" logsigmoid(N(3, 1)); "decay30" uniform in [-30, 0); "cliff":
 in every chunk of 64 steps, 32 of [-30, 0) then 32 of [-0.05, 0), so the later rows' decay exponents are small
-differences of a cumulative sum near -500. A kernel that forms e^{b_i - b_j} from two fp32 running sums loses
-|b| * 6e-8 of each exponent there (ours did before 2026-11-24: o 3-5e-5 and dg up to 7e-5 off in the CPU
-interpreter; fla-core 0.6.0 takes b from `chunk_local_cumsum` in fp32 too). Inputs: B2, T (1000), H4, K=V=128,
-beta in (0, 1) (fla's default domain), in-kernel q/k l2 norm, an initial state; fp32 and bf16. Errors are
-relative RMS against our float64 chunk path on the same rounded inputs, for o, the final state and the gradients
-of q, k, v, g, beta. fla 0.6.0's gated backward is run with its Hopper guard lifted (its #640), as in
+differences of a cumulative sum near -500 (a kernel that forms e^{b_i - b_j} from two fp32 running sums loses
+|b| * 6e-8 of each exponent there). Inputs: B2, T (1000), H4, K=V=128, beta in (0, 1) (fla's default domain),
+in-kernel q/k l2 norm, an initial state; fp32 and bf16. Errors are relative RMS against our float64 chunk path on
+the same rounded inputs, for o, the final state and the gradients of q, k, v, g, beta. fla-core 0.6.0 refuses its
+gated backward on Hopper with Triton < 3.7.1 (fla-org/flash-linear-attention#640); the guard is lifted here, as in
 `hybridlm bench kernels`. TF32 is off for PyTorch matmuls; each kernel's own dot precision is its own (ours: IEEE
-fp32 dots for fp32 inputs).
+fp32 dots for fp32 inputs). Outputs of our kernels start as NaN, so an unwritten element shows.
 """
 
 from __future__ import annotations
@@ -23,12 +23,25 @@ import sys
 
 import torch
 
-# the GPU check's error measure and cliff gates (same folder); importing it also NaN-poisons our kernels' outputs
-from gpu_check_gdn import F64, cliff_bounds, rel
-
 from hybridlm.ops import gated_delta_rule
+from hybridlm.ops.triton import gdn as _gdn
 
+_gdn.POISON = True  # outputs start as NaN: an unwritten element shows as an error
+F64 = torch.float64
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of a against the reference b (inf when a holds a non-finite value)."""
+    a, b = a.to(F64), b.to(F64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def cliff_bounds(T: int, device: str) -> torch.Tensor:
+    """[T, 1] bounds of the "cliff" gates: 30 for the first 32 steps of every chunk of 64, then 0.05."""
+    return torch.where(torch.arange(T, device=device) % 64 < 32, 30.0, 0.05)[:, None]
 
 
 def make_gates(kind: str, B: int, T: int, HV: int, gen: torch.Generator) -> torch.Tensor:
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import fla.ops.common.chunk_o as fla_chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # lift fla 0.6.0's Hopper guard on its gated backward (#640)
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # lift fla 0.6.0's Hopper guard on its gated backward
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
     B, T, H, D = 2, args.T, 4, 128
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {kind} | {row['dtype']} | {name} | " + " | ".join(f"{errs[n]:.2e}" for n in NAMES) + " |",
                       flush=True)
                 if args.json:
-                    from hybridlm.interop.files import atomic_write_text
+                    from hybridlm.files import atomic_write_text
 
                     atomic_write_text(args.json, json.dumps({"seed": seed, "rows": rows}, indent=1))
     return 0

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The Triton kernels' CPU-interpreter cases (tests/ops/triton/interp_gdn.py and interp_kda.py) under several Triton
-# versions, each in its own venv that reuses this Python's torch. Needs pip access to PyPI. Checks the Python front
-# end of every version (language features, interpreter); GPU code generation of each version is not covered here.
+# versions, each in its own venv that reuses this Python's torch. Run it before changing the supported Triton range
+# and after a kernel change that uses a language feature new to some version. Needs pip access to PyPI. It checks the
+# Python front end of every version (language features, interpreter); GPU code generation is not covered here.
 #   scripts/interp_triton_versions.sh [VERSION ...]      (default: 3.4.0 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=("$@")
 [ ${#versions[@]} -eq 0 ] && versions=(3.4.0 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0)
-# the verdict on one RESULT line: every error within its bar (fp16 cases: 16-bit intermediates, PLAN_TOL_FP16 of
-# the tests; bf16 cases: the GPU check's bars, which need gdn_kernels._patch_interpreter_bf16 to apply to that
-# version's interpreter); the recompute cases hold counts and equality flags, checked by the pytest tests instead
+# the verdict on one RESULT line: every error within its bar (fp16 cases: 16-bit intermediates, the tests' fp16 bar;
+# bf16 cases: the GPU check's bars, which need the test tree's interpreter bf16 fix to apply to that version's
+# interpreter); the recompute cases hold counts and equality flags, checked by the pytest tests instead
 VERDICT='
 import json, sys
 d = json.load(sys.stdin)

@@ -6,6 +6,7 @@ it. Each job draws its own fresh seed and prints it, as when the fixture ran it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,8 +15,14 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
+if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process too: the interpreter's fixes first
+    sys.path.insert(0, str(HERE / "ops" / "triton"))
+    from interp_patches import patch_interpreter
+
+    patch_interpreter()
 # job: (its script, the test file whose tests read it, timeout in seconds), in the order the suite reads them
 JOBS = {"gdn": (HERE / "ops" / "triton" / "interp_gdn.py", "tests/ops/test_triton_gdn.py", 1200),
         "kda": (HERE / "ops" / "triton" / "interp_kda.py", "tests/ops/test_triton_kda.py", 1200)}
@@ -67,3 +74,79 @@ def interp_result(name: str) -> dict:
 @pytest.fixture(scope="session")
 def interp_job():
     return interp_result
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true",
+                     help="also run the tests marked slow (long CPU runs guarding no default path; skipped otherwise)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("slow") and not item.config.getoption("--runslow"):
+        pytest.skip("slow: run with --runslow")
+
+
+# The run draws one fresh seed (HYBRIDLM_TEST_SEED=N replays it) and prints it with any failure. Each test's torch
+# RNG starts from a seed derived from it and the test's id, as do models that a module builds once and shares
+# (`derive_seed`), so that one number replays any test alone. The RNG and the process-wide flags a test may set are
+# put back after it, so that no test depends on another's leftovers.
+SEED_ENV = "HYBRIDLM_TEST_SEED"
+RUN_SEED = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little") % 2**31)
+
+
+def derive_seed(name: str) -> int:
+    """A seed in [0, 2**31) for `name`, fixed by the run's seed."""
+    return int.from_bytes(hashlib.sha256(f"{RUN_SEED}:{name}".encode()).digest()[:4], "little") % 2**31
+
+
+def _flag(obj, name):
+    return (lambda: getattr(obj, name)), (lambda v: setattr(obj, name, v))
+
+
+_GLOBAL_STATE = {
+    "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "cuda.matmul.allow_tf32": _flag(torch.backends.cuda.matmul, "allow_tf32"),
+    "cudnn.allow_tf32": _flag(torch.backends.cudnn, "allow_tf32"),
+    "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "deterministic algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+    "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "CPU threads": (torch.get_num_threads, torch.set_num_threads),
+}
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """This test's seed: torch's global RNG starts from it (seed explicit generators from it too)."""
+    value = derive_seed(request.node.nodeid)
+    saved = {name: get() for name, (get, _) in _GLOBAL_STATE.items()}
+    env = dict(os.environ)
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+        torch.manual_seed(value)
+        yield value
+    for name, (get, put) in _GLOBAL_STATE.items():
+        if get() != saved[name]:
+            put(saved[name])
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.fixture(scope="session", name="derive_seed")
+def derive_seed_fixture():
+    return derive_seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        note = f"run seed {RUN_SEED} (replay: {SEED_ENV}={RUN_SEED} python -m pytest '{item.nodeid}')"
+        if hasattr(report.longrepr, "addsection"):
+            report.longrepr.addsection("seed", note)
+        else:
+            report.sections.append(("seed", note))
+    return report
+
+
+def pytest_report_header(config):
+    return f"run seed {RUN_SEED} ({SEED_ENV}={RUN_SEED} replays it)"

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.bench.cuda_profile import kernel_table, print_kernel_times
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also the summed CUDA time of each call's kernels (torch profiler, 5 calls), ours and "
                         "fla's, GDN and KDA rows: what the kernels take without the host's launch overhead")
     parser.add_argument("--tune-json", default=None,
-                        help="launch settings from scripts/gpu_tune_gdn.py --json (its 'best'); default: built-in")
+                        help="launch settings from scripts/gpu_tune.py --json (its 'best'); default: built-in")
 
 
 def _shapes(args) -> list[tuple[int, int, int, int]]:
@@ -235,8 +235,8 @@ def kda_bench_gates(kind: str, B: int, T: int, H: int, D: int, device, gen: torc
     """g [B, T, H, D] fp32 log-decays for the KDA rows. "bench": logsigmoid(N(0, 1) + 3), about -0.05 a step, so
     every chunk takes the kernels' whole-chunk dot. "init": as a freshly initialised `KimiDeltaAttention` makes
     them, -A softplus(f) with A ~ U(1, 16) per head (A_log's init) and f ~ N(0, 0.33) (its low-rank gate f_b(f_a(x))
-    at x ~ N(0, 1), dt_bias 0): about -5.5 a step, so most chunks go through the 16-row blocks
-    (scripts/kda_whole_share.py). fla's chunk_kda does the same work on either."""
+    at x ~ N(0, 1), dt_bias 0): about -5.5 a step, so most chunks go through the 16-row blocks. fla's chunk_kda
+    does the same work on either."""
     r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     if kind == "bench":
         return F.logsigmoid(r(B, T, H, D) + 3.0)
@@ -337,8 +337,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune_json:
         with open(args.tune_json) as f:
-            gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
-    print("launch settings:", json.dumps(gdn.TUNE), flush=True)
+            gdn.TUNE.update(**json.load(f)["best"])  # names checked
+    print("launch settings:", json.dumps(gdn.TUNE.as_dict()), flush=True)
     fla = None
     fla_version = None
     if not args.no_fla:
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         "fla_core": fla_version, "python": platform.python_version(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": mm_tflops,
-        "fla_guard_lifted": fla is not None, "tune": dict(gdn.TUNE),
+        "fla_guard_lifted": fla is not None, "tune": gdn.TUNE.as_dict(),
     }
     print(f"{info['device']}: copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     rows = []

@@ -12,7 +12,11 @@ Rows, all bf16 parameters and activations on one CUDA device, in training mode:
   pre-norm, a 256-token vocabulary so embedding and head cost next to nothing); fla has no such block, so this
   row has no ratio.
 Widths: Qwen3-Next (hidden 2048, 16 key heads, 32 value heads, head dim 128) and hidden 1024 (8 / 16 heads,
-head dim 128); KDA uses HV = H. Each sequence length runs with batch = tokens // T. Time: median of
+head dim 128); KDA uses HV = H. `--widths olmo`: OLMo-Hybrid 7B's linear layers (hidden 3840, 30 heads, key head
+dim 96, value head dim 192, its "olmo" projection layout), which the Triton kernels run zero-padded to 128 / 256.
+`--vs-chunk` adds our layer with impl="chunk" (the PyTorch chunk path) and the kernels' speedup over it, e.g.
+    python -m hybridlm.bench.layers --rows gdn --widths olmo --vs-chunk --no-recompute --no-fla
+Each sequence length runs with batch = tokens // T. Time: median of
 triton.testing.do_bench over forward + backward of sum(output * fixed random grad); peak memory: the
 max_memory_allocated rise over one forward + backward, parameters excluded. Writes layers.json and layers.md.
 """
@@ -29,9 +33,11 @@ import time
 import torch
 
 from hybridlm.bench.cuda_profile import print_kernel_times
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
-WIDTHS = {"2048": dict(D=2048, H=16, HV=32, d=128), "1024": dict(D=1024, H=8, HV=16, d=128)}
+# d: key head dim; dv: value head dim (d when absent); layout: our GDN layer's projection layout ("split" when absent)
+WIDTHS = {"2048": dict(D=2048, H=16, HV=32, d=128), "1024": dict(D=1024, H=8, HV=16, d=128),
+          "olmo": dict(D=3840, H=30, HV=30, d=96, dv=192, layout="olmo")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms of repeats)")
     parser.add_argument("--no-fla", action="store_true", help="skip fla's layers even if installed")
     parser.add_argument("--tune-json", default=None,
-                        help="GDN launch settings from scripts/gpu_tune_gdn.py --json (its 'best'), or any JSON "
+                        help="GDN launch settings from scripts/gpu_tune.py --json (its 'best'), or any JSON "
                         "file of the form {\"best\": {...}}; default: built-in")
+    parser.add_argument("--vs-chunk", action="store_true",
+                        help="also time our layers with impl='chunk' (the PyTorch chunk path) and report the "
+                             "kernels' speedup over it")
     parser.add_argument("--no-recompute", action="store_true",
                         help="skip the rows of our layers with recompute=True (one variant less per row)")
     parser.add_argument("--profile", action="store_true",
@@ -78,16 +87,17 @@ def _time_fwd_bwd(fn, x, rep):
     return ms, peak
 
 
-def _ours_gdn(w, recompute=False):
+def _ours_gdn(w, recompute=False, impl="auto"):
     from hybridlm.layers.gdn import GatedDeltaNet
 
-    return GatedDeltaNet(w["D"], w["H"], w["HV"], w["d"], w["d"], layout="split", impl="auto", recompute=recompute)
+    return GatedDeltaNet(w["D"], w["H"], w["HV"], w["d"], w.get("dv", w["d"]), layout=w.get("layout", "split"),
+                         impl=impl, recompute=recompute)
 
 
-def _ours_kda(w, recompute=False):
+def _ours_kda(w, recompute=False, impl="auto"):
     from hybridlm.layers.kda import KimiDeltaAttention
 
-    return KimiDeltaAttention(w["D"], w["HV"], w["d"], impl="auto", recompute=recompute)
+    return KimiDeltaAttention(w["D"], w["HV"], w["d"], impl=impl, recompute=recompute)
 
 
 def _ours_hybrid(w):
@@ -105,7 +115,8 @@ def _ours_hybrid(w):
 def _fla_gdn(w):
     from fla.layers import GatedDeltaNet
 
-    return GatedDeltaNet(hidden_size=w["D"], expand_v=1, head_dim=w["d"], num_heads=w["H"], num_v_heads=w["HV"],
+    return GatedDeltaNet(hidden_size=w["D"], expand_v=w.get("dv", w["d"]) / w["d"], head_dim=w["d"],
+                         num_heads=w["H"], num_v_heads=w["HV"],
                          mode="chunk", use_gate=True, use_short_conv=True)
 
 
@@ -127,6 +138,8 @@ def _run_row(kind, wname, T, args, have_fla):
     if kind != "hybrid3:1" and not getattr(args, "no_recompute", False):
         # the same layer with recompute=True: its recurrence keeps only its inputs
         variants.append(("ours_rc", lambda w, ours=ours: ours(w, recompute=True)))
+    if kind != "hybrid3:1" and getattr(args, "vs_chunk", False):
+        variants.append(("chunk", lambda w, ours=ours: ours(w, impl="chunk")))
     variants += [("fla", theirs)] if (theirs is not None and have_fla) else []
     for name, make in variants:
         try:
@@ -160,6 +173,8 @@ def _run_row(kind, wname, T, args, have_fla):
         print(json.dumps({"partial": True, **row}), flush=True)
     if "ours_ms" in row and "fla_ms" in row:
         row["speedup_vs_fla"] = row["fla_ms"] / row["ours_ms"]
+    if "ours_ms" in row and "chunk_ms" in row:
+        row["speedup_vs_chunk"] = row["chunk_ms"] / row["ours_ms"]
     if "ours_rc_ms" in row and "fla_ms" in row:
         row["rc_speedup_vs_fla"] = row["fla_ms"] / row["ours_rc_ms"]
     return row
@@ -178,7 +193,10 @@ def _table(info, rows):
                      f"{f(r, 'ours_peak_GiB', '.2f')} | {f(r, 'fla_peak_GiB', '.2f')} | "
                      f"{f(r, 'ours_rc_tok_s', ',.0f')} | {f(r, 'rc_speedup_vs_fla', '.2f')} | "
                      f"{f(r, 'ours_rc_peak_GiB', '.2f')} |")
-        for k in ("ours_error", "ours_rc_error", "fla_error"):
+        if "chunk_tok_s" in r:
+            lines.append(f"|   impl='chunk': {r['chunk_tok_s']:,.0f} tok/s, {r['chunk_peak_GiB']:.2f} GiB peak; "
+                         f"ours/chunk {f(r, 'speedup_vs_chunk', '.2f')} ||||||||||")
+        for k in ("ours_error", "ours_rc_error", "fla_error", "chunk_error"):
             if k in r:
                 lines.append(f"|   {k}: {r[k][:150]} ||||||||||")
     return "\n".join(lines)
@@ -207,10 +225,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune_json:
         with open(args.tune_json) as f:
-            gdn.update_tune(json.load(f)["best"], f"--tune-json {args.tune_json}")
+            gdn.TUNE.update(**json.load(f)["best"])  # names checked
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "fla": fla_version, "python": platform.python_version(), "tokens": args.tokens,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "gdn_tune": dict(gdn.TUNE)}
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "gdn_tune": gdn.TUNE.as_dict()}
     rows = []
 
     def save():  # after every row, atomically: a run cut short keeps its finished rows

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..interop.files import atomic_write_text
+from ..files import atomic_write_text
 from ..layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
@@ -268,7 +268,7 @@ def _embed_and_blocks(embed: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor
 QK_NORMS = ("l2", "recipe")
 # the mixers whose model differs between qk_norm "l2" and "recipe", and the suffix that keeps their recipe cells
 # apart: linear attention's q/k features; the scalar-decay mixer's raw q/k and dt-scaled write ("dtw": cells run
-# before the write was scaled, 2026-11-23, kept the plain "|qkrecipe" and are not reused)
+# before the write was scaled kept the plain "|qkrecipe" and are not reused)
 RECIPE_CHANGES = {"linear_attention": "|qkrecipe", "gla": "|qkrecipe|dtw"}
 # ends every cell key of the models built from hybridlm.layers: cells of the bench's earlier mixers of its own
 # (results/mqar-paper/) still load and tabulate, but a rerun does not count them as done
@@ -453,7 +453,7 @@ PRESETS = {
     # and 64 pairs (Zoology trains on several pair counts: at 1000 steps of 32 pairs alone no recurrent mixer left
     # chance level); each mixer in its published form (qk_norm "recipe": with l2-normalised q/k for every mixer,
     # linear attention recalled 0.977 of 64 pairs at width 64); lr 1e-2 left every recurrent mixer at chance and
-    # 6e-3 most of them (H100 runs of 2026-11-23), hence 1e-3 and 3e-3; 42 cells of 4000 steps x 128 examples
+    # 6e-3 most of them (H100 runs), hence 1e-3 and 3e-3; 42 cells of 4000 steps x 128 examples
     "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[512], pairs=[64], vocab_size=4096,
                   lrs=[1e-3, 3e-3], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=4000,
                   batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000, mixed_pairs=True,

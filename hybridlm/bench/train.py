@@ -1,16 +1,27 @@
 """Training throughput of a ~350M 3:1 hybrid: ours against the same shape built from fla's model classes.
 
-    python -m hybridlm.bench.train [--seq-len 4096] [--batch-size 4] [--steps 10] [--out DIR]  (= hybridlm bench train)
-    python -m hybridlm.bench.train --tiny                                                      (CPU smoke run)
+    python -m hybridlm.bench.train [--data bundled,short-docs] [--seq-len 4096] [--batch-size 4] [--steps 10]
+                                   [--out DIR]                                        (= hybridlm bench train)
+    python -m hybridlm.bench.train --tiny                                             (CPU smoke run)
 
-One step is what a training job does: forward under bf16 autocast (fp32 on a CPU), the same fp32 cross entropy on
-the logits for both models, backward, gradient clipping to 1.0, AdamW (`hybridlm.train.optim`, fused on CUDA, the
-same parameter groups for both) and zero_grad. After --warmup steps (Triton compilation and autotuning happen
-there), --steps steps are timed one by one between torch.cuda.synchronize calls; tokens/s = batch * T / median
-step time. Peak memory: torch.cuda.max_memory_allocated from before the model is built, so parameters, gradients,
-optimizer state and activations all count. A model that fails (out of memory or anything else) gets its error in
-its row; the other one still runs. Writes train.json (device, versions, date, command, both configs, every step
-time) and train.md (the table).
+--data (comma-separated, one table row per model and data kind):
+- bundled (default): the bundled Shakespeare as `hybridlm train` reads it (its train split, 41 works, byte tokens);
+- short-docs: the same text as 8,674 documents of ~580 bytes (`train.data.short_document_stream`);
+- random: uniform random token ids over the whole vocabulary, a plain [B, T] batch (no documents).
+With documents, each step's B rows of T tokens are cut from the stream as `hybridlm train` cuts them
+(`train.data.make_batch`, rows drawn by `RowSampler`), and both models get them as one packed [1, B*T] call with
+cu_seqlens (row starts and document starts), so no token attends across a document boundary. Byte ids (< 256) are
+valid ids of the 32000-token vocabulary.
+
+One step is what a training job does: forward under bf16 autocast (fp32 on a CPU) with each model's own training
+loss, backward, gradient clipping to 1.0, AdamW (`hybridlm.train.optim`, fused on CUDA, the same parameter groups
+for both) and zero_grad. After --warmup steps (Triton compilation and autotuning happen there), --steps steps are
+timed one by one between torch.cuda.synchronize calls; tokens/s = batch * T / median step time. Every step has its
+own batch; the host batches are built before the model, and each step copies its batch to the device (pinned,
+non-blocking) as the training loop does. Peak memory: torch.cuda.max_memory_allocated from before the model is
+built, per (model, data) row, so parameters, gradients, optimizer state and activations all count. A model that
+fails (out of memory or anything else) gets its error in its row; the others still run. Writes train.json (device,
+versions, date, command, both configs, every step time) and train.md (the table).
 
 Non-standard here:
 - The shape (`SHAPE_350M`): hidden 1024, 24 blocks, every 4th softmax attention (blocks 3, 7, ..., 23), SwiGLU
@@ -19,12 +30,23 @@ Non-standard here:
   (`gdn_layout="split"`, gated attention with q/k RMSNorm, zero-centred norms); fla's is
   `GatedDeltaNetForCausalLM` with `attn` placing its `Attention` layers, which has no output gate and no q/k norm,
   so ours has 6 x (1024 x 1024 + 256) more parameters. Both counts are printed.
+- The loss is each model's own training path: ours `model(ids, cu_seqlens=, targets=)` (the chunked linear +
+  cross-entropy of `hybridlm.ops.linear_ce`, no [tokens, vocab] logits; its sum over targets divided by their
+  count, known on the host), fla's `labels=` with its config's defaults (fuse_cross_entropy: bf16 logits, then
+  its fused cross-entropy kernel). fla shifts `labels` itself and has no target for the last position of a row, so
+  it gets the batch's targets shifted right by one, and that position (of each [B, T] row, or of the one packed
+  row) has no target for either model.
+- The cu_seqlens handed to our model have their host values registered (`hybridlm.ops.offsets.remember_offsets`),
+  as in `hybridlm train`, so our varlen layers never wait for the device to read them.
 - fla is imported here only, and only when asked for. fla 0.6.0 refuses its gated chunk backward on Hopper with
   Triton < 3.7.1 (its issue #640); this benchmark lifts that guard (`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 =
   True`) and says so in the table. fla's `Attention` needs the flash_attn package; when it is not installed its
-  `flash_attn_func` is replaced by a stand-in on torch SDPA (is_causal, GQA by enable_gqa), also said in the table.
-- Ours runs with impl="auto": the Triton GDN kernels and fused glue on CUDA, and SDPA with is_causal for attention
-  (no explicit mask when nothing is padded or packed). Which paths "auto" picked is recorded in train.json.
+  `flash_attn_func` is replaced by a stand-in on torch SDPA (is_causal, GQA by enable_gqa), and its
+  `flash_attn_varlen_func` (packed documents) by one on torch's `varlen_attn` (torch >= 2.10), also said in the
+  table. Without either, fla's packed rows are reported as not run.
+- Ours runs with impl="auto": the Triton GDN kernels and fused glue on CUDA, SDPA with is_causal for plain batches
+  and variable-length FlashAttention (`varlen_attn`) for packed documents. Which paths "auto" picked is recorded in
+  train.json.
 """
 
 from __future__ import annotations
@@ -33,6 +55,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import logging
 import os
@@ -48,9 +71,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridlm.interop.files import atomic_write_text
+from hybridlm.files import atomic_write_text
 
 DEFAULT_OUT = os.path.join("runs", "bench-train")
+DATA_KINDS = ("bundled", "short-docs", "random")
+DEFAULT_DATA = "bundled"
+IGNORE = -100  # the ignored target of both models' losses (hybridlm.train.data.IGNORE, torch's ignore_index)
 GUARD_NOTE = ("fla 0.6.0's guard against its gated chunk backward on Hopper with Triton < 3.7.1 (fla #640) was "
               "lifted for this run: fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True")
 
@@ -88,6 +114,10 @@ RUN_DEFAULTS = {"350m": (4096, 4, 10, 3), "tiny": (64, 2, 2, 1)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default=DEFAULT_DATA, metavar="KIND[,KIND]",
+                        help="what the steps train on, comma-separated, one row per model and kind: bundled (the "
+                        "bundled corpus packed as `hybridlm train` packs it, the default), short-docs (the same text "
+                        "as 8,674 short documents, packed with cu_seqlens), random (random token ids, no documents)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 4096; --tiny: 64)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="rows per step (default 4: 16k tokens; --tiny: 2)")
@@ -165,9 +195,36 @@ def sdpa_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
     return o.transpose(1, 2)
 
 
+def varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), **_ignored) -> torch.Tensor:
+    """Stand-in for flash_attn_varlen_func on torch's varlen_attn: q [N, H, d], k / v [N, Hkv, d] with documents
+    at cu_seqlens [D+1] (int32) -> [N, H, d]. max_seqlen_* bound the document lengths (fla passes the row length).
+
+    Only what fla's Attention asks for in training: no dropout, no sliding window; causal and GQA as
+    `hybridlm.layers.attention.varlen_causal`."""
+    from hybridlm.layers.attention import varlen_causal
+
+    if dropout_p or tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"the varlen_attn stand-in for flash_attn_varlen_func takes no dropout "
+                                  f"({dropout_p}) and no window ({window_size})")
+    return varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                         causal=causal)
+
+
 def _no_varlen(*_args, **_kwargs):
-    raise NotImplementedError("flash_attn is not installed and its varlen function has no stand-in here "
-                              "(this benchmark passes neither padding nor cu_seqlens)")
+    raise NotImplementedError("flash_attn is not installed and this torch has no torch.nn.attention.varlen "
+                              "(torch < 2.10) to stand in for flash_attn_varlen_func")
 
 
 def load_fla(device: torch.device, no_fla: bool) -> tuple[str | None, list[str], str | None]:
@@ -202,10 +259,24 @@ def patch_fla() -> list[str]:
         notes.append(GUARD_NOTE)
     if getattr(fla_attn, "flash_attn_func", None) is None:
         fla_attn.flash_attn_func = sdpa_flash_attn_func
-        fla_attn.flash_attn_varlen_func = _no_varlen
+        varlen = varlen_available()
+        fla_attn.flash_attn_varlen_func = varlen_flash_attn_func if varlen else _no_varlen
         notes.append("flash_attn is not installed: fla's Attention ran on a stand-in for flash_attn_func built on "
-                     "torch SDPA (is_causal, enable_gqa), the same SDPA call as ours")
+                     "torch SDPA (is_causal, enable_gqa), the same SDPA call as ours" +
+                     (", and for packed documents on one for flash_attn_varlen_func built on torch's varlen_attn "
+                      "(window (-1, 0), enable_gqa; fla passes the packed row's length as max_seqlen), the "
+                      "FlashAttention kernel ours calls" if varlen else ""))
     return notes
+
+
+def fla_packed_skip() -> str | None:
+    """Why fla's model cannot take packed documents here (None: it can). Call after `patch_fla`."""
+    import fla.layers.attn as fla_attn
+
+    if getattr(fla_attn, "flash_attn_varlen_func", None) is _no_varlen:
+        return ("not run here: fla's Attention needs flash_attn_varlen_func for cu_seqlens; flash_attn is not "
+                "installed and this torch has no varlen_attn (torch >= 2.10) to stand in for it")
+    return None
 
 
 def build_ours(shape: Shape, seq_len: int, device: torch.device, recompute_linear: bool = False):
@@ -215,7 +286,7 @@ def build_ours(shape: Shape, seq_len: int, device: torch.device, recompute_linea
     cfg.linear_recompute = recompute_linear
     with torch.device(device):
         model = HybridLM(cfg, impl="auto")
-    return model, cfg.to_dict(), lambda m, ids: m(ids).logits
+    return model, cfg.to_dict(), ours_loss
 
 
 def build_fla(shape: Shape, seq_len: int, device: torch.device):
@@ -224,7 +295,37 @@ def build_fla(shape: Shape, seq_len: int, device: torch.device):
     cfg = GatedDeltaNetConfig(**fla_config_kwargs(shape, seq_len))
     with torch.device(device):
         model = GatedDeltaNetForCausalLM(cfg)
-    return model, cfg.to_dict(), lambda m, ids: m(input_ids=ids, use_cache=False).logits
+    return model, cfg.to_dict(), fla_loss
+
+
+def ours_loss(model, ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None,
+              n_targets: int) -> torch.Tensor:
+    """Mean token loss of our model through its training path: ids / targets [B, T] (B == 1 with cu_seqlens)."""
+    return model(ids, cu_seqlens=cu_seqlens, targets=targets).loss / n_targets
+
+
+def fla_labels(targets: torch.Tensor) -> torch.Tensor:
+    """targets [B, T] -> the `labels` fla's CausalLM takes: it drops labels[:, 0] and predicts labels[:, t + 1] at t,
+    with no target at t = T - 1, so targets[:, :-1] shifted right by one (targets[:, -1] must be ignored)."""
+    return torch.cat((torch.full_like(targets[:, :1], IGNORE), targets[:, :-1]), 1)
+
+
+def fla_loss(model, ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             n_targets: int) -> torch.Tensor:
+    """Mean token loss of fla's GatedDeltaNetForCausalLM through its own `labels` path (its config's loss)."""
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    return model(input_ids=ids, labels=fla_labels(targets), use_cache=False, **extra).loss
+
+
+def loss_name(model: str, config: dict | None) -> str:
+    """Which loss a row's model trained with (for the table)."""
+    if model == "ours":
+        return "fused linear + CE (chunked, no logits)"
+    if config and config.get("fuse_linear_cross_entropy"):
+        return "fla FusedLinearCrossEntropyLoss"
+    if config and config.get("fuse_cross_entropy"):
+        return "fla FusedCrossEntropyLoss on bf16 logits"
+    return "nn.CrossEntropyLoss on logits"
 
 
 def enable_grad_ckpt(model) -> None:
@@ -234,6 +335,95 @@ def enable_grad_ckpt(model) -> None:
         from hybridlm.train.parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """One step's batch on the host: input_ids / targets [B, T] int64 (or [1, B*T] packed), cu_seqlens [P+1] int32
+    (packed documents) or None, and the number of targets (not IGNORE)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    n_targets: int
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(ids, targets, cu_seqlens) on `device`, copied without waiting (pinned memory on CUDA); the host values
+        of cu_seqlens are registered so that the varlen ops need not read them back."""
+        from hybridlm.ops.offsets import remember_offsets
+
+        ids, tg = (t.to(device, non_blocking=True) for t in (self.input_ids, self.targets))
+        cu = self.cu_seqlens
+        if cu is not None:
+            cu = remember_offsets(cu.to(device, non_blocking=True), cu)
+        return ids, tg, cu
+
+
+def _no_last_target(targets: torch.Tensor) -> torch.Tensor:
+    """targets with the last position of every row ignored (fla's labels cannot reach it; see `fla_labels`)."""
+    targets = targets.clone()
+    targets[:, -1] = IGNORE
+    return targets
+
+
+def document_stream(kind: str):
+    """The byte-token stream of data kind `kind` ("bundled" or "short-docs") -> (Stream, description)."""
+    from hybridlm.train import data
+
+    if kind == "bundled":
+        from hybridlm.model.tokenizer import tokenizer_from_spec
+
+        corpus = data.load_corpus(None, tokenizer_from_spec("bytes"))
+        return corpus.train, f"{corpus.description}, train split, {corpus.n_docs} documents, byte tokens"
+    if kind == "short-docs":
+        stream = data.short_document_stream()
+        return stream, (f"the bundled text as {len(stream.starts) - 1:,} short documents "
+                        "(train.data.short_document_stream), byte tokens")
+    raise ValueError(f"--data: expected one of {', '.join(DATA_KINDS)}, got {kind!r}")
+
+
+def make_batches(kind: str, shape: Shape, spec: RunSpec, n: int) -> tuple[list[StepBatch], str]:
+    """`n` steps' batches of data kind `kind` (host tensors, pinned on CUDA) and a description of the data.
+    Documents: rows of the stream drawn as `hybridlm train` draws them (RowSampler, --seed), packed into one
+    [1, B*T] row with cu_seqlens (`make_batch`); random: [B, T] uniform ids, a fresh batch per step."""
+    B, T = spec.batch_size, spec.seq_len
+    out = []
+    if kind == "random":
+        g = torch.Generator().manual_seed(spec.seed)
+        for _ in range(n):
+            ids = torch.randint(0, shape.vocab_size, (B, T + 1), generator=g)
+            tg = _no_last_target(ids[:, 1:])
+            out.append(StepBatch(ids[:, :-1].contiguous(), tg, None, int((tg != IGNORE).sum())))
+        desc = f"random token ids in [0, {shape.vocab_size}), [B, T] rows, no documents"
+    else:
+        from hybridlm.train.data import RowSampler, make_batch
+
+        stream, desc = document_stream(kind)
+        if stream.tokens.max() >= shape.vocab_size:
+            raise ValueError(f"--data {kind}: byte tokens need vocab >= 256, the shape has {shape.vocab_size}")
+        sampler = RowSampler(stream.n_rows(T), B, spec.seed)
+        for i in range(n):
+            b = make_batch(stream, sampler.rows(i), T)
+            tg = _no_last_target(b.targets)
+            out.append(StepBatch(b.input_ids, tg, b.cu_seqlens, int((tg != IGNORE).sum())))
+        pieces = statistics.mean(len(b.cu_seqlens) - 1 for b in out)
+        desc += f"; {B} rows x {T} packed as [1, {B * T}] with cu_seqlens, {pieces:.1f} pieces a step on average"
+    if spec.device.type == "cuda":
+        out = [StepBatch(b.input_ids.pin_memory(), b.targets.pin_memory(),
+                         None if b.cu_seqlens is None else b.cu_seqlens.pin_memory(), b.n_targets) for b in out]
+    return out, desc
+
+
+def parse_data(arg: str) -> list[str]:
+    """--data's comma-separated kinds, in order, each once."""
+    kinds = [k.strip() for k in arg.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in DATA_KINDS]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise ValueError(f"--data: expected distinct kinds from {', '.join(DATA_KINDS)}, comma-separated, got {arg!r}")
+    return kinds
 
 
 # --- timing -----------------------------------------------------------------------------------------------------
@@ -270,10 +460,10 @@ class _LogCollector(logging.Handler):
 def _collect_logs(name: str = "hybridlm"):
     """The `hybridlm` log records while the block runs. The impl="auto" choices are logged once per process; they are
     forgotten first, so this run logs its own even after other models ran in the process (pytest, say)."""
-    from hybridlm.layers import conv as _glue
+    from hybridlm.ops import glue as _glue
     from hybridlm.ops import recurrence as _rec
 
-    _glue._GLUE_LOGGED.clear()
+    _glue._LOGGED.clear()
     _rec._LOGGED.clear()
     logger, handler = logging.getLogger(name), _LogCollector()
     old = logger.level
@@ -291,11 +481,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train_step(fwd: Callable, model, optimizer, ids: torch.Tensor, spec: RunSpec) -> float:
+def _train_step(loss_fn: Callable, model, optimizer, batch: StepBatch, spec: RunSpec) -> float:
+    ids, tg, cu = batch.to(spec.device)
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 else contextlib.nullcontext()
     with ctx:
-        logits = fwd(model, ids[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss = loss_fn(model, ids, tg, cu, batch.n_targets)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -309,11 +499,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(name: str, build: Callable, shape: Shape, spec: RunSpec) -> tuple[dict, dict | None]:
-    """One model's row (params, step times, tokens/s, peak memory; or its error) and its config dict."""
+def measure(name: str, build: Callable, shape: Shape, spec: RunSpec, batches: list[StepBatch] | None = None,
+            data: str = "random") -> tuple[dict, dict | None]:
+    """One model's row on one data kind (params, step times, tokens/s, peak memory; or its error) and its config
+    dict. batches: one per step, warm-up, timed and profiled steps in that order, reused cyclically if fewer
+    (None: random tokens, `make_batches`)."""
     from hybridlm.train.optim import build_optimizer
 
-    row: dict = {"model": name}
+    if batches is None:
+        batches, _ = make_batches("random", shape, spec, spec.warmup + spec.steps + spec.profile)
+    row: dict = {"model": name, "data": data}
     config = None
     dev = spec.device
     _free(dev)
@@ -321,28 +516,28 @@ def measure(name: str, build: Callable, shape: Shape, spec: RunSpec) -> tuple[di
         torch.cuda.reset_peak_memory_stats(dev)
     try:
         torch.manual_seed(spec.seed)
-        model, config, fwd = build(shape, spec.seq_len, dev)
+        model, config, loss_fn = build(shape, spec.seq_len, dev)
         row["params"] = sum(p.numel() for p in model.parameters())
         model.train()
         if spec.grad_ckpt:
             enable_grad_ckpt(model)
         optimizer = build_optimizer(model, spec.lr, 0.1)
         run_model = torch.compile(model) if spec.compile else model
-        g = torch.Generator().manual_seed(spec.seed)
-        ids = torch.randint(0, shape.vocab_size, (spec.batch_size, spec.seq_len + 1), generator=g).to(dev)
-        losses = [_train_step(fwd, run_model, optimizer, ids, spec) for _ in range(spec.warmup)]
+        batch = (batches[i % len(batches)] for i in itertools.count())
+        losses = [_train_step(loss_fn, run_model, optimizer, next(batch), spec) for _ in range(spec.warmup)]
         times = []
         for _ in range(spec.steps):
             _sync(dev)
             t0 = time.perf_counter()
-            losses.append(_train_step(fwd, run_model, optimizer, ids, spec))
+            losses.append(_train_step(loss_fn, run_model, optimizer, next(batch), spec))
             _sync(dev)
             times.append(time.perf_counter() - t0)
         step_s = statistics.median(times)
         row.update(step_ms=step_s * 1e3, tokens_per_s=spec.batch_size * spec.seq_len / step_s,
                    step_ms_all=[t * 1e3 for t in times], loss_first=losses[0], loss_last=losses[-1])
         if spec.profile:
-            row["profile"] = profile_step(lambda: _train_step(fwd, run_model, optimizer, ids, spec), spec.profile)
+            row["profile"] = profile_step(lambda: _train_step(loss_fn, run_model, optimizer, next(batch), spec),
+                                          spec.profile)
     except torch.OutOfMemoryError as e:
         row["error"] = f"out of memory: {str(e).splitlines()[0][:300]}"
     except Exception as e:  # noqa: BLE001  (one failing model must not hide the other's row)
@@ -398,8 +593,9 @@ def profile_step(step: Callable, steps: int) -> dict:
 
 
 def profile_table(rows: list[dict]) -> str:
-    """Markdown: CUDA ms per step by kernel group, one column per model, then each model's top kernels."""
-    prof = [(r["model"], r["profile"]) for r in rows if "profile" in r]
+    """Markdown: CUDA ms per step by kernel group, one column per row (model and data), then each row's top
+    kernels."""
+    prof = [(f"{r['model']} {r['data']}" if "data" in r else r["model"], r["profile"]) for r in rows if "profile" in r]
     if not prof:
         return ""
     groups = sorted({g for _, p in prof for g in p["groups_ms"]}, key=lambda g: -max(p["groups_ms"].get(g, 0.0)
@@ -429,15 +625,18 @@ def markdown_table(info: dict, rows: list[dict]) -> str:
              f"{info['precision']}, AdamW + grad clip, batch {info['batch_size']} x T {info['seq_len']}, "
              f"{info['warmup']} warm-up + {info['steps']} timed steps (median), grad ckpt "
              f"{'on' if info['grad_ckpt'] else 'off'}, torch.compile {'on' if info['compile'] else 'off'}",
-             "", "| model | params | tokens/s | ours/fla | step ms | peak GiB |", "|---|---|---|---|---|---|"]
+             "", "| model | data | loss | params | tokens/s | ours/fla | x bundled | step ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['label']} | {_fmt(r, 'params', ',')} | {_fmt(r, 'tokens_per_s', ',.0f')} | "
-                     f"{_fmt(r, 'ratio_ours_over_fla', '.2f')} | {_fmt(r, 'step_ms', '.1f')} | "
+        lines.append(f"| {r['label']} | {r.get('data', '-')} | {r.get('loss_fn', '-')} | {_fmt(r, 'params', ',')} | "
+                     f"{_fmt(r, 'tokens_per_s', ',.0f')} | {_fmt(r, 'ratio_ours_over_fla', '.2f')} | "
+                     f"{_fmt(r, 'ratio_over_bundled', '.2f')} | {_fmt(r, 'step_ms', '.1f')} | "
                      f"{_fmt(r, 'peak_GiB', '.1f')} |")
     for r in rows:
         for key in ("error", "skipped"):
             if key in r:
-                lines.append(f"\n{r['model']} {key}: {r[key]}")
+                lines.append(f"\n{r['model']} on {r.get('data', '-')} {key}: {r[key]}")
+    lines += ["", "Data:"] + [f"- {k}: {d}" for k, d in info.get("data", {}).items()]
     lines += ["", "Notes:"] + [f"- {n}" for n in info["notes"]]
     return "\n".join(lines)
 
@@ -453,8 +652,8 @@ def _versions() -> dict:
 
 
 def _shape_notes(shape: Shape, impl_log: list[str]) -> list[str]:
-    """impl_log: our run's `hybridlm` log lines, where SwiGLU(impl="auto") says which silu(gate) * up it ran."""
-    fused = any("layers.SwiGLU:" in m and "fused Triton" in m for m in impl_log)
+    """impl_log: our run's `hybridlm` log lines, where silu_mul(impl="auto") says which silu(gate) * up ran."""
+    fused = any("ops.silu_mul:" in m and "picked 'triton'" in m for m in impl_log)
     swiglu = "as one fused Triton kernel" if fused else "in PyTorch"
     extra = len(shape.attention_layers) * (shape.hidden_size * shape.attn_heads * shape.attn_head_dim
                                            + 2 * shape.attn_head_dim)
@@ -468,7 +667,11 @@ def _shape_notes(shape: Shape, impl_log: list[str]) -> list[str]:
         f"gate and q/k RMSNorm, zero-centred RMSNorm, SwiGLU {swiglu}); fla: GatedDeltaNetForCausalLM with its "
         "Attention at the same blocks (no output gate, no q/k norm; fused RMSNorm and SwiGLU kernels): ours has "
         f"{extra:,} more parameters from the gate and q/k norms",
-        "loss: logits of each model, then the same fp32 F.cross_entropy (fla's fused loss is not used)",
+        "loss: each model's own training path, the token mean over the same targets: ours model(ids, "
+        "cu_seqlens=, targets=) (linear + cross-entropy in chunks of tokens, the [tokens, vocab] logits never "
+        "held), fla model(input_ids, cu_seqlens=, labels=) with its config's loss (fuse_cross_entropy: the logits, "
+        "then its fused cross-entropy kernel); the last position of each row has no target for either",
+        "x bundled: the row's tokens/s over the same model's on the bundled corpus in this run",
     ]
 
 
@@ -503,9 +706,29 @@ def _spec(args: argparse.Namespace) -> tuple[Shape, RunSpec]:
         raise ValueError(f"--profile: expected 0, or a number of steps >= 1 on a CUDA device, got {args.profile} "
                          f"on {dev}")
     seq_len, batch, steps, warmup = vals
+    parse_data(args.data)
     return shape, RunSpec(seq_len, batch, steps, warmup, args.lr, args.seed, args.grad_ckpt, args.compile, dev,
                           bf16=dev.type == "cuda", recompute_linear=args.recompute_linear,
                           profile=args.profile)
+
+
+def _label_rows(ours: dict, theirs: dict, configs: dict, spec: RunSpec, fla_version: str | None) -> None:
+    """Label, loss name and ours/fla ratio of one data kind's two rows."""
+    ours["label"] = "ours (hybridlm, impl=auto" + (", linear_recompute)" if spec.recompute_linear else ")")
+    theirs["label"] = "fla GatedDeltaNetForCausalLM" + (f" ({fla_version})" if fla_version else "")
+    ours["loss_fn"] = loss_name("ours", configs["ours"])
+    if "skipped" not in theirs:
+        theirs["loss_fn"] = loss_name("fla", configs["fla"])
+    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+        ours["ratio_ours_over_fla"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+
+
+def _ratio_over_bundled(rows: list[dict]) -> None:
+    """Each row's tokens/s over the same model's bundled-corpus row (when both ran)."""
+    base = {r["model"]: r["tokens_per_s"] for r in rows if r.get("data") == "bundled" and "tokens_per_s" in r}
+    for r in rows:
+        if r.get("data") != "bundled" and "tokens_per_s" in r and r["model"] in base:
+            r["ratio_over_bundled"] = r["tokens_per_s"] / base[r["model"]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -523,24 +746,36 @@ def run(args: argparse.Namespace) -> int:
             "batch_size": spec.batch_size, "steps": spec.steps, "warmup": spec.warmup, "grad_ckpt": spec.grad_ckpt,
             "recompute_linear": spec.recompute_linear,
             "compile": spec.compile, "shape": asdict(shape)}
+    kinds = parse_data(args.data)
     print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
-          f"{spec.warmup} + {spec.steps} steps", flush=True)
+          f"{spec.warmup} + {spec.steps} steps, data {', '.join(kinds)}", flush=True)
+    fla_packed = None if fla_skip is not None else fla_packed_skip()
+    build = functools.partial(build_ours, recompute_linear=spec.recompute_linear)
+    rows, configs, info["data"] = [], {"ours": None, "fla": None}, {}
     with _collect_logs() as impl_log:
-        ours, ours_cfg = measure("ours", functools.partial(build_ours, recompute_linear=spec.recompute_linear),
-                                 shape, spec)
+        for kind in kinds:
+            try:
+                batches, info["data"][kind] = make_batches(kind, shape, spec,
+                                                           spec.warmup + spec.steps + spec.profile)
+            except Exception as e:  # noqa: BLE001  (data that cannot be read fails its rows, not the others)
+                info["data"][kind] = f"{type(e).__name__}: {e}"
+                rows += [{"model": m, "data": kind, "label": m, "error": info["data"][kind]} for m in ("ours", "fla")]
+                continue
+            ours, cfg = measure("ours", build, shape, spec, batches, kind)
+            configs["ours"] = configs["ours"] or cfg
+            theirs = {"model": "fla", "data": kind}
+            skip = fla_skip or (fla_packed if kind != "random" else None)
+            if skip is None:
+                theirs, cfg = measure("fla", build_fla, shape, spec, batches, kind)
+                configs["fla"] = configs["fla"] or cfg
+            else:
+                theirs["skipped"] = skip
+            for r in (ours, theirs):
+                print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
+            _label_rows(ours, theirs, configs, spec, fla_version)
+            rows += [ours, theirs]
     info["notes"] = _shape_notes(shape, impl_log) + fla_notes
-    ours["label"] = "ours (hybridlm, impl=auto" + (", linear_recompute)" if spec.recompute_linear else ")")
-    rows, configs = [ours], {"ours": ours_cfg, "fla": None}
-    print(json.dumps({k: v for k, v in ours.items() if k != "step_ms_all"}), flush=True)
-    if fla_skip is None:
-        theirs, configs["fla"] = measure("fla", build_fla, shape, spec)
-        print(json.dumps({k: v for k, v in theirs.items() if k != "step_ms_all"}), flush=True)
-    else:
-        theirs = {"model": "fla", "skipped": fla_skip}
-    theirs["label"] = "fla GatedDeltaNetForCausalLM" + (f" ({fla_version})" if fla_version else "")
-    rows.append(theirs)
-    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-        ours["ratio_ours_over_fla"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    _ratio_over_bundled(rows)
     table = markdown_table(info, rows)
     print(table)
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,9 @@
-"""Checkpoint interop with Hugging Face transformers (no transformers import at run time)."""
+"""Comparison with Hugging Face transformers: per-layer hooks on two models (compare.py).
 
-from .files import CheckpointError
-from .hf import config_from_hf, config_to_hf, key_map, load_pretrained, save_pretrained
+Reading and writing transformers checkpoints is part of the model (`hybridlm.model.hf`, behind
+`HybridLM.from_pretrained` / `save_pretrained`), since generation and training both need it.
+"""
 
-__all__ = ["CheckpointError", "config_from_hf", "config_to_hf", "key_map", "load_pretrained", "save_pretrained"]
+from .compare import Comparison, LayerDiff, compare_layers
+
+__all__ = ["Comparison", "LayerDiff", "compare_layers"]

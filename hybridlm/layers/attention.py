@@ -8,19 +8,34 @@ Non-standard here:
   q / k projection before the head split (OLMo-Hybrid); "none".
 - Partial RoPE: rotate_half RoPE on the first `rotary_dim` channels, the rest pass through; rotary_dim 0 is NoPE.
   cos/sin are float32 and cast to the activations' dtype.
-- The mask is an explicit boolean [B, 1, T, T] built by `build_attention_mask` (causal, key padding, packed
-  documents). Each query may always see itself, so fully padded rows stay finite (their outputs are unused).
+- The mask is an explicit boolean [B, 1, T, T] built by `build_attention_mask` (causal, key padding, a cache).
+  Each query may always see itself, so fully padded rows stay finite (their outputs are unused).
   mask None means plain causal with queries and keys aligned (no cache, nothing padded or packed): SDPA's
   is_causal, which lets it pick its FlashAttention backend (no mask takes it), with GQA by enable_gqa (no copies).
+- Packed documents (one row [1, N] with cu_seqlens, no padding, no cache) get a `Documents` instead of a mask and
+  never a dense [N, N] one. On CUDA in fp16/bf16: variable-length FlashAttention (`varlen_attn`, unequal q/v head
+  dims padded with zeros), or where torch has none (< 2.10) a compiled `flex_attention` with a document block
+  mask; otherwise (CPU, float32/64) causal SDPA per document, O(sum of document length^2) at most. The choice is
+  logged once per (device type, dtype, path).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.offsets import host_offsets
+
 from .norm import RMSNorm
+
+log = logging.getLogger("hybridlm.layers")
+_DOC_LOGGED: set[tuple] = set()
+DOC_IMPLS = ("auto", "varlen", "flex", "loop")
 
 
 def build_attention_mask(T: int, *, attention_mask: torch.Tensor | None = None,
@@ -81,9 +96,169 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q: [B, h, T, d]; k, v: [B, hkv, S, d]; query head i reads kv head i // groups. mask: bool [B|1, 1, T, S], or
-    None for plain causal attention with S == T (is_causal; GQA by enable_gqa, else by repeat_interleave)."""
+class Documents:
+    """Documents packed in one row of N tokens: causal attention inside each, none across. cu_seqlens: int [D+1]
+    offsets (0 first, N last). One per forward, shared by its attention layers, so the host offsets are read and
+    the flex block mask is built once."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        self.cu_seqlens = cu_seqlens
+        self._block_mask = None
+
+    @property
+    def bounds(self) -> list[int]:
+        return host_offsets(self.cu_seqlens)
+
+    @property
+    def max_len(self) -> int:
+        b = self.bounds
+        return max((e - s for s, e in zip(b[:-1], b[1:])), default=0)
+
+    def block_mask(self, n: int, device: torch.device):
+        """The flex_attention BlockMask of these documents (causal inside each), built once on `device`."""
+        if self._block_mask is None:
+            cu = self.cu_seqlens.to(device=device, dtype=torch.long)
+            doc = torch.bucketize(torch.arange(n, device=device), cu[1:], right=True)
+
+            def same_doc_causal(b, h, q_idx, kv_idx):
+                return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+            self._block_mask = _compiled("create_block_mask")(same_doc_causal, None, None, n, n, device=device)
+        return self._block_mask
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str):
+    """torch.compile'd flex_attention / create_block_mask: uncompiled, both fall back to dense [N, N] math."""
+    if name not in _COMPILED:
+        from torch.nn.attention import flex_attention as fa
+
+        _COMPILED[name] = torch.compile(getattr(fa, name))
+    return _COMPILED[name]
+
+
+def _varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") -> str:
+    """The path of `document_attention` for q [1, h, N, dk] and v [1, hkv, N, dv] (after autocast): on CUDA for
+    fp16/bf16 with dk, dv <= 256 "varlen" (torch >= 2.10), else "flex"; "loop" for everything else. "auto" logs
+    its choice once per (device type, dtype, path)."""
+    if impl not in DOC_IMPLS:
+        raise ValueError(f"impl: expected one of {DOC_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    why = None
+    if q.device.type != "cuda":
+        impl, why = "loop", f"on {q.device.type}"
+    elif q.dtype not in (torch.float16, torch.bfloat16) or max(q.shape[-1], v.shape[-1]) > 256:
+        impl, why = "loop", f"{q.dtype} inputs, head dims {q.shape[-1]}/{v.shape[-1]}"
+    elif _varlen_available():
+        impl = "varlen"
+    elif _flex_available() and min(q.shape[-1], v.shape[-1]) >= 16:  # flex_attention's smallest head dim
+        impl, why = "flex", "no torch.nn.attention.varlen (torch < 2.10)"
+    else:
+        impl, why = "loop", "no varlen_attn in this torch, and flex_attention needs head dims >= 16"
+    key = (q.device.type, q.dtype, impl)
+    if key not in _DOC_LOGGED and not torch.compiler.is_compiling():
+        _DOC_LOGGED.add(key)
+        log.info("hybridlm.layers.attention: packed documents on %s %s go to %s%s", q.device.type, q.dtype,
+                 {"varlen": "varlen_attn (FlashAttention)", "flex": "flex_attention with a document block mask",
+                  "loop": "causal SDPA per document"}[impl], f" ({why})" if why else "")
+    return impl
+
+
+def _autocast_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k, v in the autocast dtype when autocast is on (SDPA casts itself; varlen_attn / flex do not)."""
+    dt = q.device.type
+    if torch.is_autocast_enabled(dt):
+        half = torch.get_autocast_dtype(dt)
+        return q.to(half), k.to(half), v.to(half)
+    return q, k, v
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, *, scale: float | None, causal: bool = True) -> torch.Tensor:
+    """torch's `varlen_attn` on q [N, h, d], k / v [N, hkv, d] -> [N, h, d], query head i reading kv head
+    i // (h / hkv). Its keywords moved between releases: causal is `window_size=(-1, 0)` where it has a window
+    (else `is_causal`), and GQA is `enable_gqa` where it has one (else the kv heads are repeated)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _params(varlen_attn)
+    kw = {"scale": scale}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kw["is_causal"] = causal
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
+@functools.cache
+def _params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
+                       impl: str = "auto") -> torch.Tensor:
+    """Causal attention inside each packed document, none across. q: [1, h, N, dk]; k: [1, hkv, N, dk];
+    v: [1, hkv, N, dv] -> [1, h, N, dv]; query head i reads kv head i // (h / hkv). No [N, N] tensor is made."""
+    if q.shape[0] != 1:
+        raise ValueError(f"q: packed documents need batch size 1, got shape {tuple(q.shape)}")
+    bounds, n = docs.bounds, q.shape[2]
+    if bounds[0] != 0 or bounds[-1] != n:
+        raise ValueError(f"cu_seqlens: expected offsets from 0 to {n} (the packed row's length), got "
+                         f"{bounds[0]}..{bounds[-1]}")
+    q, k, v = _autocast_dtype(q, k, v)
+    impl = resolve_document_impl(q, v, impl)
+    groups = q.shape[1] // k.shape[1]
+    if impl == "varlen":
+        cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        m = docs.max_len
+        # FlashAttention takes one head dim, a multiple of 8, for q, k and v: zero channels appended to q and k
+        # leave the scores as they are (scale is explicit), appended to v give zero outputs that are cut off
+        # (MLA: dk 192, dv 128)
+        dv = v.shape[-1]
+        d = -(-max(q.shape[-1], dv) // 8) * 8
+        q3, k3, v3 = (F.pad(t[0].transpose(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
+        o = varlen_causal(q3, k3, v3, cu, cu, m, m, scale=scale)
+        return o[..., :dv].transpose(0, 1)[None]  # [N, h, d] -> [1, h, N, dv]
+    if impl == "flex":
+        bm = docs.block_mask(n, q.device)
+        return _compiled("flex_attention")(q, k, v, block_mask=bm, scale=scale, enable_gqa=groups > 1)
+    outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
+                                           enable_gqa=groups > 1)
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outs, dim=2)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Documents | None,
+         scale: float) -> torch.Tensor:
+    """q: [B, h, T, d]; k, v: [B, hkv, S, d]; query head i reads kv head i // groups. mask: bool [B|1, 1, T, S];
+    a `Documents` (B == 1, packed documents: `document_attention`); or None for plain causal attention with S == T
+    (is_causal; GQA by enable_gqa, else by repeat_interleave)."""
+    if isinstance(mask, Documents):
+        return document_attention(q, k, v, mask, scale)
     groups = q.shape[1] // k.shape[1]
     if mask is None:
         if k.shape[2] != q.shape[2]:
@@ -123,9 +298,10 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind, impl=impl)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Documents | None, position_ids: torch.Tensor,
                 cache=None) -> torch.Tensor:
-        """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask, or None (causal, no cache);
+        """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask, a `Documents` (packed, B == 1), or
+        None (causal, no cache);
         position_ids: [B|1, T]. cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V."""
         B, T, _ = x.shape
         q = self.q_proj(x)

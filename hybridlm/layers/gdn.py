@@ -15,13 +15,11 @@ Non-standard here:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.ops import gated_delta_rule
+from hybridlm.ops import gated_delta_rule, glue
 
-from . import conv as glue
-from .conv import ShortConv, decode_step, step_impl, use_fused_glue
+from .conv import ShortConv
 from .norm import GatedRMSNorm
 
 LAYOUTS = ("fused", "split", "olmo")
@@ -89,13 +87,7 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b: [B, T, HV] -> (g float32 log-decay, beta in the model dtype)."""
-        if use_fused_glue(self.impl, a, "GatedDeltaNet.gates"):
-            return glue.tgates.gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid()
-        if self.beta_scale != 1.0:
-            beta = beta * self.beta_scale
-        return g, beta
+        return glue.gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale, impl=self.impl)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -111,11 +103,12 @@ class GatedDeltaNet(nn.Module):
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
         g, beta = self.gates(a, b)
-        o = decode_step("gated_delta_rule", self.impl, cache, q, k, v, g, beta)  # in place on the cache, or None
+        h0 = None if cache is None else cache.recurrent
+        o = glue.recurrent_decode_step("gated_delta_rule", self.impl, h0, q, k, v, g, beta)  # in place, or None
         if o is None:
             o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                                        initial_state=None if cache is None else cache.recurrent,
-                                        output_final_state=cache is not None, impl=step_impl(self.impl, cache, T),
+                                        initial_state=h0, output_final_state=cache is not None,
+                                        impl=glue.step_impl(self.impl, cache is not None, T),
                                         recompute=self.recompute)
             if cache is not None:
                 cache.recurrent = state

@@ -5,7 +5,7 @@ Non-standard here:
   g = -exp(A_log) * softplus(f) with softplus(f) = f for f > 20 (as Kimi writes it).
 - The output gate is low rank too: gate = g_b_proj(g_a_proj(x)); the output norm is RMSNorm in float32 with a
   sigmoid gate (not SiLU).
-- One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.interop` concatenates them).
+- One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.model.hf` concatenates them).
 - H query/key heads == H value heads (no GVA).
 """
 
@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.ops import kda
+from hybridlm.ops import glue, kda
 
-from . import conv as glue
-from .conv import ShortConv, step_impl, use_fused_glue
+from .conv import ShortConv
 from .norm import GatedRMSNorm
 
 
@@ -45,11 +44,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(dim, D, bias=False)
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> g [B, T, H, dk] float32 (<= 0)."""
-        B, T, _ = x.shape
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.H, self.dk)
-        soft = torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))
-        return -self.A_log.float().exp() * soft
+        """x: [B, T, D] -> g [B, T, H, dk] float32 (<= 0), on PyTorch."""
+        return self._gates(x, "torch")[0]
+
+    def _gates(self, x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, D] -> (g [B, T, H, dk] float32, beta [B, T, H])."""
+        return glue.kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias, impl=impl)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -62,16 +62,12 @@ class KimiDeltaAttention(nn.Module):
         # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
         q, k, v = (t.view(B, T, self.H, self.dk)
                    for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3))
-        if use_fused_glue(self.impl, x, "KimiDeltaAttention.gates"):
-            g, beta = glue.tgates.kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log,
-                                            self.dt_bias)
-        else:
-            g, beta = self.forget_gate(x), torch.sigmoid(self.b_proj(x))
-        o = glue.decode_step("kda", self.impl, cache, q, k, v, g, beta)  # in place on the cache, or None
+        g, beta = self._gates(x, self.impl)
+        h0 = None if cache is None else cache.recurrent
+        o = glue.recurrent_decode_step("kda", self.impl, h0, q, k, v, g, beta)  # in place, or None
         if o is None:
-            o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
-                           initial_state=None if cache is None else cache.recurrent,
-                           output_final_state=cache is not None, impl=step_impl(self.impl, cache, T),
+            o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens, initial_state=h0,
+                           output_final_state=cache is not None, impl=glue.step_impl(self.impl, cache is not None, T),
                            recompute=self.recompute)
             if cache is not None:
                 cache.recurrent = state

@@ -3,7 +3,7 @@
 Non-standard here: `kv_a_proj_with_mqa` gives a latent (kv_lora_rank) and a shared key part k_rot
 (qk_rope_head_dim) that gets NO rotary embedding; the latent goes through `kv_a_layernorm` (Llama-style RMSNorm,
 eps 1e-6 by default, not the model's rms_norm_eps) and `kv_b_proj` expands it per head to `[k_nope | v]`.
-k = cat(k_nope, k_rot broadcast over heads); scale = (nope + rope) ** -0.5. The generation cache (issue 4)
+k = cat(k_nope, k_rot broadcast over heads); scale = (nope + rope) ** -0.5. The generation cache
 stores the normed latent and k_rot.
 """
 

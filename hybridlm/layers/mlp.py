@@ -2,7 +2,7 @@
 
 Non-standard here:
 - Experts are stored fused like transformers keeps them in memory: `experts.gate_up_proj [E, 2I, D]` (gate rows
-  first) and `experts.down_proj [E, D, I]`; the on-disk per-expert layout is handled by `hybridlm.interop`.
+  first) and `experts.down_proj [E, D, I]`; the on-disk per-expert layout is handled by `hybridlm.model.hf`.
 - Qwen router: logits in the model dtype, softmax in float32, top-k, renormalise (optional), cast back; a shared
   expert scaled by sigmoid(shared_expert_gate(x)).
 - Kimi router: logits and scores in float32, sigmoid, choice = score + e_score_correction_bias, group-limited
@@ -15,42 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .conv import tswiglu, use_fused_glue  # the fused kernel, imported once there (None without triton)
-
-
-class _SiluMul(torch.autograd.Function):
-    """silu(gate) * up that keeps only gate and up for the backward (autograd's graph would also keep silu(gate)
-    and the product for down_proj: two more [.., I] tensors per MLP). The backward recomputes silu(gate) and runs
-    the same ops autograd runs (mul, silu_backward), so the gradients are bit-identical."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        d_gate = torch.ops.aten.silu_backward(dy * up, gate) if ctx.needs_input_grad[0] else None
-        d_up = dy * F.silu(gate) if ctx.needs_input_grad[1] else None
-        return d_gate, d_up
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up; in training (same dtypes, grad needed) through `_SiluMul`, which saves less."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad) and gate.dtype == up.dtype \
-            and gate.shape == up.shape:
-        return _SiluMul.apply(gate, up)
-    return F.silu(gate) * up
+from hybridlm.ops import glue
 
 
 class SwiGLU(nn.Module):
-    """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x)). impl: "triton" runs silu(gate) * up as one fused
-    kernel (`hybridlm.ops.triton.swiglu`); "auto" does so on CUDA once that kernel is cleared for it
-    (`swiglu.AUTO`), else PyTorch (`silu_mul`); see `layers.conv.use_fused_glue`."""
+    """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x)). impl: "triton" (and "auto" on CUDA) runs
+    silu(gate) * up as one fused kernel, else PyTorch; see `hybridlm.ops.glue.silu_mul`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, impl: str = "auto"):
         super().__init__()
@@ -61,9 +32,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if use_fused_glue(self.impl, gate, "SwiGLU", auto=tswiglu is not None and tswiglu.AUTO):
-            return self.down_proj(tswiglu.silu_mul(gate, up))
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(glue.silu_mul(gate, up, impl=self.impl))
 
 
 class Experts(nn.Module):

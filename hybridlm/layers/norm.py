@@ -16,10 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.ops import gated_rms_norm, rms_norm
-
-from . import conv as glue
-from .conv import use_fused_glue
+from hybridlm.ops import glue
 
 NORM_KINDS = ("zero_centered", "llama", "fp32_weight")
 
@@ -35,7 +32,7 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 class RMSNorm(nn.Module):
     """x: [..., D] -> [..., D] (x's dtype; autocast's dtype under autocast, see the module docstring). impl "triton"
-    (or "auto" on CUDA, see `use_fused_glue`) runs the fused Triton norm (one pass forward, one backward; saves only
+    (or "auto" on CUDA, see `hybridlm.ops.glue`) runs the fused Triton norm (one pass forward, one backward; saves only
     x and the weight) with the same rounding points and the same output dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6, kind: str = "llama", impl: str = "auto"):
@@ -46,11 +43,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if kind == "zero_centered" else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = glue.tnorm.rms_norm if use_fused_glue(self.impl, x, "RMSNorm") else rms_norm
         out = autocast_dtype(x)
         if self.kind == "zero_centered":
-            return fn(x, self.weight, self.eps, zero_centered=True, out_dtype=out)
-        return fn(x, self.weight, self.eps, cast_before_weight=self.kind == "llama", out_dtype=out)
+            return glue.rms_norm(x, self.weight, self.eps, zero_centered=True, out_dtype=out, impl=self.impl)
+        return glue.rms_norm(x, self.weight, self.eps, cast_before_weight=self.kind == "llama", out_dtype=out,
+                             impl=self.impl)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, kind={self.kind}"
@@ -69,8 +66,6 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-        """impl: the owning layer's impl (default self.impl); "triton" runs the fused kernel (`use_fused_glue`)."""
-        fn = gated_rms_norm
-        if use_fused_glue(self.impl if impl is None else impl, x, "GatedRMSNorm"):
-            fn = glue.tnorm.gated_rms_norm
-        return fn(x, gate, self.weight, self.eps, activation=self.activation, fp32_output=self.fp32_output)
+        """impl: the owning layer's impl (default self.impl); "triton" runs the fused kernel (`hybridlm.ops.glue`)."""
+        return glue.gated_rms_norm(x, gate, self.weight, self.eps, activation=self.activation,
+                                   fp32_output=self.fp32_output, impl=self.impl if impl is None else impl)

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridlm.files import atomic_write_text
+
 LAYER_TYPES = ("linear_attention", "full_attention")
 MLP_TYPES = ("dense", "moe")
 
@@ -152,8 +154,6 @@ class HybridConfig:
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
         if path is not None:
-            from hybridlm.interop.files import atomic_write_text
-
             atomic_write_text(path, text + "\n")
         return text
 

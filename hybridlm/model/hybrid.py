@@ -6,11 +6,14 @@ Non-standard here:
 - block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
   linear blocks stay pre-norm.
 - `cu_seqlens` (documents packed into one row, B == 1) reaches every mixer: the linear ops restart their state,
-  the short conv restarts, attention gets a block-diagonal causal mask, and default positions restart.
+  the short conv restarts, attention gets a `Documents` (attention inside each document, no dense mask), and
+  default positions restart.
 - Default positions are 0..T-1 even with left padding (transformers' forward does the same).
 - `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops.
-- Attention gets an explicit mask only when something needs one (padding, packed documents, a cache); otherwise
-  None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
+- `targets` (next-token ids, -100 where none) turn the head into the chunked linear + cross-entropy
+  (`hybridlm.ops.linear_ce`): the output has the loss sum and no logits, so training never holds [B, T, vocab].
+- Attention gets an explicit mask only when something needs one (padding, a cache, packed documents with
+  padding); otherwise None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
 """
 
 from __future__ import annotations
@@ -31,15 +34,19 @@ from hybridlm.layers import (
     build_attention_mask,
     positions_for,
 )
+from hybridlm.layers.attention import Documents
+from hybridlm.ops.linear_ce import linear_cross_entropy
 
+from . import hf
 from .config import HybridConfig
 
 
 @dataclass
 class HybridOutput:
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: torch.Tensor | None  # [B, T, vocab]; None when the forward got targets
     hidden_states: torch.Tensor | None = None  # [B, T, D] after the final norm
     cache: object | None = None  # the HybridCache passed in, after this call
+    loss: torch.Tensor | None = None  # with targets: the float32 sum of token losses (float64 for float64 weights)
 
 
 def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module:
@@ -124,10 +131,11 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache=None) -> HybridOutput:
+                cache=None, targets: torch.Tensor | None = None) -> HybridOutput:
         """input_ids: [B, T] int; attention_mask: [B, T] (1 token / 0 pad, left padding), or [B, past + T] (the whole
         history) with a cache; cu_seqlens: int32 [N+1] offsets of documents packed in one row (B must be 1);
-        position_ids: [B, T]; cache: a HybridCache (hybridlm.model.cache), updated in place."""
+        position_ids: [B, T]; cache: a HybridCache (hybridlm.model.cache), updated in place; targets: int [B, T]
+        next-token ids, -100 where there is none: the output gets `loss` (sum over targets) and no logits."""
         B, T = input_ids.shape
         past = cache.seen_tokens if cache is not None else 0
         if cu_seqlens is not None and B != 1:
@@ -140,8 +148,10 @@ class HybridLM(nn.Module):
             attention_mask = None  # nothing padded: skip the masking work
         mask2d = None if attention_mask is None else attention_mask[:, past:].to(x.dtype)
         attn_mask = None  # None: plain causal (SDPA's is_causal, FlashAttention-eligible)
-        if any(not blk.linear for blk in self.layers) and (attention_mask is not None or cu_seqlens is not None
-                                                           or cache is not None):
+        has_attention = any(not blk.linear for blk in self.layers)
+        if has_attention and cu_seqlens is not None and attention_mask is None and cache is None:
+            attn_mask = Documents(cu_seqlens)
+        elif has_attention and (attention_mask is not None or cu_seqlens is not None or cache is not None):
             attn_mask = build_attention_mask(T, attention_mask=attention_mask, cu_seqlens=cu_seqlens, past=past,
                                              device=x.device)
         if position_ids is None:
@@ -152,6 +162,12 @@ class HybridLM(nn.Module):
         if cache is not None:
             cache.seen_tokens += T
         h = self.norm(x)
+        if targets is not None:
+            if tuple(targets.shape) != (B, T):
+                raise ValueError(f"targets: expected shape {(B, T)}, got {tuple(targets.shape)}")
+            loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100,
+                                        reduction="sum")
+            return HybridOutput(logits=None, hidden_states=h, cache=cache, loss=loss)
         return HybridOutput(logits=self.lm_head(h), hidden_states=h, cache=cache)
 
     def new_cache(self):
@@ -185,12 +201,10 @@ class HybridLM(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str, *, dtype: torch.dtype | None = None, impl: str = "auto",
                         strict: bool = True) -> HybridLM:
-        from hybridlm.interop.hf import load_pretrained
-
-        return load_pretrained(folder, dtype=dtype, impl=impl, strict=strict)
+        """A transformers checkpoint folder (config.json + safetensors) or our own format (see hybridlm.model.hf)."""
+        return hf.load_pretrained(folder, lambda cfg: cls(cfg, impl=impl), dtype=dtype, strict=strict)
 
     def save_pretrained(self, folder: str, *, max_shard_size: int | str = "5GB",
                         model_type: str | None = None) -> None:
-        from hybridlm.interop.hf import save_pretrained
-
-        save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)
+        """transformers' on-disk layout for model_type (default: the config's), else our own format."""
+        hf.save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,22 +47,38 @@ def cache_bytes(cfg: HybridConfig, dtype_bytes: int = 2) -> CacheBytes:
     return CacheBytes(kv, state)
 
 
-def load_config(target: str) -> HybridConfig:
-    """A preset name, a checkpoint folder (config.json), a transformers config.json or a HybridConfig JSON."""
+def load_config(target: str, arg: str = "target") -> HybridConfig:
+    """A preset name, a model folder, a training run or its checkpoints folder (the latest complete checkpoint,
+    said on stderr), a Hub id (its config.json only), a transformers config.json or a HybridConfig JSON.
+    Raises UsageError naming `arg`."""
+    from .locate import HF_CONFIG, HYBRID_CONFIG, NATIVE_CONFIG, UsageError, locate
     from .presets import PRESETS, get_preset
 
-    if target in PRESETS:
-        return get_preset(target)
-    path = os.path.join(target, "config.json") if os.path.isdir(target) else target
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a file/folder")
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
-    if "model_type" in d:
-        from hybridlm.interop.hf import config_from_hf
+    try:
+        found = locate(target, PRESETS, hub_files=[HF_CONFIG, NATIVE_CONFIG])
+    except UsageError as e:
+        raise UsageError(f"{arg} {e}") from e
+    if found.preset is not None:
+        return get_preset(found.preset)
+    if found.note:
+        print(f"[reading {found.note}]", file=sys.stderr)
+    path = found.file
+    if path is None:
+        names = [n for n in (HF_CONFIG, NATIVE_CONFIG, HYBRID_CONFIG) if os.path.isfile(os.path.join(found.folder, n))]
+        if not names:
+            raise UsageError(f"{arg} {target}: no {HF_CONFIG} in {found.folder}; give a folder that has one")
+        path = os.path.join(found.folder, names[0])
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        if "model_type" in d:
+            from .hf import config_from_hf
 
-        return config_from_hf(d)
-    return HybridConfig.from_dict(d)
+            return config_from_hf(d)
+        return HybridConfig.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # bad JSON, unknown model_type, missing fields
+        raise UsageError(f"{arg} {target}: {path} is not a transformers or HybridConfig config JSON "
+                         f"({type(e).__name__}: {e}); give a model folder, a config JSON or a preset") from e
 
 
 def count_parameters(cfg: HybridConfig) -> tuple[int, int]:
@@ -96,7 +113,8 @@ def _fmt_count(n: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", help="preset name, checkpoint folder, or config JSON (transformers or HybridConfig)")
+    parser.add_argument("target", help="preset name, training run folder (its latest checkpoint), checkpoint or "
+                        "Hugging Face folder, Hub id (org/name), or config JSON (transformers or HybridConfig)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES), help="dtype of KV / conv cache")
     parser.add_argument("--context", type=int, default=None, help="context length for the totals (default: max)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")

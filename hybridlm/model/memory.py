@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from hybridlm.files import atomic_write
+
 from .config import HybridConfig
 from .info import _DTYPE_BYTES, _fmt_bytes, cache_bytes, load_config
 
@@ -61,14 +63,15 @@ def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, fig.savefig)
     plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_mutually_exclusive_group(required=True)
     g.add_argument("--preset", help="preset name")
-    g.add_argument("--config", help="config JSON (transformers or HybridConfig) or checkpoint folder")
+    g.add_argument("--config", help="config JSON (transformers or HybridConfig), checkpoint or Hugging Face folder, "
+                   "training run folder (its latest checkpoint) or Hub id (org/name)")
     parser.add_argument("--max-context", type=int, default=None, help="largest context (default: the model's)")
     parser.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES),
@@ -77,11 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .locate import UsageError
+
     target = args.preset or args.config
-    cfg = load_config(target)
+    cfg = load_config(target, "--preset" if args.preset else "--config")
     max_ctx = args.max_context or cfg.max_position_embeddings
     if max_ctx < 1:
-        raise SystemExit(f"--max-context: expected >= 1, got {max_ctx}")
+        raise UsageError(f"--max-context: expected >= 1, got {max_ctx}")
+    if args.batch < 1:
+        raise UsageError(f"--batch: expected >= 1, got {args.batch}")
     ctxs = contexts_up_to(max_ctx)
     rows = table(cfg, ctxs, _DTYPE_BYTES[args.dtype], args.batch)
     width = max(len(k) for k in rows)

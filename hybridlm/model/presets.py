@@ -2,7 +2,10 @@
 
 Non-standard here: the released shapes are written from their published config.json files (as transformers
 reads them); they are for `hybridlm info` and for building untrained models of the same shape, not weights.
-"tiny" / "small" are byte-level (vocab 256) 3:1 GDN + gated-attention hybrids for training from scratch.
+"tiny" / "small" are byte-level (vocab 256) 3:1 GDN + gated-attention hybrids for experiments; "cpu-tiny",
+"gpu-30m", "gpu-325m" and "test-micro" are the byte-level 3:1 shapes `hybridlm train` knows run settings for
+(hybridlm.train.presets.TRAIN_DEFAULTS). This is the one table of names: `info`, `memory`, `generate` and
+`train` all read it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ def _small(D: int, layers: int, heads: int, kv: int, lin_k: int, lin_v: int, dk:
     return make
 
 
+def _train_shape(**fields) -> Callable[[], HybridConfig]:
+    """3 Gated DeltaNet blocks : 1 gated-attention block, byte vocabulary; Qwen3.5 layout, so training checkpoints
+    are `HybridLM.from_pretrained` folders (and transformers' qwen3_5_text); other fields keep their defaults."""
+    return lambda: HybridConfig(vocab_size=256, hf_model_type="qwen3_5_text", **fields)
+
+
 PRESETS: dict[str, Callable[[], HybridConfig]] = {
     "tiny": _small(64, 4, 4, 2, 2, 4, 16, 192),
     "small": _small(256, 8, 4, 2, 4, 8, 32, 768),
@@ -107,6 +116,31 @@ PRESETS: dict[str, Callable[[], HybridConfig]] = {
     "qwen3.5-35b-a3b": _qwen3_5_moe_35b_a3b,
     "kimi-linear-48b-a3b": _kimi_linear_48b_a3b,
     "olmo-hybrid-7b": _olmo_hybrid_7b,
+    # ~1.7M parameters: the no-argument CPU training run (a few minutes on 2 cores)
+    "cpu-tiny": _train_shape(
+        hidden_size=192, num_hidden_layers=4, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=48, linear_value_head_dim=48, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+        max_position_embeddings=4096,
+    ),
+    # ~30M parameters: one GPU, the same corpus
+    "gpu-30m": _train_shape(
+        hidden_size=512, num_hidden_layers=8, intermediate_size=1792, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=8192,
+    ),
+    # ~325M parameters: the shape of `hybridlm bench train`'s 357M model (hidden 1024, 24 blocks, 8 GDN heads of
+    # 128) with the byte vocabulary; for multi-GPU scaling, where the 30M model is too small to keep a GPU busy
+    "gpu-325m": _train_shape(
+        hidden_size=1024, num_hidden_layers=24, intermediate_size=2816, linear_num_key_heads=8,
+        linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+    ),
+    # the smallest thing that runs: tests
+    "test-micro": _train_shape(
+        hidden_size=32, num_hidden_layers=4, intermediate_size=64, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=1024,
+    ),
 }
 PRESETS["olmo-hybrid"] = _olmo_hybrid_7b
 

@@ -2,7 +2,8 @@
 
 Every varlen op needs the offsets on the host (to validate them, to lay out chunks, to loop over documents), and
 `cu_seqlens.tolist()` on a CUDA tensor makes the host wait for the device. A packed training step passes the same
-tensor through every layer, forward and backward, so it used to wait about five times per GDN layer per step.
+tensor through every layer, forward and backward, so without this it would wait about five times per GDN layer
+per step.
 
 Non-standard here: the host values are remembered per tensor object (weakly: a tensor's entry goes with it) and
 checked against its version counter, so an in-place change is seen. The first use pays one sync; a caller that

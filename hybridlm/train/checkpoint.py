@@ -11,10 +11,15 @@ Layout under `OUT/checkpoints/`:
         train_state.json     step, micro-batch index (the data position), tokens seen, best val, run settings
     latest                   text file naming the newest complete checkpoint (replaced atomically)
 
+The layout's names and what counts as complete are defined in `hybridlm.model.locate` (generation reads runs too).
+
 Atomicity: everything is written into `.tmp-step_000200-<pid>/`, each file fsync'd, then the folder is renamed to
-its final name (one rename) and `latest` is replaced (write `latest.tmp`, fsync, os.replace). A crash at any point
-leaves either the previous checkpoints untouched or the new one complete; stray `.tmp-*` folders are ignored by
-loaders and removed by the next save.
+its final name (one rename) and `latest` is replaced (hybridlm.files.atomic_write_text: a temp file, fsync,
+os.replace). A crash at any point leaves either the previous checkpoints untouched or the new one complete; stray
+`.tmp-*` folders are ignored by loaders and removed by the next save. Saving a step that exists already (after a
+resume) moves the old folder aside to `.old-step_000200-<id>` before the new one takes the name: loaders count the
+aside copy as the step while the name is empty, and the next save moves it back (`recover`), so a crash at any
+point of a re-save leaves a complete copy of the step.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -30,40 +34,20 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from hybridlm.files import atomic_write_text, fsync_dir, fsync_file
+from hybridlm.model.locate import (
+    ASIDE_RE,
+    CKPT_DIR,
+    COMPLETE,
+    HYBRID_CONFIG,
+    LATEST,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    step_name,
+)
+
 from .errors import TrainError
-
-CKPT_DIR = "checkpoints"
-HYBRID_CONFIG = "hybrid_config.json"
-LATEST = "latest"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def rng_state() -> dict:
@@ -99,17 +83,28 @@ def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
+def recover(root: str) -> None:
+    """Tidy a checkpoints folder after a crash: remove `.tmp-*` folders (unfinished saves); move a complete copy
+    set aside by an interrupted re-save back to its name when the name is empty, else remove it."""
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        m = ASIDE_RE.match(name)
+        if m:
+            final = os.path.join(root, step_name(int(m.group(1))))
+            if not os.path.exists(final) and is_complete(path):
+                os.rename(path, final)
+                fsync_dir(root)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".tmp-") or name.startswith(".old-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def begin_checkpoint(out_dir: str, step: int, tag: str | None = None) -> str:
-    """Create the temp folder of checkpoint `step` (removing leftovers of crashed saves); returns its path."""
+    """Create the temp folder of checkpoint `step` (tidying up after crashed saves first); returns its path."""
     root = os.path.join(out_dir, CKPT_DIR)
     os.makedirs(root, exist_ok=True)
-    for name in os.listdir(root):
-        if name.startswith(".tmp-") or name.startswith(".old-"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    recover(root)
     tmp = os.path.join(root, f".tmp-{step_name(step)}-{tag or (str(os.getpid()) + '-' + uuid.uuid4().hex[:8])}")
     os.makedirs(tmp, exist_ok=True)
     return tmp
@@ -122,7 +117,7 @@ def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.
 
     `export(folder)`, when given, writes the weights as a `HybridLM.from_pretrained` folder (config.json +
     safetensors in transformers' layout) instead of the plain state dict."""
-    files = {HYBRID_CONFIG: lambda p: open(p, "w", encoding="utf-8").write(config_json)}
+    files = {HYBRID_CONFIG: lambda p: _write_text(p, config_json)}
     if export is not None:
         export(tmp)
     elif model_state is not None:
@@ -134,13 +129,18 @@ def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.
         write(os.path.join(tmp, name))
     for root, _, names in os.walk(tmp):
         for name in names:
-            _fsync_file(os.path.join(root, name))
+            fsync_file(os.path.join(root, name))
     # train_state.json last: a folder holding it is complete
-    with open(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(tmp, COMPLETE), "w", encoding="utf-8") as f:
         json.dump(train_state, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def commit_checkpoint(out_dir: str, step: int, tmp: str, keep: int = 3) -> str:
@@ -149,12 +149,14 @@ def commit_checkpoint(out_dir: str, step: int, tmp: str, keep: int = 3) -> str:
     final = os.path.join(root, step_name(step))
     if os.path.exists(final):  # the same step saved again (e.g. after a resume): swap, then drop the old one
         old = os.path.join(root, f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
+        os.rename(final, old)  # from here until the next rename, loaders take `old` as this step
+        fsync_dir(root)
         os.rename(tmp, final)
+        fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST), step_name(step) + "\n")
     if keep > 0:
         for s in list_checkpoints(out_dir)[:-keep]:
@@ -172,32 +174,17 @@ def save_checkpoint(out_dir: str, step: int, *, model_state: dict[str, torch.Ten
 
 
 def list_checkpoints(out_dir: str) -> list[str]:
-    """Complete checkpoints under OUT/checkpoints, oldest first."""
-    root = os.path.join(out_dir, CKPT_DIR)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_RE.match(name)
-        if m and os.path.isdir(os.path.join(root, name)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return [p for _, p in sorted(found)]
+    """Complete checkpoints under OUT/checkpoints, oldest first (hybridlm.model.locate.complete_checkpoints)."""
+    return [p for _, p in complete_checkpoints(os.path.join(out_dir, CKPT_DIR))]
 
 
 def resolve_resume(path: str) -> str:
     """A checkpoint folder from `--resume PATH`: a checkpoint itself, or a run folder (its `latest`)."""
-    if os.path.isfile(os.path.join(path, "train_state.json")):
+    if is_complete(path):
         return path
-    root = os.path.join(path, CKPT_DIR)
-    latest = os.path.join(root, LATEST)
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            cand = os.path.join(root, f.read().strip())
-        if os.path.isfile(os.path.join(cand, "train_state.json")):
-            return cand
-    ckpts = list_checkpoints(path)
-    if ckpts:
-        return ckpts[-1]
+    found = latest_checkpoint(os.path.join(path, CKPT_DIR))
+    if found is not None:
+        return found
     raise TrainError(f"--resume: no checkpoint in {path} (expected {path}/{CKPT_DIR}/step_NNNNNN or a checkpoint "
                      "folder with train_state.json); start without --resume")
 
@@ -205,7 +192,7 @@ def resolve_resume(path: str) -> str:
 def load_checkpoint(path: str, map_location="cpu") -> dict:
     """Read every part of a checkpoint (raises if any is missing or corrupt)."""
     try:
-        with open(os.path.join(path, "train_state.json"), encoding="utf-8") as f:
+        with open(os.path.join(path, COMPLETE), encoding="utf-8") as f:
             state = json.load(f)
         with open(os.path.join(path, HYBRID_CONFIG), encoding="utf-8") as f:
             config_json = f.read()

@@ -8,6 +8,8 @@ Non-standard here:
   lists every piece (row starts and document starts inside rows), so no token ever attends to another document.
   The target of the last token of a document is -100 (ignored); a row's last token predicts the first token of the
   next row when both are in the same document, so no token of the stream is wasted.
+- `short_documents` cuts a text into web-text-sized documents (paragraphs joined until one passes 400 bytes), the
+  corpus of short documents that `scripts/short_docs.py` writes for --data and the benchmarks pack.
 - The order of rows is a seeded permutation per epoch, and a batch is a pure function of (seed, micro-batch
   index, rank, world size): the data position of a checkpoint is one integer and resuming is exact.
 """
@@ -37,6 +39,41 @@ _WORK_START = re.compile(r"\n+(?=[^\n]+\n\nby William Shakespeare\n)")
 def split_works(text: str) -> list[str]:
     """Split a concatenation of works (title / blank / 'by William Shakespeare') into one string per work."""
     return [p for p in _WORK_START.split(text) if p.strip()]
+
+
+_BLANK_LINES = re.compile(r"\n\n+")
+
+
+def short_documents(text: str, min_bytes: int = 400) -> list[str]:
+    """Documents of a little more than `min_bytes` UTF-8 bytes: each work of `text` (`split_works`) is split at
+    blank lines, and its paragraphs (stripped) are joined by a blank line until the document passes min_bytes; a
+    work's last document may be shorter, none spans two works. The bundled text gives 8,674 documents of 581 bytes
+    on average."""
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes: expected >= 1, got {min_bytes}")
+    docs = []
+    for work in split_works(text):
+        cur, size = [], -2
+        for para in _BLANK_LINES.split(work):
+            para = para.strip()
+            if not para:
+                continue
+            cur.append(para)
+            size += len(para.encode("utf-8")) + 2
+            if size > min_bytes:
+                docs.append("\n\n".join(cur))
+                cur, size = [], -2
+        if cur:
+            docs.append("\n\n".join(cur))
+    return docs
+
+
+def short_document_stream(min_bytes: int = 400) -> Stream:
+    """The bundled text's `short_documents` as UTF-8 byte tokens, concatenated: rows of it (`make_batch`) are the
+    packed short-document batches (cu_seqlens) that benchmarks train on beside the bundled corpus."""
+    docs = [d.encode("utf-8") for d in short_documents(bundled_corpus_text(), min_bytes)]
+    tokens = [torch.frombuffer(bytearray(d), dtype=torch.uint8).to(torch.int32) for d in docs]
+    return Stream.from_docs(tokens, sum(len(d) for d in docs))
 
 
 def bundled_corpus_text() -> str:
@@ -166,8 +203,9 @@ class Batch:
         """The forward calls for this batch: (input_ids, targets, cu_seqlens or None).
 
         "flat": one call, all rows flattened to [1, B*T] with cu_seqlens. "auto": rows with no document start
-        inside them go as a plain [b, T] batch (the same math, without the B*T x B*T attention mask), the others
-        flattened with their cu_seqlens; at most two calls."""
+        inside them go as a plain [b, T] batch (the same math; the layers' batched paths, no per-document work),
+        the others flattened with their cu_seqlens; at most two calls. A flattened call's attention runs per
+        document (hybridlm.layers.attention.Documents), never with a [B*T, B*T] mask."""
         if mode == "flat":
             return [(self.input_ids, self.targets, self.cu_seqlens)]
         T, B = self.seq_len, self.rows

@@ -30,8 +30,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
+from ..files import atomic_write, atomic_write_text
+from ..model.tokenizer import tokenizer_from_spec
 from ..ops.offsets import remember_offsets
 from . import checkpoint as ckpt
 from .data import IGNORE, RowLayout, RowSampler, load_corpus, make_batch, unigram_nats
@@ -48,8 +49,7 @@ from .parallel import (
     full_model_state,
     init_distributed,
 )
-from .presets import TRAIN_PRESETS, build_config
-from .tokenizer import load_tokenizer
+from .presets import TRAIN_DEFAULTS, build_config
 
 DEFAULT_OUT = os.path.join("runs", "train")
 TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's steps after the first ten (compilation)
@@ -58,7 +58,7 @@ TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None,
-                   help=f"model preset: {', '.join(TRAIN_PRESETS)} or a hybridlm.model preset name "
+                   help=f"model preset: {', '.join(TRAIN_DEFAULTS)} or any other `hybridlm info` preset name "
                         "(default: cpu-tiny on CPU, gpu-30m on GPU)")
     g.add_argument("--config", default=None, help="HybridConfig JSON file (overrides --preset)")
     g = p.add_argument_group("data")
@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.02, help="held-out tail of each document (default 0.02)")
     g.add_argument("--packing", choices=("auto", "flat"), default="auto",
                    help="flat: every micro-batch as one [1, B*T] row with cu_seqlens; auto (default): rows without a "
-                        "document boundary as a plain [b, T] batch (same math, no B*T x B*T attention mask)")
+                        "document boundary as a plain [b, T] batch, the others flattened (same math, no per-document "
+                        "work for whole rows)")
     g = p.add_argument_group("schedule")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per row (preset default: 256 on CPU)")
     g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")
@@ -115,24 +116,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of each process (default: on CPU the cores not already busy, by the 1-minute "
-                   "load average; on GPU PyTorch's own, which torchrun sets to 1)")
+                   help="CPU threads of each process (default: on CPU the cores this process may run on, "
+                   "os.sched_getaffinity; on GPU PyTorch's own, which torchrun sets to 1)")
 
 
 def cpu_threads() -> int:
-    """Cores not already busy (1-minute load average): OpenMP threads that compete with other processes for the
-    same cores spin and can make a step 10x slower than using fewer threads."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    return max(1, min(cores, int(cores - load + 0.5)))
+    """The cores this process may run on (its affinity mask, which taskset, cgroups' cpusets and container limits
+    set). Not the load average: right after a pip install it reads busy on an idle machine, and the main job then
+    ran at 1 thread on 2 cores, 1.7x slower."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def set_threads(threads: int | None, device: torch.device) -> None:
-    """--threads on any device (before 2026-11-25 it was read on CPU only, so a GPU run under torchrun kept 1 thread
-    whatever it asked); without it, on CPU the free cores, on GPU PyTorch's setting as it is."""
+    """--threads on any device (a GPU run under torchrun, which sets 1, may ask for more); without it, on CPU the
+    cores this process may run on, on GPU PyTorch's setting as it is."""
     if threads is not None and threads < 1:
         raise TrainError(f"--threads: expected >= 1, got {threads}")
     if threads is not None:
@@ -168,7 +167,7 @@ class MetricsLog:
                         r = json.loads(line)
                         if r.get("step", 0) <= resume_step:
                             self.records.append(r)
-            ckpt.atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
         elif enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             open(path, "w").close()
@@ -201,10 +200,8 @@ def plot_curve(records: list[dict], unigram: float, path: str, title: str) -> No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _forward_calls(batch, packing: str, n_calls: int):
@@ -243,9 +240,10 @@ def _offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
+    """The sum of token losses of one forward call: the model's head and loss fused (hybridlm.ops.linear_ce), so
+    the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered."""
     with autocast(device, bf16):
-        logits = model(ids, cu_seqlens=cu).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), tg.flatten(), ignore_index=IGNORE, reduction="sum")
+        return model(ids, cu_seqlens=cu, targets=tg).loss
 
 
 @torch.no_grad()
@@ -329,6 +327,20 @@ def _cpu_model(cfg, state: dict[str, torch.Tensor]):
     return m
 
 
+def _finished(out: str, path: str, step: int, max_steps: int, dist: Dist) -> dict:
+    """A resume of a run that already reached its last step: nothing is trained, evaluated or written; the summary
+    is the one the run wrote (or, when it never got to write one, the step counts)."""
+    summary = {"final_step": step, "max_steps": max_steps}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    val = summary.get("final_val_nats_per_byte")
+    _log(dist, f"the run in {out} is finished: {path} is step {step} of {max_steps}"
+               f"{f', val {val:.4f} nats/byte' if isinstance(val, float) else ''}; nothing to do (to train "
+               "further, resume with a larger --max-steps or --max-tokens)")
+    return summary
+
+
 def train(args) -> dict:
     """The training job; returns a summary dict (also written to OUT/summary.json)."""
     t_start = time.time()
@@ -357,7 +369,10 @@ def train(args) -> dict:
                          f"use --seq-len <= {cfg.max_position_embeddings} or a --config with a larger "
                          "max_position_embeddings")
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        tokenizer = tokenizer_from_spec(args.tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainError(f"--tokenizer: {e}") from e
     if tokenizer.vocab_size > cfg.vocab_size:
         if args.config:
             raise TrainError(f"--tokenizer has {tokenizer.vocab_size} tokens but --config's vocab_size is "
@@ -425,6 +440,8 @@ def train(args) -> dict:
                 rng = torch.load(rpath, weights_only=True)
         ckpt.set_rng_state(rng)
         resume_step = step
+        if step >= max_steps:
+            return _finished(args.out, path, step, max_steps, dist)
         _log(dist, f"resumed from {path} at step {step}")
 
     if dist.is_main:
@@ -439,9 +456,9 @@ def train(args) -> dict:
     barrier(dist)
     metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), dist.is_main, resume_step)
     if dist.is_main and resume_step is None:
-        with open(os.path.join(args.out, "run.json"), "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "preset": preset_name, "config": cfg.to_dict(), "params": n_params,
-                       "max_steps": max_steps, "device": str(device), "world": dist.world}, f, indent=2)
+        run_info = {"args": vars(args), "preset": preset_name, "config": cfg.to_dict(), "params": n_params,
+                    "max_steps": max_steps, "device": str(device), "world": dist.world}
+        atomic_write_text(os.path.join(args.out, "run.json"), json.dumps(run_info, indent=2))
 
     _log(dist, f"hybridlm train: {preset_name} ({n_params / 1e6:.2f}M params, layers {cfg.layer_types}), "
                f"{corpus.description}: {corpus.n_docs} documents, {corpus.train.n_tokens:,} train / "
@@ -608,20 +625,18 @@ def train(args) -> dict:
             prompt = "ROMEO.\n"
         else:
             prompt = tokenizer.decode(corpus.val.tokens[:16].tolist())
-        pids = tokenizer.encode(prompt).tolist()
+        pids = tokenizer.encode(prompt)
         out = sample(fwd_model, tokenizer, pids, args.sample_tokens, args.temperature, args.seed,
                      args.seq_len, device)
         text = tokenizer.decode(out)
         summary["sample"] = text
         if dist.is_main:
-            with open(os.path.join(args.out, "sample.txt"), "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            atomic_write_text(os.path.join(args.out, "sample.txt"), text + "\n")
         _log(dist, f"--- sample (temperature {args.temperature}) ---\n{text}\n--- end of sample ---")
     if dist.is_main:
         plot_curve(metrics.records, unigram, os.path.join(args.out, "loss_curve.png"),
                    f"{preset_name} on {corpus.description.split(' (')[0]}")
-        with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
     _log(dist, f"done in {summary['wall_s']:.0f}s: final train loss {last_loss:.6f}, val {val:.4f} nats/byte "
                f"(best {best_val:.4f}), unigram {unigram:.3f} ({unigram - val:.3f} below); "
                f"outputs in {args.out}/ (metrics.jsonl, loss_curve.png, sample.txt, checkpoints/)")

@@ -96,7 +96,7 @@ def apply_fsdp(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
     """FSDP2: fully_shard every block, then the root, gradients reduced in fp32. Parameters are gathered in
     fp32 and the bf16 compute comes from the same autocast the one-GPU run uses, so N GPUs compute what one GPU
     computes (a bf16 param_dtype would also round the norms' and gates' weights, which autocast leaves in fp32:
-    seen on two H200s, 2026-11-23, as a final loss 0.066 away from one GPU's after 50 steps).
+    seen on two H200s as a final loss 0.066 away from one GPU's after 50 steps).
     reshard_after_forward=False keeps each block's gathered parameters from its forward to its backward: one
     all-gather per block a step instead of two, for the whole model's parameters in memory on every GPU.
     fully_shard: the function to apply (tests pass a recorder; default torch's)."""

@@ -1,11 +1,16 @@
-"""Model shapes for training: small 3:1 hybrids sized for the no-argument run and a single GPU.
+"""Run settings for training: the defaults of the no-argument run, per model preset.
 
-Names here are tried first; any other name goes to `hybridlm.model.presets.get_preset`.
+Non-standard here: model shapes are not defined here. Every name is a `hybridlm.model.presets` name (so `info`,
+`memory` and `generate` know it too); this table only adds the run settings `hybridlm train` uses for it. Any
+other model preset trains with GENERIC_DEFAULTS.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hybridlm.model.config import HybridConfig
+from hybridlm.model.presets import PRESETS, get_preset
 
 from .errors import TrainError
 
@@ -22,40 +27,6 @@ class TrainDefaults:
     eval_every: int
     save_every: int
 
-
-# 3 Gated DeltaNet blocks : 1 gated-attention block, byte vocabulary; Qwen3.5 layout, so checkpoints are
-# `HybridLM.from_pretrained` folders (and transformers' qwen3_5_text).
-TRAIN_PRESETS: dict[str, dict] = {
-    # ~1M parameters: the no-argument CPU run (a few minutes on 2 cores)
-    "cpu-tiny": dict(
-        vocab_size=256, hidden_size=192, num_hidden_layers=4, intermediate_size=512,
-        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=48, linear_value_head_dim=48,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=48, max_position_embeddings=4096,
-        hf_model_type="qwen3_5_text",
-    ),
-    # ~30M parameters: one GPU, the same corpus
-    "gpu-30m": dict(
-        vocab_size=256, hidden_size=512, num_hidden_layers=8, intermediate_size=1792,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
-        hf_model_type="qwen3_5_text",
-    ),
-    # ~325M parameters: the shape of `hybridlm bench train`'s 357M model (hidden 1024, 24 blocks, 8 GDN heads of 128)
-    # with the byte vocabulary; for multi-GPU scaling, where the 30M model is too small to keep a GPU busy
-    "gpu-325m": dict(
-        vocab_size=256, hidden_size=1024, num_hidden_layers=24, intermediate_size=2816,
-        linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
-        hf_model_type="qwen3_5_text",
-    ),
-    # the smallest thing that runs: tests
-    "test-micro": dict(
-        vocab_size=256, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
-        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
-        hf_model_type="qwen3_5_text",
-    ),
-}
 
 TRAIN_DEFAULTS: dict[str, TrainDefaults] = {
     "cpu-tiny": TrainDefaults(seq_len=256, batch_size=16, lr=3e-3, warmup=20, max_steps=200, eval_every=50,
@@ -78,8 +49,6 @@ def default_preset(device_type: str) -> str:
 
 def build_config(preset: str | None, config_path: str | None, device_type: str):
     """HybridConfig from --config (a JSON file) or --preset; returns (config, name, TrainDefaults)."""
-    from hybridlm.model.config import HybridConfig
-
     if config_path:
         try:
             cfg = HybridConfig.from_json(config_path)
@@ -89,14 +58,7 @@ def build_config(preset: str | None, config_path: str | None, device_type: str):
             raise TrainError(f"--config: {config_path} is not a valid HybridConfig JSON: {e}") from e
         return cfg, config_path, GENERIC_DEFAULTS
     name = preset or default_preset(device_type)
-    if name in TRAIN_PRESETS:
-        return HybridConfig(**TRAIN_PRESETS[name]), name, TRAIN_DEFAULTS[name]
-    try:
-        from hybridlm.model.presets import get_preset
-    except ImportError as e:
-        raise TrainError(f"--preset: unknown {name!r}; known here: {sorted(TRAIN_PRESETS)}") from e
-    try:
-        cfg = get_preset(name)
-    except (KeyError, ValueError) as e:
-        raise TrainError(f"--preset: unknown {name!r} ({e}); training presets: {sorted(TRAIN_PRESETS)}") from e
-    return cfg, name, GENERIC_DEFAULTS
+    if name not in PRESETS:
+        raise TrainError(f"--preset: unknown {name!r}; training presets: {', '.join(TRAIN_DEFAULTS)}; other model "
+                         f"presets: {', '.join(sorted(set(PRESETS) - set(TRAIN_DEFAULTS)))}")
+    return get_preset(name), name, TRAIN_DEFAULTS.get(name, GENERIC_DEFAULTS)

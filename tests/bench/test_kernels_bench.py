@@ -20,22 +20,22 @@ def _args(**kw) -> argparse.Namespace:
     return ns
 
 
-def test_kda_init_gates_are_a_fresh_layers():
+def test_kda_init_gates_are_a_fresh_layers(seed):
     """"init": one decay rate A in [1, 16] per head times softplus(0.33 N(0, 1)); fast, about -5.5 a step."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     B, T, H, D = 2, 512, 16, 64
     g = kernels.kda_bench_gates("init", B, T, H, D, "cpu", gen)
     assert g.shape == (B, T, H, D) and g.dtype == torch.float32
     assert bool((g < 0).all())
-    sp_mean = F.softplus(0.33 * torch.randn(10**6, generator=torch.Generator().manual_seed(1))).mean()
+    sp_mean = F.softplus(0.33 * torch.randn(10**6, dtype=torch.float64)).mean()
     A = -g.mean(dim=(0, 1, 3)) / sp_mean  # [H]
     assert bool(((A > 0.97) & (A < 16.3)).all()), A
     assert A.max() - A.min() > 5.0  # heads differ
-    assert -8.0 < g.mean().item() < -3.0
+    assert -12.0 < g.mean().item() < -3.0  # E[A] 8.5 (sd of 16 heads' mean ~1.1) x E[softplus] 0.72: ~ -6
 
 
-def test_kda_bench_gates_are_mild():
-    gen = torch.Generator().manual_seed(0)
+def test_kda_bench_gates_are_mild(seed):
+    gen = torch.Generator().manual_seed(seed)
     g = kernels.kda_bench_gates("bench", 2, 256, 4, 64, "cpu", gen)
     assert -0.1 < g.mean().item() < -0.02 and bool((g < 0).all())
 

@@ -22,29 +22,6 @@ def test_table_has_the_recompute_columns():
     assert "fla_error: boom" in text
 
 
-def test_layer_saved_bytes_script_counts_the_kernel_intermediates():
-    """scripts/layer_saved_bytes.py (meta device, no GPU): recompute=True removes exactly the GDN kernels'
-    intermediates, T [NC, HV, 64, 64], W/Vn [Ttot, HV, 128], chunk states [NC, HV, 128, 128] and P [NC, HV, 64, 64],
-    all in bf16 (NC = Ttot / 64 + one per sequence; T in 16 bits since every dot reading it rounds it, `_t_dtype`);
-    --saved-qk (gdn.TUNE bwd_raw_qk off) keeps Qg and Kd [Ttot, HV, 128] bf16 on top."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "scripts" / "layer_saved_bytes.py"
-
-    def total(*extra):
-        out = subprocess.run([sys.executable, str(script), "--batch", "1", "--seq-len", "128", "--hidden", "256",
-                              *extra], capture_output=True, text=True, check=True).stdout
-        return float(out.strip().splitlines()[-1].split()[0])  # MiB, one decimal
-
-    HV, Ttot, NC = 32, 128, 128 // 64 + 1
-    expect = (NC * HV * 64 * 64 * 2 + 2 * Ttot * HV * 128 * 2 + NC * HV * 128 * 128 * 2 + NC * HV * 64 * 64 * 2)
-    base = total()
-    assert abs((base - total("--recompute")) - expect / 2**20) <= 0.1
-    assert abs((total("--saved-qk") - base) - 2 * Ttot * HV * 128 * 2 / 2**20) <= 0.1
-
-
 def test_rows_are_saved_as_they_finish(tmp_path, monkeypatch):
     """layers.json and layers.md are rewritten (atomically) after every row, so a run cut short keeps the rows it
     finished; --no-recompute reaches the row runner."""

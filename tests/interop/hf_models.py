@@ -41,7 +41,7 @@ def hf_config(family: str):
 
 
 @torch.no_grad()
-def randomize(model, seed: int = 0) -> None:
+def randomize(model, seed: int) -> None:
     """Every parameter and persistent buffer non-trivial (norms not at 0 / 1, A_log, dt_bias, router bias)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
@@ -61,7 +61,7 @@ def randomize(model, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * (scale if p.dim() > 1 else 0.3))
 
 
-def make_hf(family: str, seed: int = 0):
+def make_hf(family: str, seed: int):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family))
     randomize(model, seed)

@@ -7,35 +7,25 @@ import json
 
 import pytest
 import torch
-from hf_models import FAMILIES, VOCAB, make_hf, transformers
+from hf_models import FAMILIES, VOCAB, transformers
 
 from hybridlm import HybridLM
 from hybridlm.interop.compare import compare_layers
 
-_CACHE: dict[str, tuple] = {}
 _OURS: dict[str, HybridLM] = {}
-
-
-def hf_and_folder(family: str, tmp_path_factory):
-    """(transformers model, folder it saved itself to), built once per family for the whole module."""
-    if family not in _CACHE:
-        hf = make_hf(family)
-        folder = tmp_path_factory.mktemp(family)
-        hf.save_pretrained(folder)
-        _CACHE[family] = (hf, folder)
-    return _CACHE[family]
 
 
 def ours_from(folder) -> HybridLM:
     """Our float32 model loaded from the folder transformers wrote (cached: loading is what the first test checks)."""
     key = str(folder)
     if key not in _OURS:
-        _OURS[key] = HybridLM.from_pretrained(key, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            _OURS[key] = HybridLM.from_pretrained(key, dtype=torch.float32)
     return _OURS[key]
 
 
-def inputs(B: int = 2, T: int = 32, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+def inputs(B: int = 2, T: int = 32) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (B, T))
 
 
 def ragged_mask(B: int, T: int, pads=(0, 7)) -> torch.Tensor:
@@ -52,8 +42,8 @@ def report(ours, hf, x, mask=None) -> str:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_logits_match(family, tmp_path_factory):
-    hf, folder = hf_and_folder(family, tmp_path_factory)
+def test_float32_logits_match(family, hf_and_folder):
+    hf, folder = hf_and_folder(family)
     ours = ours_from(folder)
     x = inputs()
     with torch.no_grad():
@@ -63,8 +53,8 @@ def test_float32_logits_match(family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_left_padded_ragged_batch(family, tmp_path_factory):
-    hf, folder = hf_and_folder(family, tmp_path_factory)
+def test_left_padded_ragged_batch(family, hf_and_folder):
+    hf, folder = hf_and_folder(family)
     ours = ours_from(folder)
     x = inputs()
     mask = ragged_mask(*x.shape)
@@ -78,8 +68,8 @@ def test_left_padded_ragged_batch(family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16_agrees(family, tmp_path_factory):
-    hf, folder = hf_and_folder(family, tmp_path_factory)
+def test_bfloat16_agrees(family, hf_and_folder):
+    hf, folder = hf_and_folder(family)
     ours = HybridLM.from_pretrained(str(folder), dtype=torch.bfloat16)
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     x = inputs(T=16)  # bf16 matmuls are slow on CPU
@@ -93,15 +83,15 @@ def test_bfloat16_agrees(family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_round_trip_through_transformers(family, tmp_path_factory, tmp_path):
-    hf, folder = hf_and_folder(family, tmp_path_factory)
+def test_round_trip_through_transformers(family, hf_and_folder, tmp_path):
+    hf, folder = hf_and_folder(family)
     ours = ours_from(folder)
     ours.save_pretrained(str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     back.set_attn_implementation("eager")
     if family in ("qwen3_next", "qwen3_5_moe", "kimi_linear"):
         back.set_experts_implementation("eager")
-    x = inputs(seed=3)
+    x = inputs()
     with torch.no_grad():
         a, b = ours(x).logits, back.eval()(input_ids=x).logits
     err = (a - b).abs().max().item()
@@ -125,10 +115,10 @@ def test_round_trip_through_transformers(family, tmp_path_factory, tmp_path):
                 assert torch.equal(cat(f1), cat(f2)), k
 
 
-def test_sharded_save_loads(tmp_path_factory, tmp_path):
-    hf, folder = hf_and_folder("kimi_linear", tmp_path_factory)
+def test_sharded_save_loads(hf_and_folder, tmp_path):
+    hf, folder = hf_and_folder("kimi_linear")
     ours = ours_from(folder)
-    ours.save_pretrained(str(tmp_path), max_shard_size=40_000)
+    ours.save_pretrained(str(tmp_path), max_shard_size=250_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert not (tmp_path / "model.safetensors").exists()
@@ -136,34 +126,34 @@ def test_sharded_save_loads(tmp_path_factory, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     back.set_attn_implementation("eager")
     back.set_experts_implementation("eager")
-    x = inputs(seed=4)
+    x = inputs()
     with torch.no_grad():
         assert torch.equal(again(x).logits, ours(x).logits)
         assert (back.eval()(input_ids=x).logits - ours(x).logits).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "olmo_hybrid"])
-def test_in_memory_fused_layout_loads(family, tmp_path_factory, tmp_path):
+def test_in_memory_fused_layout_loads(family, hf_and_folder, tmp_path):
     """transformers' in-memory names (fused experts, one conv, Kimi's forget_gate.*) written by hand."""
     from safetensors.torch import save_file
 
-    hf, folder = hf_and_folder(family, tmp_path_factory)
+    hf, folder = hf_and_folder(family)
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if "inv_freq" not in k}
     assert any(k.endswith("conv1d.weight") for k in state)
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    x = inputs(seed=5)
+    x = inputs()
     with torch.no_grad():
         err = (ours(x).logits - hf(input_ids=x).logits).abs().max().item()
     assert err <= 1e-4
 
 
-def test_qwen3_5_multimodal_prefix_mtp_and_vision_ignored(tmp_path_factory, tmp_path, caplog):
+def test_qwen3_5_multimodal_prefix_mtp_and_vision_ignored(hf_and_folder, tmp_path, caplog):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    hf, folder = hf_and_folder("qwen3_5", tmp_path_factory)
+    hf, folder = hf_and_folder("qwen3_5")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         state = {k.replace("model.", "model.language_model.", 1): f.get_tensor(k) for k in f.keys()}
     state["mtp.fc.weight"] = torch.randn(4, 4)
@@ -171,19 +161,19 @@ def test_qwen3_5_multimodal_prefix_mtp_and_vision_ignored(tmp_path_factory, tmp_
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     text = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
-    with caplog.at_level("INFO", logger="hybridlm.interop"):
+    with caplog.at_level("INFO", logger="hybridlm.model.hf"):
         ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert "ignored 2 checkpoint tensors" in caplog.text
-    x = inputs(seed=6)
+    x = inputs()
     with torch.no_grad():
         assert (ours(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-4
 
 
-def test_hand_written_per_expert_layout_loads(tmp_path_factory, tmp_path):
+def test_hand_written_per_expert_layout_loads(hf_and_folder, tmp_path):
     """Experts one by one (as released checkpoints store them), split by hand from transformers' fused tensors."""
     from safetensors.torch import save_file
 
-    hf, folder = hf_and_folder("qwen3_5_moe", tmp_path_factory)
+    hf, folder = hf_and_folder("qwen3_5_moe")
     state = {}
     for k, v in hf.state_dict().items():
         if k.endswith("experts.gate_up_proj"):
@@ -200,6 +190,6 @@ def test_hand_written_per_expert_layout_loads(tmp_path_factory, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     ours = HybridLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    x = inputs(seed=8)
+    x = inputs()
     with torch.no_grad():
         assert (ours(x).logits - hf(input_ids=x).logits).abs().max() <= 1e-4

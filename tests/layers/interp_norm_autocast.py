@@ -6,7 +6,7 @@ Run by tests/layers/test_norm_autocast.py in a child process (the variable must 
 the kernels). Prints one JSON line "RESULT {case: {check: value}}"; the parent asserts. Fresh random inputs every
 run (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. Triton 3.6's interpreter
 rounds float32 -> bfloat16 by truncation; hybridlm.ops.triton replaces that cast with round-to-nearest-even
-(gdn_kernels._patch_interpreter_bf16), so the fused output is checked against round-to-nearest here too
+(interp_patches._patch_bf16), so the fused output is checked against round-to-nearest here too
 (`y_equal_rtne_y32`; `y_is_rounded_y32` accepts either rounding) as on a GPU (test_norm_autocast.py's CUDA test).
 """
 
@@ -17,6 +17,10 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops", "triton"))
+from interp_patches import patch_interpreter  # noqa: E402  (the interpreter's fixes, before any kernel runs)
+
+patch_interpreter()
 
 import torch  # noqa: E402
 

@@ -88,12 +88,14 @@ def test_fused_glue_traces_fullgraph(interp_layers):
 
 
 def test_reference_glue_unless_triton_resolves():
-    from hybridlm.layers.conv import use_fused_glue
+    from hybridlm.ops import glue
 
     x = torch.randn(1, 2, 3)
-    for impl in ("auto", "naive", "chunk"):
-        assert use_fused_glue(impl, x, "test") is False
-    assert use_fused_glue("naive", x.double(), "test") is False
+    for impl in ("auto", "torch", "naive", "chunk"):
+        assert glue.use_triton("test", impl, x) is False
+    assert glue.use_triton("test", "auto", x.double()) is False
+    with pytest.raises(ValueError, match=r"impl: expected one of .*, got 'fast'"):
+        glue.use_triton("test", "fast", x)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the interpreter off")
@@ -142,7 +144,7 @@ def interp_full():
     return _interp("full")
 
 
-@pytest.mark.parametrize("case", ["full_gdn_split_B2_T70", "full_gdn_olmo_varlen", "full_kda_B2_T66"])
+@pytest.mark.parametrize("case", ["full_gdn_split_T70", "full_gdn_olmo_varlen", "full_kda_T66"])
 def test_whole_layer_on_triton_equals_float64_reference_layer(interp_full, case):
     """GatedDeltaNet (split; olmo with beta up to 2 and varlen) and KimiDeltaAttention entirely on the Triton
     kernels (glue and recurrence, float32, head dim 64, T across a chunk edge) vs the same layer on the PyTorch
@@ -169,26 +171,32 @@ def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
     assert max(res["y_prefill"], res["y_decode"], res["recurrent_state"]) <= TOL, (res, interp_full["seed"])
 
 
-def test_auto_takes_a_kernel_only_once_it_is_cleared():
-    """`use_fused_glue(..., auto=False)`: a kernel not yet checked on a GPU (as SwiGLU's was until 2026-11-24,
-    `swiglu.AUTO`) is left to PyTorch under impl="auto" even on CUDA; impl="triton" still takes it."""
+def test_auto_takes_the_kernel_on_cuda_and_logs_once(caplog):
+    """impl="auto" takes the Triton kernel for CUDA float16/bfloat16/float32 inputs and PyTorch for float64, and
+    logs each choice once per (op, device type, dtype); impl="triton" always takes the kernel."""
     from types import SimpleNamespace
 
-    from hybridlm.layers import conv as lc
+    from hybridlm.ops import glue
 
     cuda_like = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)  # no GPU needed to decide
-    assert lc.use_fused_glue("auto", cuda_like, "test-cleared", auto=True) is (lc._GLUE_ERROR is None)
-    assert lc.use_fused_glue("auto", cuda_like, "test-not-cleared", auto=False) is False
-    if lc._GLUE_ERROR is None:
-        assert lc.use_fused_glue("triton", cuda_like, "test-not-cleared", auto=False) is True
+    with caplog.at_level("INFO", logger="hybridlm.ops"):
+        for _ in range(2):
+            assert glue.use_triton("test-auto", "auto", cuda_like) is True
+        assert glue.use_triton("test-auto", "auto", SimpleNamespace(device=torch.device("cuda"),
+                                                                     dtype=torch.float64)) is False
+    picks = [r.getMessage() for r in caplog.records if "test-auto" in r.getMessage()]
+    assert picks == ["hybridlm.ops.test-auto: impl='auto' picked 'triton' on cuda",
+                     "hybridlm.ops.test-auto: impl='auto' picked 'torch' on cuda (Triton kernel not used: "
+                     "torch.float64 inputs)"], picks
+    assert glue.use_triton("test-auto", "triton", cuda_like) is True
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the interpreter off")
 def test_swiglu_triton_reaches_the_kernel():
-    from hybridlm.layers.conv import _GLUE_ERROR
     from hybridlm.layers.mlp import SwiGLU
+    from hybridlm.ops import glue
 
-    if _GLUE_ERROR is not None:
+    if glue._TRITON_ERROR is not None:
         pytest.skip("triton does not import")
     with pytest.raises(RuntimeError, match="need CUDA tensors"):
         SwiGLU(8, 16, impl="triton")(torch.randn(1, 5, 8))

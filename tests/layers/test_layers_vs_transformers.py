@@ -14,14 +14,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as q35  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as qn  # noqa: E402
 
 
-def randomize(*modules, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def randomize(*modules):
     with torch.no_grad():
         for m in modules:
             for name, p in list(m.named_parameters()) + list(m.named_buffers()):
                 if p.is_floating_point() and "inv_freq" not in name:
                     scale = 0.3 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5
-                    p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if "norm" in name else 0.0))
+                    p.copy_(torch.randn(p.shape) * scale + (1.0 if "norm" in name else 0.0))
 
 
 def copy_by_name(ours, theirs, rename=lambda k: k):

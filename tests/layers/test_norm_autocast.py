@@ -122,12 +122,11 @@ def test_model_residual_stream_stays_float32_under_autocast(monkeypatch):
     former rule (measured 1.2u). Per parameter the differences have a tail (A_log / dt_bias / norm weights: sums
     over every token that cancel; measured up to 12u from the former rule, and the former rule itself is up to 0.17
     from float32 there), so per parameter only a broken gradient path is caught: within 64u of the former rule."""
-    from hybridlm.model.config import HybridConfig
     from hybridlm.model.hybrid import HybridBlock, HybridLM
-    from hybridlm.train.presets import TRAIN_PRESETS
+    from hybridlm.model.presets import get_preset
 
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    model = HybridLM(HybridConfig(**TRAIN_PRESETS["test-micro"]), impl="naive")
+    model = HybridLM(get_preset("test-micro"), impl="naive")
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, RMSNorm):
@@ -199,8 +198,8 @@ def test_norm_module_under_cpu_autocast_interpreter(interp_autocast, case, impl)
     assert r["dtypes_ok"], where
     assert r["y32_rel_l2"] <= 1e-6, where  # float32 without autocast: unchanged
     assert r["y_is_rounded_y32"], where  # bf16 output = the float32 output rounded once
-    # to nearest even, also the fused norm: the interpreter's fp32 -> bf16 cast is hybridlm's since 2026-11-25
-    # (gdn_kernels._patch_interpreter_bf16; Triton 3.6's own truncates)
+    # to nearest even, also the fused norm: the interpreter's fp32 -> bf16 cast is hybridlm's
+    # (tests/ops/triton/interp_patches.py; Triton 3.6's own truncates)
     assert r["y_equal_rtne_y32"], where
     assert r["y_rel_elem"] <= U + 1e-6, (where, r["y_rel_elem"])
     assert r["dx_equal_fp32_path"] and r["dw_equal_fp32_path"], where

@@ -21,7 +21,6 @@ def variants_with_rope():
 
 @pytest.mark.parametrize("name", list(variants_with_rope()))
 def test_prefill_steps_and_continuation_equal_one_forward(name):
-    torch.manual_seed(0)
     model = HybridLM(variants_with_rope()[name]).eval()
     x = torch.randint(0, 64, (2, 40))
     with torch.no_grad():
@@ -53,15 +52,15 @@ def test_cache_bytes_match_formula_and_linear_state_is_constant(name):
 
 
 def test_generate_returns_prompt_then_tokens_and_stops():
-    torch.manual_seed(0)
     model = HybridLM(small_variants()["gdn_split_headwise"]).eval()
     x = torch.randint(1, 64, (2, 6))
     seen = []
     out = model.generate(x, max_new_tokens=5, streamer=seen.append)
     assert out.shape == (2, 11) and torch.equal(out[:, :6], x) and len(seen) == 5
-    eos = int(out[0, 7])  # make row 0 stop at its 2nd new token
+    eos = int(out[0, 7])  # row 0 stops at its 2nd new token, or its 1st if that is the same token
+    stop = 6 if int(out[0, 6]) == eos else 7
     stopped = model.generate(x, max_new_tokens=5, eos_token_id=eos, pad_token_id=63)
-    assert stopped[0, 7] == eos and (stopped[0, 8:] == 63).all()
+    assert torch.equal(stopped[0, :stop + 1], out[0, :stop + 1]) and (stopped[0, stop + 1:] == 63).all(), stopped
     a = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=10, top_p=0.9, seed=3)
     b = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=10, top_p=0.9, seed=3)
     assert torch.equal(a, b)
@@ -120,14 +119,66 @@ def test_generate_subcommand_streams(capsys):
 def test_tokenizer_json_from_a_checkpoint_folder(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from hybridlm.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from hybridlm.model.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(str(tmp_path), vocab_size=3)
-    assert isinstance(loaded, HFTokenizer) and loaded.encode("hello world") == [0, 1]
+    assert isinstance(loaded, JsonTokenizer) and loaded.encode("hello world") == [0, 1]
     byte = load_tokenizer(None, vocab_size=256)
     assert isinstance(byte, ByteTokenizer) and byte.decode(byte.encode("héllo")) == "héllo"
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path / "nowhere"), vocab_size=1000)
+
+
+def test_generate_leaves_the_global_rng_alone():
+    """Sampling with and without a seed draws from a private generator: the global torch and Python RNG states
+    are the same after generate as before."""
+    import random
+
+    model = HybridLM(small_variants()["gdn_split_headwise"]).eval()
+    x = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(123)
+    random.seed(123)
+    before, py_before = torch.get_rng_state(), random.getstate()
+    for seed in (None, 5):
+        model.generate(x, max_new_tokens=4, do_sample=True, top_p=0.9, seed=seed)
+        assert torch.equal(torch.get_rng_state(), before), f"seed={seed}: the global torch RNG moved"
+        assert random.getstate() == py_before, f"seed={seed}: the Python RNG moved"
+
+
+def test_repetition_penalty_by_hand():
+    """The penalty against numbers worked out by hand: a seen positive logit is divided, a seen negative one
+    multiplied, unseen ones untouched, a token seen twice penalised once."""
+    from hybridlm.model.generate import _penalize
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, -2.0, 0.0]])
+    tokens = torch.tensor([[0, 1, 1], [2, 3, 2]])
+    want = torch.tensor([[1.0, -2.0, 0.5, 3.0], [1.0, 1.0, -4.0, 0.0]])
+    assert torch.equal(_penalize(logits, tokens, 2.0), want)
+
+
+def test_stop_strings_end_at_the_first_occurrence():
+    """Greedy generation with a stop string equals the greedy tokens without one, cut right after the token that
+    completes the string's first occurrence in the new text (found by str.find on the decoded bytes), with the
+    model's eos turned off so only the stop string ends the row."""
+    from hybridlm.model.tokenizer import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = small_variants()["gdn_split_headwise"]
+    cfg.vocab_size = 256
+    model = HybridLM(cfg).eval()
+    tok = ByteTokenizer()
+    x = torch.tensor([tok.encode("To be")])
+    full = model.generate(x, max_new_tokens=24, eos_token_id=[])[0, x.shape[1]:].tolist()
+    text = bytes(full).decode("latin-1")  # one char per byte: positions are token indices
+    stop = text[6:8]
+    end = text.find(stop) + len(stop)
+    got = model.generate(x, max_new_tokens=24, eos_token_id=[], stop_strings=[stop],
+                         tokenizer=type("Latin1", (), {"decode": lambda self, ids: bytes(ids).decode("latin-1")})())
+    assert got[0, x.shape[1]:].tolist() == full[:end], (stop, text)
+    with pytest.raises(ValueError, match="stop_strings: need tokenizer="):
+        model.generate(x, max_new_tokens=2, stop_strings=["a"])
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        model.generate(x, max_new_tokens=2, repetition_penalty=0.0)

@@ -1,6 +1,7 @@
-"""The CPU interpreter's bf16 (gdn_kernels._patch_interpreter_bf16): without it a bf16 tl.dot multiplies bit
-patterns and an fp32 -> bf16 cast truncates (Triton 3.6), so no bf16 path of our kernels could be tested on the CPU.
-One tiny kernel in a subprocess under TRITON_INTERPRET=1 against torch's bf16 (what the GPU computes)."""
+"""The CPU interpreter's bf16 as the tests' patch fixes it (tests/ops/triton/interp_patches.py): without it a bf16
+tl.dot multiplies bit patterns and an fp32 -> bf16 cast truncates (Triton 3.6), so no bf16 path of our kernels could
+be tested on the CPU. One tiny kernel in a subprocess under TRITON_INTERPRET=1 against torch's bf16 (what the GPU
+computes)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-pytest.importorskip("triton")
 
 SCRIPT = Path(__file__).parent / "triton" / "interp_bf16.py"
 

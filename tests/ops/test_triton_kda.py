@@ -2,18 +2,16 @@
 
 CPU (CI): tests/ops/triton/interp_kda.py under TRITON_INTERPRET=1 in a child process, fresh random fp32 inputs:
 GVA 2, varlen (lengths 1, 15, 64, 70), initial/final state, in-kernel l2norm, beta up to 2, per-channel
-log-decays down to -30 a step (the overflow case, where the diagonal blocks take the exact launch), strong and
-mild decay in different chunks and heads of one call (both launches of each pair at work; once with the diagonal
-dot in every K-blocked kernel), T = 1, 65, 70, K = 64 with V = 64/128, the public
-`kda(..., impl="triton")`, and the decode step on a state pool; the default launch plan (K-blocked kernels,
-key-channel block 32, output kernel of its own) everywhere, and the other plans the GPU sweep compares once each
-(whole-K kernels with the output inside the sequential kernel; key-channel block 16).
+log-decays from mild to -30 a step, so that every launch of the K-blocked kernels is at work (the whole chunk by
+one dot, its diagonal blocks by one dot, by their 8-row halves, exactly), also within one call (strong and mild
+decay in different chunks and heads) and at a decay cliff, T = 1, 65, 70, K = 64 with V = 64/128, K = V = 256, the
+head dims 48, 96/192 and 32/16 (chunk ops zero-padded, decode masked), expanded o and final-state gradients, the
+public `kda(..., impl="triton")`, fp16 and bf16 inputs, and the decode step on a state pool.
 Tolerances (relative RMS): 2e-6 for o and the states (against the naive recurrence and the chunk path), 1e-5 (the
 fp32 bar of the GPU check) for every gradient (q, k, v, g, beta, initial_state; against the float64 chunk path's
-autograd), the strong-decay cases included. Worst over 3 seeds of every case (2026-11-24): outputs 2.9e-7,
-gradients 1.9e-6 (dbeta at K=V=256), dg at decay 30 a step 5.1e-7. Before the K-blocked backward kept dg's sums
-from cancelling (`_dg_rows`, P's diagonal out of the decay products) the bars were 1e-5 / 3e-5 and dg at decay 30
-needed 2e-5 (it reached 9.1e-6 and once over 1e-5).
+autograd), the strong-decay cases included. Measured: outputs 2.9e-7, gradients 1.9e-6 (dbeta at K=V=256), dg at
+decay 30 a step 5.1e-7. Before the backward kept dg's sums from cancelling (`_dg_rows`, P's diagonal out of the decay
+products) the bars were 1e-5 / 3e-5 and dg at decay 30 needed 2e-5.
 """
 
 from __future__ import annotations
@@ -40,12 +38,8 @@ def interp_results(interp_job):
 
 
 CASES = ["gva2_l2_h0_T70", "varlen_1_15_64_70", "strong_decay_K64_V128_T65_public", "mixed_decay_by_chunk_and_head_T70",
-         "mixed_decay_dot_everywhere_T70", "mixed_decay_dot_state_only_T70", "prep_blocks_mixed_decay_T70",
-         "whole_dot_state_only_T70", "whole_chunk_bound_decay3.75_T150", "prep_blocks_varlen_decay30", "T1",
-         "K256_V256_T70", "whole_K_inline_output_gva2_T70", "bk16_varlen_1_15_64_70", "cliff_gva2_T150",
-         "varlen_decay3.75", "half_blocks_decay20_gva2_T150", "no_half_blocks_varlen_decay20",
-         "half_blocks_bk16_varlen_decay20", "row_solve_varlen_gva2", "row_solve_K256_V256_T70",
-         "prep_centre_blocks_mixed_decay_T70"]
+         "whole_chunk_bound_decay3.75_T150", "T1", "K256_V256_T70", "cliff_gva2_T150", "varlen_decay3.75",
+         "half_blocks_decay20_gva2_T150", "K48_V48_gva2_T70", "K96_V192_T70", "K32_V16_varlen_T70"]
 
 
 def test_kda_strong_decay_every_tensor_within_1e5(interp_results):
@@ -70,13 +64,12 @@ def test_kda_forward_and_gradients_match_float64(interp_results, case):
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
-@pytest.mark.parametrize("case", ["fp16_varlen_gva2_T150", "fp16_state_fp32_decay30_T65"])
-def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results, case):
+def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results):
     """The 16-bit storage and dot-operand paths (the GPU default for bf16/fp16 inputs), in fp16 (bf16 below:
     `test_kda_bf16_inputs_within_the_gpu_bars`). fp16's
     unit roundoff is 4.9e-4; measured ~4e-4 relative RMS for every tensor, so 1e-3 (outputs) and 2e-3
-    (gradients) fail any wrong operand or missing rounding step. The second case keeps the chunk states and Kd in
-    fp32 (kda.TUNE state_fp32) at log-decays down to -30 a step and has no initial state."""
+    (gradients) fail any wrong operand or missing rounding step."""
+    case = "fp16_varlen_gva2_T150"
     res, seed = interp_results[case], interp_results["seed"]
     for name in ("o", "final_state", "o_vs_naive", "state_vs_naive"):
         assert res[name] <= 1e-3, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
@@ -86,9 +79,9 @@ def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results, case):
 
 
 def test_kda_bf16_inputs_within_the_gpu_bars(interp_results):
-    """bf16 inputs (the GPU default) under the interpreter with its bf16 fixed (gdn_kernels._patch_interpreter_bf16),
+    """bf16 inputs (the GPU default) under the interpreter with its bf16 fixed (tests/ops/triton/interp_patches.py),
     at the GPU check's bf16 bars: 5e-3 for outputs, 1e-2 for gradients. Measured 2.9-3.0e-3 (o) and 1.6-4.7e-3
-    (gradients) over three seeds at these mild log-decays (2026-11-25)."""
+    (gradients) over three seeds at these mild log-decays."""
     case = "bf16_varlen_gva2_T150"
     res, seed = interp_results[case], interp_results["seed"]
     for name in ("o", "final_state", "o_vs_naive", "state_vs_naive"):
@@ -97,10 +90,21 @@ def test_kda_bf16_inputs_within_the_gpu_bars(interp_results):
         assert res[name] <= 1e-2, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
-def test_kda_decode_matches_float64(interp_results):
-    res = interp_results["decode"]
-    assert res["o"] <= TOL and res["state"] <= TOL, res
+@pytest.mark.parametrize("case", ["decode", "decode_K48_V48", "decode_K96_V192", "decode_K32_V16"])
+def test_kda_decode_matches_float64(interp_results, case):
+    """One token on a state pool, at native head dims and at masked ones (key block and V blocks past K, V)."""
+    res = interp_results[case]
+    assert res["o"] <= TOL and res["state"] <= TOL, (case, res)
     assert res["others_unchanged"] == 1.0
+
+
+def test_kda_expanded_output_and_state_gradients(interp_results):
+    """(o.sum() + final_state.sum()).backward(): the gradients reach the backward as expanded (stride-0) tensors;
+    every gradient matches float64."""
+    res, seed = interp_results["expanded_grads_T65"], interp_results["seed"]
+    for name, err in res.items():
+        tol = TOL if name in ("o", "final_state") else TOL_GRAD
+        assert err <= tol, f"{name}: rel {err:.3g} (seed {seed})"
 
 
 def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
@@ -110,8 +114,9 @@ def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
     rec._LOGGED.clear()
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64)) == "triton"
-        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 64)) == "chunk"
-    assert "K=32" in caplog.records[-1].getMessage()
+        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 96), torch.zeros(1, 2, 1, 192)) == "triton"
+        assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 288), torch.zeros(1, 2, 1, 64)) == "chunk"
+    assert "K=288" in caplog.records[-1].getMessage()
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])
@@ -135,7 +140,7 @@ def test_decode_step_bad_input_names_the_argument(op):
         (dict(state_pool=torch.zeros(P, HV, K, V, dtype=torch.float64)), r"state_pool: expected float32"),
         (dict(state_pool=torch.zeros(P, HV, V, K).transpose(2, 3)), r"state_pool: expected a contiguous tensor"),
         (dict(state_indices=torch.tensor([0.0, 1.0])), r"state_indices: expected int32/int64 \[2\]"),
-        (dict(q=torch.randn(N, H, 48), k=torch.randn(N, H, 48)), r"q/k: .* got K=48"),
+        (dict(q=torch.randn(N, H, 288), k=torch.randn(N, H, 288)), r"q/k: .* got K=288"),
     ]
     for change, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -155,40 +160,6 @@ def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
     assert res["refs"] == 4.0 and res["alive_at_chunk_bwd"] and set(res["alive_at_chunk_bwd"]) == {0.0}, res
 
 
-def test_diagonal_dot_settings_are_checked():
-    """kda.TUNE["diag_dot"] / ["whole_dot"] / ["sub_dot"]: unknown kernel names are a clear error naming them; the
-    listed kernels get their launches in order (whole chunk, diagonal-block dot, half-block dots, exact; a half-block
-    launch brings the diagonal-block one whose marks it reads), the others one exact launch."""
-    from hybridlm.ops.triton import kda as tk
-
-    old, old_w, old_s = tk.TUNE["diag_dot"], tk.TUNE["whole_dot"], tk.TUNE["sub_dot"]
-    try:
-        tk.TUNE["whole_dot"], tk.TUNE["sub_dot"] = (), ()
-        tk.TUNE["diag_dot"] = ("bwd_state",)
-        assert tk._diag_modes("bwd_state") == (1, 2)
-        assert tk._diag_modes("prep") == (0,)
-        tk.TUNE["whole_dot"] = ("prep", "bwd_state")  # the whole-chunk launch first, the exact one last
-        assert tk._diag_modes("bwd_state") == (3, 1, 2)
-        assert tk._diag_modes("prep") == (3, 2)
-        assert tk._diag_modes("bwd_out") == (0,)
-        tk.TUNE["sub_dot"] = ("prep", "bwd_out")
-        assert tk._diag_modes("prep") == (3, 1, 4, 2)
-        assert tk._diag_modes("bwd_out") == (1, 4, 2)
-        tk.TUNE["sub_dot"] = ("bwd_outt",)
-        with pytest.raises(ValueError, match=r"sub_dot'\]: expected names among .* got \['bwd_outt'\]"):
-            tk._diag_modes("prep")
-        tk.TUNE["sub_dot"] = ()
-        tk.TUNE["diag_dot"] = ("prep", "bwd_sate")
-        with pytest.raises(ValueError, match=r"diag_dot'\]: expected names among .* got \['bwd_sate'\]"):
-            tk._diag_modes("prep")
-        tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = (), ("pre",)
-        with pytest.raises(ValueError, match=r"whole_dot'\]: expected names among .* got \['pre'\]"):
-            tk._diag_modes("prep")
-    finally:
-        tk.TUNE["sub_dot"] = old_s
-        tk.TUNE["diag_dot"], tk.TUNE["whole_dot"] = old, old_w
-
-
 def test_each_chunk_goes_to_the_launch_its_decay_allows(interp_results):
     """Chunks of log-decay 0.5, 4, 12 and 30 a step: the prep and the backward take them whole, by diagonal-block
     dot, by 8-row half-block dots and exactly (marks 0, 2, 3, 1)."""
@@ -198,39 +169,13 @@ def test_each_chunk_goes_to_the_launch_its_decay_allows(interp_results):
     assert res["bwd"] == [0, 2, 3, 1], res
 
 
-def test_settings_that_fail_on_the_h100_are_refused_on_cuda():
-    """The two non-default settings that stop with an illegal memory access on the H100 (compute-sanitizer,
-    2026-11-24): KDA's backward below 8 warps, and 16-bit intermediates with fp32 backward operands. On CUDA they
-    are a clear error naming the setting; elsewhere (the interpreter) they run."""
-    from types import SimpleNamespace
-
-    from hybridlm.ops.triton import gdn as tg
+def test_backward_below_8_warps_is_refused_on_cuda():
+    """KDA's backward below 8 warps stops with an illegal memory access on the H100 (compute-sanitizer): on CUDA it is
+    a clear error naming the setting; elsewhere (the interpreter) it runs."""
     from hybridlm.ops.triton import kda as tk
+    from hybridlm.ops.triton.tune import tuned
 
-    old_w, old_l = tk.TUNE["bwd_warps"], tg.TUNE["bwd_lowp"]
-    try:
-        tk.TUNE["bwd_warps"] = 4
-        with pytest.raises(ValueError, match=r"kda.TUNE\['bwd_warps'\]: expected 8 or more on CUDA .* got 4"):
+    with tuned(tk.TUNE, bwd_warps=4):
+        with pytest.raises(ValueError, match=r"kda.TUNE.bwd_warps: expected 8 or more on CUDA .* got 4"):
             tk._bwd_warps(torch.device("cuda"))
         assert tk._bwd_warps(torch.device("cpu")) == 4
-        tg.TUNE["bwd_lowp"] = False
-        bf16_cuda = SimpleNamespace(dtype=torch.bfloat16, is_cuda=True)
-        with pytest.raises(ValueError, match=r"gdn.TUNE\['bwd_lowp'\]: expected True with torch.bfloat16"):
-            tg.bwd_lowp(bf16_cuda)
-        assert tg.bwd_lowp(SimpleNamespace(dtype=torch.float32, is_cuda=True)) is False
-        assert tg.bwd_lowp(SimpleNamespace(dtype=torch.bfloat16, is_cuda=False)) is False
-        tg.TUNE["bwd_lowp"] = True
-        assert tg.bwd_lowp(bf16_cuda) is True
-    finally:
-        tk.TUNE["bwd_warps"], tg.TUNE["bwd_lowp"] = old_w, old_l
-
-
-def test_whole_share_script_applies_the_kernels_bounds():
-    """scripts/kda_whole_share.py: constant log-decays 0.5, 4 and 30 a step fall in the whole-chunk, the
-    diagonal-block and the exact launch, as the kernels' marks do (test_each_chunk_goes_to_the_launch_...)."""
-    sys.path.insert(0, str(HERE.parents[1] / "scripts"))
-    from kda_whole_share import shares
-
-    for d, launch in ((0.5, "whole"), (4.0, "diag_dot"), (30.0, "exact")):
-        res = shares(torch.full((128, 2, 8), -d))
-        assert res[launch] == 1.0, (d, res)

@@ -140,3 +140,86 @@ def test_grad_accum_and_options_match(tmp_path, small_corpus, micro_args):
     assert rl["final_train_loss"] == base["final_train_loss"]  # the same kernels rerun: bitwise
     tok = train(micro_args(small_corpus, str(tmp_path / "e"), "--max-tokens", "1000", "--eval-every", "0"))
     assert tok["final_step"] == 4  # ceil(1000 / (4 rows x 64 tokens))
+
+
+def _value(path) -> float:
+    return float(ckpt.load_checkpoint(path)["model"]["w"][0, 0])
+
+
+@pytest.mark.parametrize("crash_at", ["aside", "swap", "drop"])
+def test_crash_inside_a_resave_keeps_a_complete_copy(tmp_path, monkeypatch, crash_at):
+    """A re-save of step 2 interrupted after moving the old copy aside, after the swap, or while dropping the old
+    copy: step 2 still resolves to a complete checkpoint holding the old or the new values, and the next save
+    tidies up."""
+    out = str(tmp_path)
+    _save(out, 1, 1.0)
+    _save(out, 2, 2.0)
+    real_rename, real_rmtree = os.rename, ckpt.shutil.rmtree
+
+    def rename(src, dst):
+        if crash_at == "swap" and os.path.basename(src).startswith(".tmp-"):
+            raise KeyboardInterrupt("simulated crash between moving the old copy aside and renaming the new one")
+        real_rename(src, dst)
+        if crash_at == "aside" and os.path.basename(dst).startswith(".old-"):
+            raise KeyboardInterrupt("simulated crash right after moving the old copy aside")
+
+    def rmtree(path, **kw):
+        if os.path.basename(path).startswith(".old-"):
+            os.remove(os.path.join(path, "model.safetensors"))  # half deleted
+            raise KeyboardInterrupt("simulated crash while dropping the old copy")
+        return real_rmtree(path, **kw)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        _save(out, 2, 3.0)
+    monkeypatch.undo()
+    paths = ckpt.list_checkpoints(out)
+    assert len(paths) == 2, paths
+    assert _value(paths[1]) in (2.0, 3.0) and _value(ckpt.resolve_resume(out)) in (2.0, 3.0)
+    _save(out, 3, 4.0)  # the next save moves the aside copy back or drops it
+    names = sorted(os.listdir(os.path.join(out, ckpt.CKPT_DIR)))
+    assert names == ["latest", "step_000001", "step_000002", "step_000003"], names
+    assert _value(os.path.join(out, ckpt.CKPT_DIR, "step_000002")) in (2.0, 3.0)
+
+
+_RESAVER = """
+import sys, torch
+from hybridlm.train import checkpoint as ckpt
+out = sys.argv[1]
+for i in range(100000):
+    step = 1 + i % 2
+    ckpt.save_checkpoint(out, step, model_state={"w": torch.full((256, 1024), float(i))}, config_json="{}",
+                         optimizer_state={"state": {}, "param_groups": []},
+                         train_state={"step": step, "micro": i, "tokens_seen": 0}, keep=0)
+    print(step, i, flush=True)
+"""
+
+
+def test_kill9_during_resaves_keeps_every_step(tmp_path):
+    """A process re-saves steps 1 and 2 over and over (1 MiB of weights each) and is killed with SIGKILL at
+    random moments: after every kill both steps resolve to a complete checkpoint that loads, holding a value that
+    was being saved to that step, and the next process carries on from there."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = str(tmp_path / "run")
+    seed = int(os.environ.get("HYBRIDLM_KILL_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    for kill in range(6):
+        p = subprocess.Popen([sys.executable, "-c", _RESAVER, out], stdout=subprocess.PIPE, text=True, env=env)
+        saved = [p.stdout.readline() for _ in range(2 if kill == 0 else 1)]  # each step complete once, then re-saves
+        assert all(saved), f"the saving process ended early (kill seed {seed})"
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+        steps = {ckpt.load_checkpoint(path)["train_state"]["step"]: path for path in ckpt.list_checkpoints(out)}
+        assert sorted(steps) == [1, 2], f"kill {kill}: {os.listdir(os.path.join(out, 'checkpoints'))} (seed {seed})"
+        for step, path in steps.items():
+            v = _value(path)
+            assert v == int(v) and 1 + int(v) % 2 == step, f"kill {kill}: step {step} holds {v} (seed {seed})"

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from hybridlm.cli import main as cli_main
 from hybridlm.train import checkpoint as ckpt
 from hybridlm.train.main import train
 
@@ -54,19 +55,20 @@ def test_module_entry_point_help():
         (["--batch-size", "100000"], "lower --batch-size"),
     ],
 )
-def test_bad_input_messages(tmp_path, small_corpus, argv, match):
+def test_bad_input_messages(tmp_path, small_corpus, argv, match, capsys):
+    """In-process through the CLI's main (the same code the command runs; test_cli_smoke covers the process)."""
     args = [*MICRO, "--out", str(tmp_path / "o"), "--max-steps", "1"]
     if "--data" not in argv:
         args += ["--data", small_corpus]
-    r = _cli(*args, *argv, timeout=120)
-    assert r.returncode == 2
-    assert match in r.stderr and "Traceback" not in r.stderr
+    assert cli_main(["train", *args, *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err, err
 
 
-def test_empty_corpus_message(tmp_path):
+def test_empty_corpus_message(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")
-    r = _cli(*MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"), timeout=120)
-    assert r.returncode == 2 and "empty" in r.stderr
+    assert cli_main(["train", *MICRO, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "empty" in capsys.readouterr().err
 
 
 def _kill_run(argv, seed):
@@ -93,7 +95,7 @@ def _kill_run(argv, seed):
 
 
 @pytest.mark.slow
-def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
+def test_kill9_resume_exact(tmp_path, small_corpus, micro_args, seed):
     """kill -9 twice at random moments (saves happen every step, so some kills land inside a save): every
     checkpoint on disk loads, and resuming ends with the same final loss as an uninterrupted run."""
     common = ["--data", small_corpus, "--sample-tokens", "0", "--max-steps", "40", "--save-every", "1",
@@ -101,7 +103,6 @@ def test_kill9_resume_exact(tmp_path, small_corpus, micro_args):
     ref = train(micro_args(small_corpus, str(tmp_path / "ref"), *common[2:]))
     out = str(tmp_path / "killed")
     argv = [*MICRO, *common, "--out", out]
-    seed = int(os.environ.get("HYBRIDLM_KILL_SEED", time.time_ns() % 10_000))
     kills = 0
     for i in range(2):
         finished = _kill_run(argv + (["--resume"] if i else []), seed + i)
@@ -145,3 +146,48 @@ def test_threads_flag_applies_on_every_device():
             set_threads(0, torch.device("cpu"))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
+def test_default_threads_are_the_allowed_cores_not_the_load(monkeypatch):
+    """Without --threads a CPU run uses every core its affinity mask allows, however busy the load average says
+    the machine is, and a process pinned to one core uses one."""
+    import torch
+
+    from hybridlm.train import main as train_main
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0), raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert train_main.cpu_threads() == cores
+    before = torch.get_num_threads()
+    try:
+        train_main.set_threads(None, torch.device("cpu"))
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
+    one = min(os.sched_getaffinity(0))
+    code = (f"import os; os.sched_setaffinity(0, {{{one}}}); from hybridlm.train.main import cpu_threads; "
+            "print(cpu_threads())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "1"
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, small_corpus, micro_args, capsys):
+    """--resume on a run that reached its last step: exit 0, says it is finished, no step trained, metrics.jsonl
+    and summary.json as they were (no duplicate row, no nan)."""
+    from hybridlm.train.main import run
+
+    out = str(tmp_path / "run")
+    assert run(micro_args(small_corpus, out, "--max-steps", "2")) == 0
+    files = {name: (tmp_path / "run" / name).read_text() for name in ("metrics.jsonl", "summary.json")}
+    capsys.readouterr()
+    assert run(micro_args(small_corpus, out, "--max-steps", "2", "--resume")) == 0
+    said = capsys.readouterr().out
+    assert "is finished" in said and "step 2 of 2" in said and "nan" not in said, said
+    for name, text in files.items():
+        assert (tmp_path / "run" / name).read_text() == text, name
+    steps = [json.loads(line)["step"] for line in files["metrics.jsonl"].splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == sorted(set(steps)), steps
+    assert "NaN" not in files["summary.json"] and "nan" not in files["summary.json"]

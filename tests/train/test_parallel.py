@@ -3,6 +3,7 @@ the exported weights load with from_pretrained."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import torch
 
 from hybridlm.model.hybrid import HybridLM
 from hybridlm.train import checkpoint as ckpt
+from hybridlm.train.main import add_arguments, train
 
 ARGS = ["--preset", "test-micro", "--device", "cpu", "--max-steps", "6", "--save-every", "3", "--eval-every", "0",
         "--no-progress", "--threads", "1", "--eval-tokens", "512", "--val-fraction", "0.05", "--sample-tokens", "0",
@@ -41,6 +43,12 @@ def _run(cmd, timeout=900):
     assert p.returncode == 0, f"exit {p.returncode}: {' '.join(cmd)}\n{out[-2000:]}{err[-4000:]}"
 
 
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
 def _summary(out):
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
@@ -52,9 +60,8 @@ def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
                 "-m", "hybridlm.train"]
     fsdp = str(tmp_path / "fsdp")
     _run([*torchrun, *ARGS, "--data", small_corpus, "--batch-size", "4", "--out", fsdp])
-    single = str(tmp_path / "single")
-    _run([sys.executable, "-m", "hybridlm.train", *ARGS, "--data", small_corpus, "--batch-size", "8", "--out", single])
-    a, b = _summary(fsdp), _summary(single)
+    a, b = _summary(fsdp), train(_parse([*ARGS, "--data", small_corpus, "--batch-size", "8",
+                                         "--out", str(tmp_path / "single")]))  # one process: in this one
     # fp32 on the CPU: the same gradients up to summation order (FSDP averages over ranks; the job scales the
     # loss by the world size so that they are the global token mean). Without that scale: 1.1e-3 after 12 steps.
     assert abs(a["final_train_loss"] - b["final_train_loss"]) <= 1e-5, (a["final_train_loss"], b["final_train_loss"])
@@ -82,10 +89,7 @@ def test_median_tokens_per_s_drops_the_warm_up_steps():
 def test_reshard_after_forward_reaches_every_block(small_corpus):
     """--no-reshard-after-forward: apply_fsdp passes reshard_after_forward=False to each block's fully_shard (the
     root keeps FSDP's default); a one-process run with the flag is a clear error, not a silently ignored flag."""
-    import argparse
-
     from hybridlm.train.errors import TrainError
-    from hybridlm.train.main import add_arguments, train
     from hybridlm.train.parallel import apply_fsdp, find_blocks
     from hybridlm.train.presets import build_config
 
@@ -95,8 +99,5 @@ def test_reshard_after_forward_reaches_every_block(small_corpus):
     assert [m for m, _ in calls] == list(find_blocks(model)) + [model]
     assert all(kw["reshard_after_forward"] is False for _, kw in calls[:-1])
     assert "reshard_after_forward" not in calls[-1][1] and "mp_policy" in calls[-1][1]
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args([*ARGS, "--data", small_corpus, "--no-reshard-after-forward"])
     with pytest.raises(TrainError, match="--no-reshard-after-forward: applies to FSDP2 runs under torchrun"):
-        train(args)
+        train(_parse([*ARGS, "--data", small_corpus, "--no-reshard-after-forward"]))

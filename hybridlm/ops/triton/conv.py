@@ -8,11 +8,11 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   the host once per call (checked: 0 to T, non-decreasing), as the reference's per-document loop does.
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
-- The forward saves nothing of size [B, T, C] but its inputs. The backward recomputes pre and dpre = dy * act'(pre)
-  and sums dweight/dbias as per-program fp32 partials, added up on the host (deterministic, no atomics). dx needs
-  dpre at W positions: by default the same kernel recomputes them (`TUNE["bwd_fused"]`); the older plan stores
-  dpre in a fp32 scratch and runs a second pass for dx. Gradients flow to x, weight, bias and
-  initial_state; the returned final state is not differentiable.
+- The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel: it recomputes pre and
+  dpre = dy * act'(pre) at the W positions each input reaches (W pre-activations a token, no fp32 scratch of dpre,
+  no second launch for dx) and sums dweight/dbias as per-program fp32 partials, added up on the host
+  (deterministic, no atomics). Gradients flow to x, weight, bias and initial_state; the returned final state is
+  not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
 - `causal_conv1d(..., split=(C0, C1, C2))` writes y as three tensors (a layer's q, k, v) and reads their gradients
@@ -25,51 +25,34 @@ Custom ops: `hybridlm::conv_fwd`, `hybridlm::conv_bwd`, `hybridlm::conv_fwd_spli
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..offsets import host_offsets
-from .gdn_kernels import _patch_interpreter_index
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
+from .tune import LaunchTable
 
 MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
-BT, BC = 32, 64  # token and channel block of the kernels
-# backward pass 1 (dpre, dweight partials): its token block, and about how many programs per SM to launch
-# (each program loops over every NS-th block of its document, keeping its dweight partial in registers)
-# dw_acc: keep elementwise accumulators for taps < 4 (True) or reduce every block (False: measured on H100 at
-# B4 T4096 C8192 bf16, 0.92 ms for this pass with dw_bt 64, 1.13 ms with 32; 2026-11-22). True was written after
-# that run to remove the per-block reductions and has only run in the CPU interpreter so far: if it misbehaves on
-# a GPU, set False (scripts/gpu_check_glue.py --conv-dw-acc 0).
-# dw_bt None: with the accumulators (five [BT, BC] fp32 tiles live) 16 in the one-kernel backward, 32 in the two
-# passes; 64 without them. H100 sweeps, bf16 [4, 4096, 8192] W4 SiLU fwd+bwd (2026-11-24 04:20 and 04:31): two
-# passes at 32 2.431 / 2.435 ms, two passes at 16 2.329, one kernel at 32 2.536 / 2.567, one kernel at 16 2.058 /
-# 1.894.
-# *_warps: num_warps of the forward (see fwd_bt below), of pass 1 and of pass 2 (dx). From an sm_90 compile on the
-# CPU (ptxas, bf16, W=4): pass 1 with acc, BT 32 uses 255 registers and spills 88 B at 4 warps, 214 and none at 8.
-# The first H100 timings above were taken at 4 warps everywhere.
-# scripts/gpu_check_glue.py --sweep-conv times the alternatives.
-# bwd_fused: one backward kernel that also computes dx, from dpre recomputed at the W positions each input reaches
-# (W pre-activations a token instead of one; no [T, C] fp32 scratch written and read back, no second launch).
-# H100 profile of the 350M training step (2026-11-24 04:02, two passes): 6.56 + 4.57 ms a step for 18 layers of
-# [4, 4096, 3072], against fla's one causal_conv1d_bwd_kernel at 5.66; one kernel at its first block size (32),
-# 11.00 ms: no gain there (04:25); at 16 (the default since) 7.64 ms (06:20 profile), fla's kernel 5.68. False:
-# the two passes.
-# fwd_bt / fwd_bc / fwd_warps: the forward's token and channel block and warps. H100 sweep (2026-11-24 19:20,
-# `scripts/gpu_check_glue.py --sweep-conv`, bf16 [4, 4096, 8192] W4 SiLU, forward alone): 32 x 64 at 8 warps (the
-# setting until then) 0.606 ms; 16 x 256 at 4 warps 0.240, 32 x 128 at 4 0.243, 32 x 256 at 8 0.263, 64 x 64 at 4
-# 0.320, 64 x 64 at 8 0.447. bwd_bc: pass 1's channel block (in that sweep 32 with dw_bt 32 1.702 ms forward+backward
-# against 1.715 at 64; 128 slower, 2.02-2.39).
-# split_out: `causal_conv1d(split=...)` writes the parts as three tensors and reads their gradients as they are
-# (False: views of one output, as before 2026-11-25; the recurrence then copies the strided q, k, v in its forward
-# and again in its backward, and autograd concatenates dq, dk, dv: ~1.6 GB of copies a step for the GDN layer at
-# Qwen3-Next widths, B8 T2048, bf16)
-TUNE = {"dw_bt": None, "dw_programs_per_sm": 16, "dw_acc": True, "fwd_warps": 4, "dw_warps": 8, "dx_warps": 8,
-        "bwd_fused": True, "fwd_bt": 16, "fwd_bc": 256, "bwd_bc": BC, "split_out": True}
+BC = 64  # channel block of the final-state and decode kernels
+
+
+@dataclass
+class ConvLaunch(LaunchTable):
+    """Launch settings of the conv kernels (`scripts/gpu_check_glue.py --sweep-conv` times alternatives)."""
+
+    fwd_bt: int = 16  # forward token block: 16 x 256 at 4 warps was the fastest forward tried on an H100
+    fwd_bc: int = 256  # forward channel block; a split output takes the largest power of two <= it dividing C0, C1
+    fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
+    bwd_bt: int = 16  # backward token block: five [BT, BC] fp32 accumulators stay in registers at 16
+    bwd_bc: int = 64  # backward channel block: 32-64 were even, 128 slower
+    bwd_warps: int = 8  # at 4 warps the backward's accumulators spilled registers (sm_90 compile)
+    bwd_programs_per_sm: int = 16  # each backward program loops over every NS-th block, fewer dweight partials
+
+
+TUNE = ConvLaunch()
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -121,8 +104,8 @@ def _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W: tl.con
 def _dx_recompute(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr):
     """(dx, dpre) at positions pos [R]: dx = sum_s w[:, W-1-s] * dpre_{pos+s} with every dpre recomputed from x
-    and dy (no [T, C] scratch), dpre at pos itself for the weight's gradient. Same order of sums as
-    `_dx_from_dp`; the weight is rounded to x's dtype as in the forward."""
+    and dy (no [T, C] scratch), dpre at pos itself for the weight's gradient; the weight is rounded to x's dtype
+    as in the forward."""
     DT = x.dtype.element_ty
     b_dp = _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
     b_w = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)
@@ -184,14 +167,13 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _conv_bwd_dw(x, w, bias, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, NS, W: tl.constexpr,
-                 WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-                 SILU: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, SPLIT: tl.constexpr = False):
-    """Pass 1, grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n, computes
-    dpre = dy * act'(pre) there and writes its partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of
-    dwp [N * NS, C, W] / dbp [N * NS, C]. FUSED: also dx of those blocks, from dpre recomputed at the W - 1 later
-    positions each input reaches (`_dx_recompute`: one kernel, no scratch); else dpre goes to dp [Ttot, C] fp32
-    when SILU (dpre = dy otherwise) for `_conv_bwd_dx`. SPLIT: dy comes as three tensors dy, dy1, dy2 (`_part`)."""
+def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, W: tl.constexpr, WP: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
+              SPLIT: tl.constexpr = False):
+    """Grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n; writes dx there, from
+    dpre = dy * act'(pre) recomputed at the W positions each input reaches (`_dx_recompute`: no scratch, one
+    launch), and its partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] /
+    dbp [N * NS, C]. SPLIT: dy comes as three tensors dy, dy1, dy2 (`_part`)."""
     i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -200,9 +182,8 @@ def _conv_bwd_dw(x, w, bias, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, 
     m_c = o_c < C
     o_j = tl.arange(0, WP)
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
-    # ACC: elementwise [BT, BC] accumulators of dpre_t * x_{t-(W-1)+i} for taps i < 4 and of dpre (dbias), reduced
-    # over tokens once at the end (a reduction per block costs more than the block's loads); taps 4.. (and every
-    # tap without ACC) reduce per block
+    # elementwise [BT, BC] accumulators of dpre_t * x_{t-(W-1)+i} for taps i < 4 and of dpre (dbias), reduced over
+    # tokens once at the end (a reduction per block costs more than the block's loads); taps 4.. reduce per block
     b_a0 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a1 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a2 = tl.zeros([BT, BC], dtype=tl.float32)
@@ -211,34 +192,21 @@ def _conv_bwd_dw(x, w, bias, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, 
     for i_t in range(i_s, tl.cdiv(L, BT), NS):
         o_t = i_t * BT + tl.arange(0, BT)
         m = (o_t < L)[:, None] & m_c[None, :]
-        p_o = (bos + o_t)[:, None] * C + o_c[None, :]
-        if FUSED:
-            b_dx, b_dp = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS,
-                                       HAS_H0, SILU)
-            tl.store(dx + p_o, b_dx.to(dx.dtype.element_ty), mask=m)
-        else:
-            b_dp = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
-            if SILU:
-                tl.store(dp + p_o, b_dp, mask=m)
-        if ACC:
-            b_ab += b_dp
-        else:
-            b_ab += tl.where(tl.arange(0, BT)[:, None] == 0, tl.sum(b_dp, 0)[None, :], 0.0)
+        b_dx, b_dp = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS,
+                                   HAS_H0, SILU)
+        tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
+        b_ab += b_dp
         # dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i}
         for i in tl.static_range(W):
             b_pi = b_dp * _load_hist(x, h0, bos, L, i_n, o_t - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
-            if i < 4:
-                if ACC:
-                    if i == 0:
-                        b_a0 += b_pi
-                    elif i == 1:
-                        b_a1 += b_pi
-                    elif i == 2:
-                        b_a2 += b_pi
-                    else:
-                        b_a3 += b_pi
-                else:
-                    b_dw += tl.where(o_j[None, :] == i, tl.sum(b_pi, 0)[:, None], 0.0)
+            if i == 0:
+                b_a0 += b_pi
+            elif i == 1:
+                b_a1 += b_pi
+            elif i == 2:
+                b_a2 += b_pi
+            elif i == 3:
+                b_a3 += b_pi
             else:
                 b_dw += tl.where(o_j[None, :] == i, tl.sum(b_pi, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 0, tl.sum(b_a0, 0)[:, None], 0.0)
@@ -253,52 +221,18 @@ def _conv_bwd_dw(x, w, bias, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, 
 
 
 @triton.jit
-def _dx_from_dp(w, dp, xt, bos, L, o_t, o_c, m_c, C, W: tl.constexpr):
-    """Gradient of the input at positions o_t: sum_s w[:, W-1-s] * dpre_{o_t+s} (in-document only) -> [R, BC].
-    xt: any pointer of x's dtype (the weight is rounded to it, as in the forward)."""
-    DT = xt.dtype.element_ty
-    b_dx = tl.zeros([o_t.shape[0], o_c.shape[0]], dtype=tl.float32)
-    for s in tl.static_range(W):
-        pos = o_t + s
-        m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
-        b_dp = tl.load(dp + (bos + pos)[:, None] * C + o_c[None, :], mask=m, other=0.0).to(tl.float32)
-        b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
-        b_dx += b_w[None, :] * b_dp
-    return b_dx
-
-
-@triton.jit
-def _conv_bwd_dx(w, dp, dx, cu, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Pass 2, grid (C / BC, max document length / BT, N): dx for one [BT, BC] block of one document."""
-    i_c, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    L = tl.load(cu + i_n + 1).to(tl.int64) - bos
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    b_dx = _dx_from_dp(w, dp, dx, bos, L, o_t, o_c, m_c, C, W)
-    tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-             mask=(o_t < L)[:, None] & m_c[None, :])
-
-
-@triton.jit
-def _conv_bwd_h0(x, w, bias, h0, dy, dy1, dy2, dp, dh0, cu, C, C0, C1, W: tl.constexpr, WP: tl.constexpr,
-                 BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, FUSED: tl.constexpr,
-                 SPLIT: tl.constexpr = False):
-    """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0);
-    from the dp scratch, or (FUSED, no scratch) from dpre recomputed."""
+def _conv_bwd_h0(x, w, bias, h0, dy, dy1, dy2, dh0, cu, C, C0, C1, W: tl.constexpr, WP: tl.constexpr,
+                 BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False):
+    """Grid (C / BC, N): dh0[n, :, j] = gradient of the input at position j - W (column 0 is never read: 0), from
+    dpre recomputed."""
     i_c, i_n = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, WP)
-    if FUSED:
-        dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
-        b_dh, _ = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True,
-                                SILU)
-    else:
-        b_dh = _dx_from_dp(w, dp, x, bos, L, o_j - W, o_c, m_c, C, W)
+    dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
+    b_dh, _ = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_j - W, o_c, m_c, C, W, HAS_BIAS, True, SILU)
     p_dh = dh0 + i_n.to(tl.int64) * C * W + o_c[None, :] * W + o_j[:, None]
     tl.store(p_dh, b_dh.to(dh0.dtype.element_ty), mask=(o_j < W)[:, None] & m_c[None, :])
 
@@ -379,12 +313,12 @@ def _fwd_launch(x, weight, bias, initial_state, cu_seqlens, silu: bool, output_f
     b = bias.contiguous() if bias is not None else x
     split = C0 > 0
     if Lmax > 0 and N > 0:
-        FBT = TUNE["fwd_bt"]
-        FBC = split_block(C0, C1, TUNE["fwd_bc"]) if split else TUNE["fwd_bc"]
+        FBT = TUNE.fwd_bt
+        FBC = split_block(C0, C1, TUNE.fwd_bc) if split else TUNE.fwd_bc
         y0, y1, y2 = ys if split else (ys[0],) * 3
         _conv_fwd[(triton.cdiv(C, FBC), triton.cdiv(Lmax, FBT), N)](
             x, weight, b, h0, y0, y1, y2, cu, C, C0, C1, W=W, BT=FBT, BC=FBC, HAS_BIAS=bias is not None,
-            HAS_H0=initial_state is not None, SILU=silu, SPLIT=split, num_warps=TUNE["fwd_warps"])
+            HAS_H0=initial_state is not None, SILU=silu, SPLIT=split, num_warps=TUNE.fwd_warps)
     if not output_final_state:
         return x.new_empty(0)
     ht = _out((N, C, W), x, x.dtype)
@@ -441,42 +375,32 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     WP = triton.next_power_of_2(W)
     x, weight = x.contiguous(), weight.contiguous()
     split = C0 > 0
-    if split and not TUNE["bwd_fused"] and not silu:  # `_conv_bwd_dx` reads dy itself as dpre: one tensor
-        dys, C0, C1, split = (torch.cat(dys, dim=-1),), 0, 0, False
     dys = tuple(d.contiguous() for d in dys)
     dy, dy1, dy2 = dys if split else (dys[0],) * 3
     cu, N, Lmax = _layout(x, cu_seqlens)
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
-    BC1 = split_block(C0, C1, TUNE["bwd_bc"]) if split else TUNE["bwd_bc"]
+    BC1 = split_block(C0, C1, TUNE.bwd_bc) if split else TUNE.bwd_bc
     NC = triton.cdiv(C, BC1)
-    BT1 = TUNE["dw_bt"] or (64 if not TUNE["dw_acc"] else 16 if TUNE["bwd_fused"] else 32)
     NS = 1  # the CPU interpreter pays per program
     if x.device.type == "cuda":
-        NS = max(1, min(triton.cdiv(Lmax, BT1), triton.cdiv(TUNE["dw_programs_per_sm"] * _num_sms(x.device),
-                                                            NC * max(N, 1))))
+        NS = max(1, min(triton.cdiv(Lmax, TUNE.bwd_bt),
+                        triton.cdiv(TUNE.bwd_programs_per_sm * _num_sms(x.device), NC * max(N, 1))))
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    fused = TUNE["bwd_fused"]
-    # two passes: dpre = dy * act'(pre) in a fp32 scratch with SiLU (dy itself without an activation), then dx
-    dp = torch.empty(B * T, C, device=x.device, dtype=torch.float32) if silu and not fused else dy
     if N > 0 and Lmax > 0:
-        _conv_bwd_dw[(NC, N, NS)](x, weight, b, h0, dy, dy1, dy2, dp, dx, dwp, dbp, cu, C, C0, C1, NS, W=W, WP=WP,
-                                  BT=BT1, BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
-                                  SILU=silu, ACC=TUNE["dw_acc"], FUSED=fused, SPLIT=split,
-                                  num_warps=TUNE["dw_warps"])
-        if not fused:
-            _conv_bwd_dx[(NC, triton.cdiv(Lmax, BT), N)](weight, dp, dx, cu, C, W=W, BT=BT, BC=BC1,
-                                                         num_warps=TUNE["dx_warps"])
+        _conv_bwd[(NC, N, NS)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, W=W, WP=WP,
+                               BT=TUNE.bwd_bt, BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
+                               SILU=silu, SPLIT=split, num_warps=TUNE.bwd_warps)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
     if need_dh0 and initial_state is not None:
         dh0 = _out(tuple(initial_state.shape), x, initial_state.dtype)
         if N > 0:
-            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dy1, dy2, dp, dh0, cu, C, C0, C1, W=W, WP=WP, BC=BC1,
-                                  HAS_BIAS=bias is not None, SILU=silu, FUSED=fused, SPLIT=split, num_warps=4)
+            _conv_bwd_h0[(NC, N)](x, weight, b, h0, dy, dy1, dy2, dh0, cu, C, C0, C1, W=W, WP=WP, BC=BC1,
+                                  HAS_BIAS=bias is not None, SILU=silu, SPLIT=split, num_warps=4)
     return dx, dw, db, dh0
 
 
@@ -629,7 +553,7 @@ def causal_conv1d(
         if len(sizes) != 3 or any(not isinstance(c, int) or c < 1 for c in sizes) or sum(sizes) != C:
             raise ValueError(f"split: expected three positive channel counts summing to C={C}, got {split!r}")
         C0, C1 = sizes[0], sizes[1]
-        if TUNE["split_out"] and split_block(C0, C1, TUNE["fwd_bc"]) and split_block(C0, C1, TUNE["bwd_bc"]):
+        if split_block(C0, C1, TUNE.fwd_bc) and split_block(C0, C1, TUNE.bwd_bc):
             *ys, ht = _CausalConv1dSplit.apply(x, weight, bias, initial_state, cu_seqlens, silu,
                                                bool(output_final_state), C0, C1)
             return tuple(ys), (ht if output_final_state else None)

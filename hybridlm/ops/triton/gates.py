@@ -16,17 +16,11 @@ Custom ops: `hybridlm::gates_fwd`, `hybridlm::gates_bwd`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
-from .gdn_kernels import _patch_interpreter_index
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 MAX_COLS = 16384

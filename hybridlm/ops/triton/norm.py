@@ -19,44 +19,37 @@ Custom ops: `hybridlm::norm_fwd`, `hybridlm::norm_bwd`.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
-from .gdn_kernels import _patch_interpreter_index
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
+from .tune import LaunchTable
 
 MAX_D = 16384
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 ACTS = {None: 0, "silu": 1, "sigmoid": 2}
-# Launch settings. *_elems: elements of a program's row block (BM = elems / BD rows, 1 to 64); *_warps and
-# bwd_elems None: by width (`_blocks`, `_blocks_bwd`); bwd_programs_per_sm: the backward's programs loop over every
-# NP-th row block, NP = this times the SM count (fewer dweight partials), None: one program per row block (no
-# loop), "auto": 64 for rows of at most NARROW_D, else 4. Either way the fp32 dweight partials stay within
-# DWP_BYTES (NP capped). `scripts/gpu_check_glue.py --sweep-norm` times the alternatives. H100 (2026-11-24 19:20,
-# bf16 gated SiLU norm [524288, 128], fp32 weight: the GDN layer's output norm at B8 T2048 HV32), forward+backward:
-# 2048-element blocks at 8 warps looping at 4 programs per SM (the setting until then) 1.088 ms; one program per
-# block: 1.088 at 8 warps, 0.975 at 4; 1024-element blocks at 4 warps 0.763, at 2 0.997; 4096 or 8192 elements at 8
-# warps 0.973-0.975; again at 19:24: 0.858 against the old 0.991, 0.919-1.139 for ten others. The forward's
-# setting was best as it was (0.148 ms; 0.149-0.244 for the others).
-# bwd_acc: dweight accumulated elementwise over a program's row blocks and summed over rows once (as fla's gated
-# norm backward does), so programs can loop over many blocks without a row reduction per block.
-# H100, 2026-11-24 20:29-20:31, the same [524288, 128] norm, now timed as the summed CUDA time of the kernels (the
-# wall times above and in these sweeps swing by 20% with host overhead): one program per 1024-element block 0.600
-# ms forward+backward; with bwd_acc, looping at 4 / 16 / 64 programs per SM: 0.400 / 0.395 / 0.385 (narrow rows'
-# "auto" is 64 since); 2048 elements at 8 warps, 8 per SM: 0.380. Reading the forward's rstd back instead of
-# summing the rows' squares again changed nothing measurable (0.396 against 0.395 at 16 per SM; commit 4907a0a,
-# removed after). sm_90 compile (bf16): bwd_acc takes no more registers (D 128: 72
-# against 95; 2048: 63 / 61; 8192: 107 / 113; 16384 spills 48 B against 56 without it).
-TUNE = {"fwd_elems": 4096, "fwd_warps": None, "bwd_elems": None, "bwd_warps": None, "bwd_programs_per_sm": "auto",
-        "bwd_acc": True}
 NARROW_D = 256  # rows this wide or narrower take the narrow-row backward setting (measured at D = 128 only)
-DWP_BYTES = 32 << 20
+DWP_BYTES = 32 << 20  # cap of the backward's fp32 dweight partials [NP, D]
+
+
+@dataclass
+class NormLaunch(LaunchTable):
+    """Launch settings of the norm kernels; None picks by row width (`_blocks`, `_blocks_bwd`, `_bwd_programs`).
+    `scripts/gpu_check_glue.py --sweep-norm` times alternatives."""
+
+    fwd_elems: int = 4096  # elements per forward program (BM = fwd_elems / BD rows, 1 to 64): the fastest tried
+    fwd_warps: int | None = None  # None: 4, or 8 for programs over 4096 elements
+    bwd_elems: int | None = None  # None: 1024 for rows up to NARROW_D, else 2048 (4096-element blocks spill)
+    bwd_warps: int | None = None  # None: 4 for rows up to NARROW_D, 8 up to 4096, 16 wider
+    # None: 64 for rows up to NARROW_D, else 4; the backward's programs loop over every NP-th row block, NP = this
+    # times the SM count (capped by DWP_BYTES), each summing its dweight partial elementwise over its blocks
+    bwd_programs_per_sm: int | None = None
+
+
+TUNE = NormLaunch()
 
 
 @triton.jit
@@ -107,14 +100,12 @@ def _norm_fwd(x, gate, w, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr
 
 @triton.jit
 def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
-              HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr, W_LOWP: tl.constexpr,
-              ACT: tl.constexpr, ACC: tl.constexpr = False):
+              HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr, W_LOWP: tl.constexpr, ACT: tl.constexpr):
     """Grid (NP): program p takes row blocks p, p + NP, ...; writes dx, dgate there and its dweight partial to
-    row p of dwp [NP, D]. ACC: dweight summed elementwise over the
-    blocks ([BM, BD] fp32) and over rows once at the end, instead of a row sum per block."""
+    row p of dwp [NP, D]: summed elementwise over the blocks ([BM, BD] fp32) and over rows once at the end, so
+    looping over many blocks costs no row reduction per block."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
-    b_dw = tl.zeros([BD], dtype=tl.float32)
     b_dwa = tl.zeros([BM, BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BM), NP):
         o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -130,17 +121,12 @@ def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: 
                 b_da = b_s * (1.0 - b_s)
             tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_do * b_u * b_da).to(dg.dtype.element_ty), mask=m)
         b_du = b_do * b_a  # gradient of the pre-gate value
-        if ACC:
-            b_dwa += b_du * b_yc
-        else:
-            b_dw += tl.sum(b_du * b_yc, 0)
+        b_dwa += b_du * b_yc
         b_dxh = b_du * b_w[None, :]
         b_dx = b_r[:, None] * (b_dxh - b_xh * (tl.sum(b_dxh * b_xh, 1) / D)[:, None])
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
     if HAS_W:
-        if ACC:
-            b_dw += tl.sum(b_dwa, 0)
-        tl.store(dwp + i_p.to(tl.int64) * D + o_d, b_dw, mask=o_d < D)
+        tl.store(dwp + i_p.to(tl.int64) * D + o_d, tl.sum(b_dwa, 0), mask=o_d < D)
 
 
 def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -152,32 +138,30 @@ def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _blocks(D: int) -> tuple[int, int, int]:
     """Forward (BD, BM, num_warps): about 4K elements per program (one row when D is that wide)."""
     BD = triton.next_power_of_2(D)
-    BM = max(1, min(64, TUNE["fwd_elems"] // BD))
-    return BD, BM, TUNE["fwd_warps"] or (4 if BD * BM <= 4096 else 8)
+    BM = max(1, min(64, TUNE.fwd_elems // BD))
+    return BD, BM, TUNE.fwd_warps or (4 if BD * BM <= 4096 else 8)
 
 
 def _blocks_bwd(D: int) -> tuple[int, int, int]:
     """Backward (BD, BM, num_warps): rows up to NARROW_D wide 1K elements per program at 4 warps; wider ones about
-    2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile on the CPU, bf16, with bwd_acc: D=128
-    72 registers, D=2048 63, D=8192 107, no spills; D=16384 spills 48 B; the forward's 4K-element blocks spill
-    here)."""
+    2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile, bf16: D=128 72 registers, D=2048 63,
+    D=8192 107, no spills; D=16384 spills 48 B; the forward's 4K-element blocks spill here)."""
     BD = triton.next_power_of_2(D)
-    narrow = BD <= NARROW_D  # 1024-element blocks at 4 warps since 2026-11-24 (TUNE's comment)
-    elems = TUNE["bwd_elems"] or (1024 if narrow else 2048)
-    warps = TUNE["bwd_warps"] or (4 if narrow else 8 if BD <= 4096 else 16)
+    narrow = BD <= NARROW_D
+    elems = TUNE.bwd_elems or (1024 if narrow else 2048)
+    warps = TUNE.bwd_warps or (4 if narrow else 8 if BD <= 4096 else 16)
     return BD, max(1, min(64, elems // BD)), warps
 
 
 def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
-    """Programs of the backward (each loops over every NP-th row block): TUNE bwd_programs_per_sm, with the fp32
-    dweight partials [NP, BD] kept within DWP_BYTES."""
-    per_sm = TUNE["bwd_programs_per_sm"]
-    if not (per_sm is None or per_sm == "auto" or (isinstance(per_sm, int) and per_sm >= 1)):
-        raise ValueError(f"norm.TUNE['bwd_programs_per_sm']: expected None, 'auto' or a positive int, got {per_sm!r}")
-    if per_sm == "auto":
+    """Programs of the backward (each loops over every NP-th row block): `TUNE.bwd_programs_per_sm` times the SM
+    count, with the fp32 dweight partials [NP, BD] kept within DWP_BYTES."""
+    per_sm = TUNE.bwd_programs_per_sm
+    if per_sm is None:
         per_sm = 64 if BD <= NARROW_D else 4
-    blocks = triton.cdiv(M, BM)
-    NP = blocks if per_sm is None else min(blocks, per_sm * sms)
+    if not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"norm.TUNE.bwd_programs_per_sm: expected None or a positive int, got {per_sm!r}")
+    NP = min(triton.cdiv(M, BM), per_sm * sms)
     return max(1, min(NP, DWP_BYTES // (4 * BD)))
 
 
@@ -221,7 +205,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weigh
         _norm_bwd[(NP,)](
             x, gate if gate is not None else x, weight if weight is not None else x, dy.contiguous(), dx,
             dg if gate is not None else dx, dwp, M, D, eps, NP, BM=BM, BD=BD, HAS_W=weight is not None, ZC=zc,
-            CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, ACC=TUNE["bwd_acc"], num_warps=nw)
+            CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, num_warps=nw)
     dw = dwp.sum(0).to(weight.dtype) if weight is not None else x.new_empty(0)
     return dx, dg, dw
 

@@ -3,33 +3,23 @@
     gate, up: [..., I] (same shape and dtype) -> y [..., I] in their dtype
 
 Non-standard here:
-- Arithmetic in fp32, one rounding to the output dtype. PyTorch's eager path (`layers.mlp._SiluMul`) rounds
+- Arithmetic in fp32, one rounding to the output dtype. PyTorch's path (`hybridlm.ops.glue`) rounds
   silu(gate) to the input dtype before the product, so in bf16 the two differ by about one bf16 rounding; in fp32
   they agree to fp32 rounding.
 - The backward reads gate, up and dy once and writes dgate and dup (silu(gate) recomputed, nothing else kept): 5
   tensor passes against the eager backward's ~11 (mul, silu_backward, silu, mul). The forward: 3 against 5.
-- `AUTO`: whether impl="auto" picks this kernel on CUDA. True since its first GPU check (H100, 2026-11-24 06:11,
-  scripts/gpu_check_glue.py --only swiglu: bf16 and fp32, NaN-poisoned outputs, all pass). impl="triton" always
-  runs it.
 Custom ops: `hybridlm::swiglu_fwd`, `hybridlm::swiglu_bwd`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
-from .gdn_kernels import _patch_interpreter_index
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_index()
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
-AUTO = True  # impl="auto" picks the kernel on CUDA (see the module docstring)
 BLOCK = 2048  # elements per program (8 warps: 8 fp32 values a thread per tensor)
 
 

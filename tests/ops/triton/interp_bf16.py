@@ -1,16 +1,21 @@
 """Under TRITON_INTERPRET=1: one bf16 dot and the fp32 <-> bf16 casts of a tiny kernel against torch (what the GPU
-computes), with hybridlm's interpreter patch (gdn_kernels._patch_interpreter_bf16) imported. Prints one RESULT line
-of JSON: each check's largest absolute difference."""
+computes), with the tests' interpreter fixes (interp_patches.py) applied. Prints one RESULT line of JSON: each
+check's largest absolute difference."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-import hybridlm.ops.triton.gdn_kernels  # noqa: F401  (applies the interpreter patches)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interp_patches import patch_interpreter  # noqa: E402
+
+patch_interpreter()
 
 
 @triton.jit

@@ -9,8 +9,8 @@ the glue differs; "full": the whole layer on Triton, glue and recurrence, vs the
 variable must be set before triton decorates the kernels, so these cases cannot share the
 pytest process. Prints one JSON line "RESULT {case: {tensor: relative error}}". Fresh random inputs every run
 (seed printed); kernel outputs start as NaN (POISON) so an unwritten element fails. float32, and three bf16 cases
-(`bf16_cases`) now that gdn_kernels._patch_interpreter_bf16 makes the interpreter round float32 -> bfloat16 to
-nearest (it truncated); bf16 is also checked on the GPU (scripts/gpu_check_glue.py).
+(`bf16_cases`: tests/ops/triton/interp_patches.py makes the interpreter round float32 -> bfloat16 to nearest;
+Triton 3.6's own cast truncates); bf16 is also checked on the GPU (scripts/gpu_check_glue.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interp_patches import patch_interpreter  # noqa: E402  (the interpreter's fixes, before any kernel runs)
+
+patch_interpreter()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -31,6 +35,7 @@ from hybridlm.ops.triton import conv as tconv  # noqa: E402
 from hybridlm.ops.triton import gates as tgates  # noqa: E402
 from hybridlm.ops.triton import norm as tnorm  # noqa: E402
 from hybridlm.ops.triton import swiglu as tswiglu  # noqa: E402
+from hybridlm.ops.triton.tune import tuned  # noqa: E402
 
 tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True
 
@@ -65,12 +70,10 @@ def grads_vs(out, out_ref, leaves, leaves_ref, gen, names):
 # ---------------------------------------------------------------------------------------------------- conv
 
 
-def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, acc=True, fused=True, split=None):
+def conv_case(gen, *, B, T, C, W, bias, h0, silu, cu=None, split=None):
     """split: the output as three tensors (`causal_conv1d(split=)`, a layer's q, k, v), compared part by part, each
     part with its own cotangent; also whether the parts are their own contiguous tensors and equal the unsplit
     output bit for bit."""
-    tconv.TUNE["dw_acc"] = acc  # the backward's dweight accumulation: elementwise (True) or per block (False)
-    tconv.TUNE["bwd_fused"] = fused  # dx in the same kernel from recomputed dpre (True) or from a scratch pass
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, generator=gen)
     xs = {"x": r(B, T, C), "weight": r(C, W) / W**0.5}
@@ -219,13 +222,13 @@ def compiled_case(gen):
 
 def bf16_cases(gen) -> dict:
     """bf16 inputs (the GPU default) of the short conv + SiLU, the gated RMSNorm and SwiGLU, against float64 on the
-    same rounded inputs: the interpreter runs bf16 since gdn_kernels._patch_interpreter_bf16 (2026-11-25; before,
-    it truncated fp32 -> bf16 casts)."""
+    same rounded inputs (the interpreter rounds fp32 -> bf16 to nearest with tests/ops/triton/interp_patches.py;
+    Triton 3.6's own cast truncates)."""
     bf = lambda *s, scale=1.0, shift=0.0: (shift + scale * torch.randn(*s, generator=gen)).bfloat16()  # noqa: E731
     cases = {
-        "bf16_conv_W4_bias_T70": (lambda x, weight, bias: tconv.causal_conv1d(x, weight, bias, activation="silu")[0],
+        "bf16_conv_W4_bias_T40": (lambda x, weight, bias: tconv.causal_conv1d(x, weight, bias, activation="silu")[0],
                                   lambda x, weight, bias: causal_conv1d(x, weight, bias, activation="silu")[0],
-                                  {"x": bf(2, 70, 96), "weight": bf(96, 4, scale=0.5), "bias": bf(96)}),
+                                  {"x": bf(2, 40, 64), "weight": bf(64, 4, scale=0.5), "bias": bf(64)}),
         "bf16_gnorm_silu_D128": (lambda x, gate, weight: tnorm.gated_rms_norm(x, gate, weight, 1e-6),
                                  lambda x, gate, weight: gated_rms_norm(x, gate, weight, 1e-6),
                                  {"x": bf(3, 40, 128), "gate": bf(3, 40, 128, scale=2.0),
@@ -246,43 +249,28 @@ def bf16_cases(gen) -> dict:
 def ops_cases(gen) -> dict:
     res = bf16_cases(gen)
     res["conv_W2_bias_h0_T37_C70"] = conv_case(gen, B=2, T=37, C=70, W=2, bias=True, h0=True, silu=True)
-    res["conv_W3_noact_T5_noacc"] = conv_case(gen, B=1, T=5, C=24, W=3, bias=False, h0=False, silu=False,
-                                              acc=False)
+    res["conv_W3_noact_h0_T5"] = conv_case(gen, B=2, T=5, C=24, W=3, bias=False, h0=True, silu=False)
     res["conv_W6_bias_h0_T40"] = conv_case(gen, B=1, T=40, C=24, W=6, bias=True, h0=True, silu=True)
-    res["conv_W4_varlen_1_2_37_5"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=False, h0=False, silu=True,
-                                               cu=[0, 1, 3, 40, 45])
-    res["conv_W4_varlen_h0_bias"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
-                                              cu=[0, 2, 40, 45])
+    res["conv_W4_varlen_1_2_17_5"] = conv_case(gen, B=1, T=25, C=33, W=4, bias=False, h0=False, silu=True,
+                                               cu=[0, 1, 3, 20, 25])
+    res["conv_W4_varlen_h0_bias"] = conv_case(gen, B=1, T=25, C=33, W=4, bias=True, h0=True, silu=True,
+                                              cu=[0, 2, 20, 25])
     res["conv_W4_T1_h0"] = conv_case(gen, B=3, T=1, C=16, W=4, bias=True, h0=True, silu=True)
-    res["conv_W4_varlen_h0_bias_twopass"] = conv_case(gen, B=1, T=45, C=33, W=4, bias=True, h0=True, silu=True,
-                                                      cu=[0, 2, 40, 45], fused=False)
-    res["conv_W3_noact_twopass"] = conv_case(gen, B=2, T=21, C=24, W=3, bias=False, h0=True, silu=False,
-                                             fused=False)
-    tconv.TUNE["bwd_fused"] = True
     # the output as a layer's q, k, v (three tensors written by the kernel, their gradients read as they are): over
-    # packed documents with an initial state (its gradient reads the split gradients too), and the two-pass
-    # backward without an activation, which concatenates them (`_bwd_launch`)
-    res["conv_W4_varlen_h0_bias_split"] = conv_case(gen, B=1, T=45, C=96, W=4, bias=True, h0=True, silu=True,
-                                                    cu=[0, 1, 3, 40, 45], split=(16, 48, 32))
-    res["conv_W3_noact_twopass_split"] = conv_case(gen, B=2, T=21, C=64, W=3, bias=False, h0=True, silu=False,
-                                                   fused=False, split=(32, 16, 16))
-    tconv.TUNE["bwd_fused"] = True
-    # other launch blocks than the defaults (the GPU sweeps' candidates): partial token and channel blocks
-    saved = dict(tconv.TUNE)
-    tconv.TUNE.update(fwd_bt=64, fwd_bc=128, fwd_warps=4, bwd_bc=32, dw_bt=8)
-    res["conv_W4_varlen_h0_bias_blocks"] = conv_case(gen, B=1, T=75, C=33, W=4, bias=True, h0=True, silu=True,
-                                                     cu=[0, 2, 70, 75])
-    tconv.TUNE.update(saved)
-    saved = dict(tnorm.TUNE)
+    # packed documents with an initial state (its gradient reads the split gradients too), and without an activation
+    res["conv_W4_varlen_h0_bias_split"] = conv_case(gen, B=1, T=25, C=64, W=4, bias=True, h0=True, silu=True,
+                                                    cu=[0, 3, 25], split=(16, 32, 16))
+    res["conv_W3_noact_split"] = conv_case(gen, B=2, T=21, C=64, W=3, bias=False, h0=True, silu=False,
+                                           split=(32, 16, 16))
+    # other launch blocks than the defaults (the GPU sweeps' candidates): partial token and channel blocks, and
+    # backward programs looping over several token blocks
+    with tuned(tconv.TUNE, fwd_bt=64, fwd_bc=128, bwd_bc=32, bwd_bt=8):
+        res["conv_W4_varlen_h0_bias_blocks"] = conv_case(gen, B=1, T=27, C=33, W=4, bias=True, h0=True, silu=True,
+                                                         cu=[0, 2, 22, 27])
     # backward programs looping over row blocks (one program on the CPU: every block), 2-row blocks
-    # ... with dweight accumulated elementwise (bwd_acc, the default)
-    tnorm.TUNE.update(fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1, bwd_acc=True)
-    res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True, activation="silu")
-    # ... and with a row sum per block instead (bwd_acc off)
-    tnorm.TUNE.update(bwd_acc=False)
-    res["gnorm_silu_D128_blocks_noacc"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True,
-                                                    activation="silu")
-    tnorm.TUNE.update(saved)
+    with tuned(tnorm.TUNE, fwd_elems=1024, fwd_warps=2, bwd_elems=256, bwd_warps=2, bwd_programs_per_sm=1):
+        res["gnorm_silu_D128_blocks"] = norm_case(gen, shape=(3, 7, 2, 128), gated=True, weight=True,
+                                                  activation="silu")
     res["conv_decode_W4_pool"] = conv_decode_case(gen, N=3, P=7, C=70, W=4, bias=True, pooled=True)
     res["conv_decode_W2"] = conv_decode_case(gen, N=2, P=2, C=33, W=2, bias=False, pooled=False)
     res["gnorm_silu_D128"] = norm_case(gen, shape=(2, 5, 3, 128), gated=True, weight=True, activation="silu")
@@ -529,16 +517,16 @@ def rmsnorm_module_case(gen, kind, D=48):
 def layer_full_cases(gen) -> dict:
     """The whole layer on Triton (glue and recurrence kernels, impl="triton", float32) against the whole layer on
     the PyTorch reference path in float64 (impl="chunk"): head dims 64 (the kernels take 64/128/256), T across a
-    chunk edge, varlen with beta up to 2."""
+    chunk edge, varlen with beta up to 2; batches of several rows are the glue cases' and the kernel tests'."""
     from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
 
     D = 64
     res = {}
-    res["full_gdn_split_B2_T70"] = layer_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=70, D=D,
-                                              ref64=True)
+    res["full_gdn_split_T70"] = layer_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=1, T=70, D=D,
+                                           ref64=True)
     res["full_gdn_olmo_varlen"] = layer_case(gen, GatedDeltaNet(D, 1, 1, 64, 64, layout="olmo", beta_scale=2.0),
                                              B=1, T=80, D=D, cu=[0, 5, 80], ref64=True)
-    res["full_kda_B2_T66"] = layer_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=66, D=D, ref64=True)
+    res["full_kda_T66"] = layer_case(gen, KimiDeltaAttention(D, 1, 64), B=1, T=66, D=D, ref64=True)
     # prefill on the chunk kernels, then decode steps on the fused step kernels (state updated in place)
     res["full_gdn_decode"] = layer_decode_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=66, D=D,
                                                steps=3)

@@ -1,7 +1,7 @@
 """Cases for the Triton KDA kernels (forward, backward, decode), run in a child process under TRITON_INTERPRET=1
 (CPU) by tests/ops/test_triton_kda.py. Prints one JSON line {case: {tensor: relative RMS error vs float64}}: the
 naive recurrence for o and the states, the float64 chunk path's autograd for every gradient. Fresh random inputs
-every run (seed printed)."""
+every run (seed printed). The interpreter's fixes (interp_patches.py) are applied before any kernel runs."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import torch  # noqa: E402
 
 from hybridlm.ops import kda  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
-from hybridlm.ops.triton import gdn_kernels as _gk  # noqa: E402
 from hybridlm.ops.triton import kda as _kda  # noqa: E402
 from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interp_gdn import blocked_kernels, cliff_bounds, plan_of  # noqa: E402
+from interp_gdn import ODD_DIMS, cliff_bounds, sums_case  # noqa: E402  (also applies the interpreter's fixes)
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -85,11 +84,6 @@ def decode_case(gen, *, N, P, H, HV, K, V):
             "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
 
 
-def launch_plan(**tune):
-    """Run with other `kda.TUNE` settings (the other launch plans the GPU sweep compares)."""
-    return plan_of(_kda.TUNE, **tune)
-
-
 def main() -> int:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -104,94 +98,46 @@ def main() -> int:
     res["strong_decay_K64_V128_T300_fp32_1e-5"] = chunk_case(gen, B=1, T=300, H=1, HV=1, K=64, V=128, l2=True,
                                                              h0=False, decay=30.0)
     # decay 30 a step in head 0's second chunk and in key block 1 (channels 32-63) of head 1's first chunk, mild
-    # elsewhere: in each K-blocked kernel's launch pair the dot launch takes (chunk 0, head 0) and (chunk 1, head 1),
-    # the exact launch the other two (kda_kernels._diag_pass)
+    # elsewhere: in each K-blocked kernel's launches a dot launch takes (chunk 0, head 0) and (chunk 1, head 1),
+    # the exact launch the other two (kda_decay._diag_pass)
     mixed = torch.full((1, 70, 2, 64), 1.5)
     mixed[:, 64:, 0] = 30.0
     mixed[:, :64, 1, 32:] = 30.0
     res["mixed_decay_by_chunk_and_head_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                           decay=mixed)
-    # the same with the diagonal blocks' dot in every K-blocked kernel (kda.TUNE diag_dot; the default has it in
-    # both backward kernels, the prep being an option)
-    with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state")):
-        res["mixed_decay_dot_everywhere_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                           decay=mixed)
-    # the whole-chunk dot in the state backward only: its first launch overwrites the output backward's marks
-    with launch_plan(whole_dot=("bwd_state",)):
-        res["whole_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                     decay=mixed)
-    # the state backward's dot alone: it computes its own marks (with the output backward's dot it reads theirs)
-    with launch_plan(diag_dot=("bwd_state",)):
-        res["mixed_decay_dot_state_only_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                           decay=mixed)
-    # the prep's block launches with their bounds about each block's midpoint (kda.TUNE prep_centre) and their own
-    # warps (prep_block_warps), every chunk through the blocks, the diagonal-block dot in the prep too
-    with launch_plan(diag_dot=("prep", "bwd_out", "bwd_state"), whole_dot=(), prep_centre=True, prep_block_warps=8):
-        res["prep_centre_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True,
-                                                               h0=True, decay=mixed)
     # log-decays averaging 1.9 a step: |b_i - b_m| over half a chunk near the whole-chunk dot's bound of 60, so some
-    # chunks (and heads) take the one-dot prep with factors up to ~e^60 and the others the blocks
+    # chunks (and heads) take the one-dot launch with factors up to ~e^60 and the others the blocks
     res["whole_chunk_bound_decay3.75_T150"] = chunk_case(gen, B=2, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                          decay=3.75)
-    # every kernel through 16-row blocks for every chunk (kda.TUNE whole_dot empty; by default the mild-decay chunks
-    # are one dot each)
-    with launch_plan(whole_dot=()):
-        res["prep_blocks_mixed_decay_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                        decay=mixed)
-    # varlen chunks that end early, every chunk through the 16-row blocks at decay 30, at 8 prep warps (default 4)
-    with launch_plan(whole_dot=(), prep_warps=8):
-        res["prep_blocks_varlen_decay30"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                       cu=[0, 1, 16, 80, 150], decay=30.0)
-    # a decay cliff with the default launches (in every chunk 32 steps of up to -30, then 32 of up to -0.05): the
-    # later rows' exponents are small differences of a cumulative sum near -500 (the strong half keeps every chunk
-    # off both dots: the exact launches)
+    # a decay cliff (in every chunk 32 steps of up to -30, then 32 of up to -0.05): the later rows' exponents are
+    # small differences of a cumulative sum near -500 (the strong half keeps every chunk off both dots: the exact
+    # launches)
     cliff = cliff_bounds(150)[:, :, None]  # [T, 1, 1]: the same bound for every channel
     res["cliff_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True, decay=cliff)
     # log-decays near the whole-chunk bound over varlen chunks (whole-chunk and diagonal-dot launches)
     res["varlen_decay3.75"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
                                          cu=[0, 1, 16, 80, 150], decay=3.75)
     # log-decays uniform in [-20, 0): beyond the diagonal-block dot's bound, within the 8-row halves' for most
-    # chunks (DIAG 4), exact for the rest; and the plan without the half-block launches (kda.TUNE sub_dot empty)
+    # chunks (DIAG 4), exact for the rest
     res["half_blocks_decay20_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                       decay=20.0)
-    with launch_plan(sub_dot=()):
-        res["no_half_blocks_varlen_decay20"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                          cu=[0, 1, 16, 80, 150], decay=20.0)
-    # the half-block launches at their own key block (kda.TUNE sub_bk 16, the others at 32): the marks do not depend
-    # on it
-    with launch_plan(sub_bk=16):
-        res["half_blocks_bk16_varlen_decay20"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                            cu=[0, 1, 16, 80, 150], decay=20.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
-    # the other launch plans: the whole-K kernels with the output inside the sequential kernel (the plan before
-    # 2026-11-24), and the K-blocked kernels at key-channel block 16 (4 blocks at K = 64)
-    with launch_plan(variant="whole", split_o=False):
-        res["whole_K_inline_output_gva2_T70"] = chunk_case(gen, B=2, T=70, H=1, HV=2, K=64, V=64, l2=True, h0=True)
-    with launch_plan(bk=16):
-        res["bk16_varlen_1_15_64_70"] = chunk_case(gen, B=1, T=150, H=2, HV=2, K=64, V=64, l2=True, h0=True,
-                                                   cu=[0, 1, 16, 80, 150], decay=30.0)
-    # the UT solve by row substitution (`_kda_solve`, kda.TUNE solve_blocks off; the default block solve blocked):
-    # GVA 2 over varlen chunks (64-token chunks, partial ones), and K = V = 256, whose fp32 chunks are 32 tokens
-    with launch_plan(solve_blocks=False), blocked_kernels(_gk, ("_solve_blocks",)):
-        res["row_solve_varlen_gva2"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
-                                                  cu=[0, 15, 150])
-        res["row_solve_K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
-    # fp16 inputs: the 16-bit paths (W, U, states, Vn, Qg, Kd, P stored in fp16; 16-bit dot operands in the
-    # recurrences and the backward). bf16 (the GPU default) since gdn_kernels._patch_interpreter_bf16 fixed the
-    # interpreter's bf16 dots and casts (2026-11-25)
+    # 16-bit inputs: W, U, states, Vn, Qg, Kd, P stored in 16 bits, 16-bit dot operands in the recurrences and the
+    # backward; bf16 (the GPU default) runs with the interpreter's bf16 fixed (interp_patches.py)
     res["bf16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.bfloat16)
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
-    # the same 16-bit paths with the chunk states and Kd in fp32 (kda.TUNE state_fp32; every backward dot then fp32)
-    # at log-decays down to -30 a step, where the default's dbeta / dg reach 4-11x the other tensors' error in fp16
-    # (2026-11-25: dbeta 3.1e-3 -> 2.2e-4 on one seed)
-    with launch_plan(state_fp32=True):
-        res["fp16_state_fp32_decay30_T65"] = chunk_case(gen, B=1, T=65, H=1, HV=1, K=64, V=128, l2=True, h0=False,
-                                                        decay=30.0, dtype=torch.float16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
+    # head dims off the native 64/128/256: the chunk ops run zero-padded (a zero log-decay on the padded key
+    # channels), the decode step masked
+    res["K48_V48_gva2_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, l2=True, h0=True)
+    res["K96_V192_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=96, V=192, l2=True, h0=True)
+    res["K32_V16_varlen_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=32, V=16, l2=False, h0=True, cu=[0, 5, 70])
+    for K, V in ODD_DIMS:
+        res[f"decode_K{K}_V{V}"] = decode_case(gen, N=2, P=4, H=1, HV=2, K=K, V=V)
     # recompute=True: only the inputs kept, the same outputs and gradients bit for bit (2 sequences, 3 chunks)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     xs = [r(1, 150, 1, 64), r(1, 150, 1, 64), r(1, 150, 2, 64), -1.5 * torch.rand(1, 150, 2, 64, generator=gen),
@@ -201,12 +147,16 @@ def main() -> int:
                                              use_qk_l2norm=True)
     res["recompute_frees_early"] = frees_early_case(xs)
     res["launch_marks"] = marks_case(gen)
+    # o.sum() + ht.sum(): both gradients reach the backward as expanded (stride-0) tensors
+    xs = [r(1, 65, 1, 64), r(1, 65, 1, 64), r(1, 65, 2, 64), -1.5 * torch.rand(1, 65, 2, 64, generator=gen),
+          2.0 * torch.rand(1, 65, 2, generator=gen), r(1, 2, 64, 64)]
+    res["expanded_grads_T65"] = sums_case(chunk_kda, kda, xs)
     print("RESULT " + json.dumps(res))
     return 0
 
 
 def marks_case(gen) -> dict:
-    """The marks that route each chunk to one launch (`kda_kernels._diag_pass`), default plan: four chunks of
+    """The marks that route each chunk to one launch (`kda_decay._diag_pass`): four chunks of
     constant log-decay 0.5, 4, 12 and 30 a step (|b_i - b_m| over 32 rows: 16, 128, 384, 960; over 8 rows within a
     16-row block: 4, 32, 96, 240; over 4 rows within an 8-row half: 2, 16, 48, 120). The prep and the backward
     (launches 3, 1, 4, 2), after both backward kernels: 0 (whole chunk), 2 (diagonal blocks by dot), 3 (by 8-row
@@ -231,30 +181,30 @@ def marks_case(gen) -> dict:
 
 
 def frees_early_case(xs) -> dict:
-    """With recompute: how many of the rerun forward's W, Qg, Kd, P are alive when the K-blocked chunk backward
-    launches (weak references; `_cap` is evaluated in those launches' arguments)."""
+    """With recompute: how many of the rerun forward's W, Qg, Kd, P are alive when the chunk backward's launches
+    start (weak references; `_bwd_warps` is evaluated just before them)."""
     import weakref
 
-    fwd, cap = _kda.kda_chunk_fwd, _kda._cap
+    fwd, warps = _kda.kda_chunk_fwd, _kda._bwd_warps
     refs, alive = [], []
 
     def fwd_spy(*a, **kw):
         out = fwd(*a, **kw)
-        refs[:] = [weakref.ref(out[i]) for i in (3, 6, 7, 8)]  # [o, ht, T, W, h, Vn, Qg, Kd, P, b, bL]
+        refs[:] = [weakref.ref(out[i]) for i in (3, 6, 7, 8)]  # [o, ht, T, W, h, Vn, Qg, Kd, P, bL]
         return out
 
-    def cap_spy():
+    def warps_spy(dev):
         alive.append(sum(r() is not None for r in refs))
-        return cap()
+        return warps(dev)
 
-    _kda.kda_chunk_fwd, _kda._cap = fwd_spy, cap_spy
+    _kda.kda_chunk_fwd, _kda._bwd_warps = fwd_spy, warps_spy
     try:
         leaf = [x.clone().requires_grad_() for x in xs]
         o, _ = chunk_kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], use_qk_l2norm=True,
                          cu_seqlens=torch.tensor([0, 40, 150], dtype=torch.int32), recompute=True)
         o.sum().backward()
     finally:
-        _kda.kda_chunk_fwd, _kda._cap = fwd, cap
+        _kda.kda_chunk_fwd, _kda._bwd_warps = fwd, warps
     return {"refs": float(len(refs)), "alive_at_chunk_bwd": [float(a) for a in alive]}
 
 
