@@ -1,19 +1,18 @@
 """MQAR (multi-query associative recall, Zoology, Arora et al. 2023): can a token mixer look up what it was told?
 
 Non-standard here:
-- The data follow Zoology's recipe: P key-value pairs (keys from the lower half of the vocabulary, values from the
-  upper half, drawn fresh for every example so nothing can be memorised across examples), then the keys again at
-  gaps drawn from a power law (most queries soon after the context, a long tail far away), each followed by its
-  value. Only the value positions are scored. Other positions hold random tokens (token 0 with
-  random_non_queries=False).
+- The data follow Zoology's recipe (`mqar_data`): key-value pairs, then the keys again at power-law gaps among
+  random tokens; only the recalled values are scored.
 - The paper preset gives each mixer its published form (qk_norm "recipe"): linear attention with elu + 1
   features, the scalar-decay mixer as Mamba2 (raw q/k, the write scaled by the same dt as the decay), the delta-rule
   mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
-- The mixers are the layers of `hybridlm.layers`: GDN and KDA as they are (with slower-forgetting initial decays,
-  `slow_decay_init`), linear attention, the scalar-decay mixer and DeltaNet as the GDN layer with its recurrence
-  swapped (`RecurrentMixer`; the library has no layer of their own), softmax attention as the plain library
-  attention behind the same short conv the recurrent mixers have. Training uses `hybridlm train`'s optimizer,
-  learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
+- The mixers are the layers of `hybridlm.layers`: GDN and KDA, linear attention, the scalar-decay mixer and DeltaNet
+  as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own), softmax
+  attention as the plain library attention behind the same short conv the recurrent mixers have. They keep the
+  bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
+  slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet and GDN (`beta_bias`), short convs
+  from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix, the
+  embedding too), learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
 - A grid of cells (mixer x width x setting x learning rate) is run cell by cell into a JSON file; a rerun skips
   cells already done, so the paper grid can be spread over several GPU calls.
 """
@@ -37,72 +36,10 @@ from ..files import atomic_write_text
 from ..layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
+from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
 from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
 MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
-IGNORE = -100
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# data
-
-
-def mqar_batch(
-    n: int, *, seq_len: int, num_pairs: int, vocab_size: int, power_a: float = 0.01, random_non_queries: bool = True,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """n examples: inputs [n, seq_len] int64 and labels [n, seq_len] (IGNORE except where a value must be recalled).
-
-    Layout before the one-token shift (Zoology's): [k1 v1 ... kP vP | query region of seq_len + 1 - 2P tokens].
-    Keys are distinct within an example, from [1, V/2); values are distinct, from [V/2, V). Key ki reappears at the
-    even offset 2*gap_i of the query region; the label at that position is vi (the value is not written into the
-    input: the model must recall it). Gaps are drawn without replacement with probability proportional to
-    a * x^(a-1) (a power law: most queries soon after the context, a long tail far away). Every other query-region
-    position holds a random token of the whole vocabulary (Zoology's random_non_queries; token 0 when False), so a
-    mixer that writes every token into a fixed-size state keeps writing noise after the context.
-    The tensors are made on the generator's device (a CUDA generator keeps the sampling off the host: on the CPU it
-    costs ~20 ms for 128 examples of 128 tokens, more than a GPU training step of a small model).
-    """
-    dev = generator.device
-    check_mqar_setting(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size)
-    total = seq_len + 1
-    half = vocab_size // 2
-    keys = torch.argsort(torch.rand(n, half - 1, generator=generator, device=dev), dim=1)[:, :num_pairs] + 1
-    values = torch.argsort(torch.rand(n, vocab_size - half, generator=generator, device=dev), dim=1)[:, :num_pairs]
-    values = values + half
-    context = torch.stack([keys, values], dim=2).reshape(n, 2 * num_pairs)
-
-    space = (total - 2 * num_pairs) // 2  # query slots (pairs of positions)
-    x = torch.arange(1, space + 1, dtype=torch.float64, device=dev)
-    p = power_a * x ** (power_a - 1)
-    p = (p / p.sum()).expand(n, space)
-    gaps = torch.multinomial(p, num_pairs, replacement=False, generator=generator)  # [n, P]
-    queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64, device=dev)
-    queries.scatter_(1, 2 * gaps, keys)
-    if random_non_queries:
-        noise = torch.randint(0, vocab_size, queries.shape, generator=generator, device=dev)
-        is_query = torch.zeros_like(queries, dtype=torch.bool).scatter_(1, 2 * gaps, True)
-        queries = torch.where(is_query, queries, noise)
-    seq = torch.cat([context, queries], dim=1)  # [n, total]
-
-    labels = torch.full((n, total), IGNORE, dtype=torch.int64, device=dev)
-    labels.scatter_(1, 2 * num_pairs + 2 * gaps + 1, values)  # the token after a query key is its value
-    return seq[:, :-1].contiguous(), labels[:, 1:].contiguous()
-
-
-def check_mqar_setting(*, seq_len: int, num_pairs: int, vocab_size: int) -> None:
-    if num_pairs < 1:
-        raise ValueError(f"num_pairs: expected >= 1, got {num_pairs}")
-    if 4 * num_pairs > seq_len + 1:
-        raise ValueError(
-            f"num_pairs: expected 4 * num_pairs <= seq_len + 1 (context and queries must fit), got num_pairs="
-            f"{num_pairs} with seq_len={seq_len}; use at most {(seq_len + 1) // 4} pairs or a longer sequence"
-        )
-    if vocab_size // 2 - 1 < num_pairs or vocab_size - vocab_size // 2 < num_pairs:
-        raise ValueError(
-            f"vocab_size: expected at least {2 * num_pairs + 2} (num_pairs={num_pairs} distinct keys in [1, V/2) and "
-            f"values in [V/2, V)), got {vocab_size}"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,12 +109,32 @@ class ConvAttention(nn.Module):
 
 
 def slow_decay_init(mixer: nn.Module) -> None:
-    """A = 1, decay rates softplus(dt_bias) log-uniform in [1e-3, 1e-1] (memories of 10 to 1000 tokens): the library's
-    init (A up to 16; KDA's dt_bias 0) forgets within a few tokens, and one head would first have to learn to keep."""
+    """A fixed at 1 (A_log a zero buffer: the decay rate is softplus(a + dt_bias) alone, as the bench's mixers always
+    had it; a learned A at lr 1e-2 moves the decay faster than the gate can) and decay rates softplus(dt_bias)
+    log-uniform in [1e-3, 1e-1] (memories of 10 to 1000 tokens): the library's init (A up to 16; KDA's dt_bias 0)
+    forgets within a few tokens, and one head would first have to learn to keep."""
+    shape = mixer.A_log.shape
+    del mixer.A_log
+    mixer.register_buffer("A_log", torch.zeros(shape))
     with torch.no_grad():
-        mixer.A_log.zero_()
         dt = torch.empty_like(mixer.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
         mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+def beta_bias(mixer: nn.Module) -> None:
+    """The beta projection with a bias (beta = sigmoid(W x + b)), as the bench's delta-rule mixers had it: rms-normed
+    inputs have no constant direction, so without it every token's write strength depends on its content alone."""
+    mixer.in_proj_b = nn.Linear(mixer.in_proj_b.in_features, mixer.in_proj_b.out_features, bias=True)
+
+
+def conv_init(model: nn.Module) -> None:
+    """Every short conv's weight from N(0, 1 / kernel size) (the bench's init: std 0.5 at kernel 4; the library's
+    Conv1d default is uniform with std 0.29, with which DeltaNet and GDN recalled 0.09 and 0.13 of the tiny preset,
+    not 0.96 and 0.99)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ShortConv):
+                m.weight.normal_(0.0, m.weight.shape[-1] ** -0.5)
 
 
 def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = None, value_dim: int | None = None,
@@ -197,6 +154,8 @@ def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = 
         mixer = RecurrentMixer(kind, width, num_heads, dk, dv, impl=impl, qk_norm=qk_norm)
     if hasattr(mixer, "A_log"):
         slow_decay_init(mixer)
+    if kind in ("gdn", "deltanet"):
+        beta_bias(mixer)
     return mixer
 
 
@@ -230,6 +189,7 @@ class MQARModel(nn.Module):
         )
         self.norm = RMSNorm(width, 1e-6, impl=impl)
         self.head = nn.Linear(width, vocab_size, bias=False)
+        conv_init(self)
 
     def forward(self, ids: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [B, T] -> logits [B, T, vocab]; with scored (bool [B, T]) only the scored positions' logits
@@ -361,7 +321,8 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
                       key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp, impl=cfg.impl,
                       qk_norm=cfg.qk_norm).to(device)
-    opt = build_optimizer(model, cell.lr, cfg.weight_decay, betas=(0.9, 0.98))
+    # every matrix decays, the embedding too (no_decay=()): the bench's rule, kept so its results stay comparable
+    opt = build_optimizer(model, cell.lr, cfg.weight_decay, betas=(0.9, 0.98), no_decay=())
     warmup = max(1, int(cfg.warmup * cfg.steps))
     bf16 = cfg.amp and device.type == "cuda"
     t_start = time.perf_counter()

@@ -11,20 +11,21 @@ import torch
 NO_DECAY_NAMES = ("norm", "bias", "embed", "A_log", "dt_bias", "wte")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices decay; norms, biases, embeddings, A_log, dt_bias and every vector do not."""
-    decay, no_decay, seen = [], [], set()
+def param_groups(model: torch.nn.Module, weight_decay: float, no_decay: tuple[str, ...] = NO_DECAY_NAMES) -> list[dict]:
+    """Two groups: matrices decay; every vector and the parameters whose name contains one of `no_decay` (default:
+    norms, biases, embeddings, A_log, dt_bias) do not."""
+    decay, kept, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.ndim < 2 or any(k in name for k in NO_DECAY_NAMES):
-            no_decay.append(p)
+        if p.ndim < 2 or any(k in name for k in no_decay):
+            kept.append(p)
         else:
             decay.append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": kept, "weight_decay": 0.0},
     ]
 
 
@@ -33,9 +34,10 @@ def no_decay_names(model: torch.nn.Module) -> list[str]:
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
+                    eps: float = 1e-8, no_decay: tuple[str, ...] = NO_DECAY_NAMES) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model, weight_decay, no_decay)`: fused on CUDA, foreach elsewhere."""
     fused = all(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+    return torch.optim.AdamW(param_groups(model, weight_decay, no_decay), lr=lr, betas=betas, eps=eps,
                              **({"fused": True} if fused else {"foreach": True}))
 
 

@@ -25,7 +25,7 @@ from hybridlm.bench.mqar import (
     mqar_batch,
     train_cell,
 )
-from hybridlm.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention
+from hybridlm.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, ShortConv
 
 PAPER_RESULTS = Path(__file__).resolve().parents[2] / "results" / "mqar-paper"
 
@@ -168,7 +168,9 @@ def test_scored_positions_give_the_full_logits_rows():
     torch.testing.assert_close(model(x, scored), model(x)[scored], rtol=1e-5, atol=1e-5)
 
 
-def test_mixers_are_the_library_layers_with_slow_initial_decay():
+def test_mixers_are_the_library_layers_with_the_benchs_init():
+    """Slow initial decay with A fixed at 1, a biased beta projection for the delta rule mixers, short convs from
+    N(0, 1/4): the bench's model (its results moved with the library's init, see conv_init)."""
     model = MQARModel("gdn_attention", width=32, num_heads=2, vocab_size=32)
     assert isinstance(model.blocks[0].mixer, GatedDeltaNet) and isinstance(model.blocks[1].mixer, ConvAttention)
     assert isinstance(model.blocks[1].mixer.attn, GatedAttention)
@@ -176,11 +178,18 @@ def test_mixers_are_the_library_layers_with_slow_initial_decay():
     assert isinstance(kda_mixer, KimiDeltaAttention)
     gla_mixer = MQARModel("gla", width=64, num_heads=1, vocab_size=32).blocks[0].mixer
     for mixer in (model.blocks[0].mixer, kda_mixer, gla_mixer):
-        assert torch.all(mixer.A_log == 0)
+        assert torch.all(mixer.A_log == 0) and "A_log" not in dict(mixer.named_parameters())
         rate = torch.nn.functional.softplus(mixer.dt_bias.detach())
         assert rate.min() >= 1e-3 * (1 - 1e-5) and rate.max() <= 1e-1 * (1 + 1e-5), rate
     rate = torch.nn.functional.softplus(kda_mixer.dt_bias.detach())  # 64 channels: log-uniform, not one value
     assert rate.min() < 1e-2 < rate.max(), rate
+    for kind in ("gdn", "deltanet"):
+        assert MQARModel(kind, width=32, num_heads=2, vocab_size=32).blocks[0].mixer.in_proj_b.bias is not None
+    convs = [m.weight for m in MQARModel("attention", width=64, num_heads=1, vocab_size=32).modules()
+             if isinstance(m, ShortConv)] + [kda_mixer.conv1d.weight]
+    assert len(convs) == 7
+    for w in convs:  # 192 or 768 draws of N(0, 0.25): the std within 15% of 0.5 (uniform(-0.5, 0.5) has 0.29)
+        assert 0.42 < w.std().item() < 0.58, w.std().item()
 
 
 def _fresh_seed() -> int:
@@ -219,7 +228,8 @@ def _recurrent_reference(mix: RecurrentMixer, x: torch.Tensor) -> torch.Tensor:
             S = torch.exp(-mix.A_log.exp() * dt)[..., None, None] * S + write[..., None, None] * kt[..., None] * vt[
                 :, :, None]
         elif mix.rule == "deltanet":
-            beta = torch.sigmoid(x[:, t] @ mix.in_proj_b.weight.T)  # [B, H]
+            b = mix.in_proj_b
+            beta = torch.sigmoid(x[:, t] @ b.weight.T + (0 if b.bias is None else b.bias))  # [B, H]
             err = vt - torch.einsum("bhk,bhkv->bhv", kt, S)
             S = S + beta[..., None, None] * kt[..., None] * err[:, :, None]
         else:
@@ -235,9 +245,10 @@ def _recurrent_reference(mix: RecurrentMixer, x: torch.Tensor) -> torch.Tensor:
 def test_recurrent_mixer_matches_a_float64_token_loop(rule, qk_norm):
     seed = _fresh_seed()
     torch.manual_seed(seed)
-    mix = RecurrentMixer(rule, 16, 2, 8, 8, qk_norm=qk_norm).double()
+    mix = mqar.build_mixer(rule, 16, 2, key_dim=8, value_dim=8, qk_norm=qk_norm).double()  # the bench's mixer
+    assert isinstance(mix, RecurrentMixer)
     with torch.no_grad():
-        for p in mix.parameters():  # away from the init (zero A_log, unit norm weight), so a misplaced term shows
+        for p in mix.parameters():  # away from the init (unit norm weight), so a misplaced term shows
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     torch.testing.assert_close(mix(x), _recurrent_reference(mix, x), rtol=1e-9, atol=1e-11,
@@ -289,8 +300,8 @@ def test_attention_mixer_matches_explicit_causal_softmax():
 
 
 def test_training_uses_the_train_optimizer_schedule_and_no_decay_groups():
-    """`hybridlm train`'s AdamW groups (no decay for the embedding, norms, A_log, dt_bias) and its schedule: the lr
-    of the last step is lr_at's (cosine to 0), read back from the optimizer after a short run."""
+    """`hybridlm train`'s AdamW with the bench's groups (every matrix decays, the embedding too; vectors do not) and
+    its schedule: the lr of the last step is lr_at's (cosine to 0), read back from the optimizer after a short run."""
     seen = {}
     real = mqar.build_optimizer
 
@@ -306,9 +317,9 @@ def test_training_uses_the_train_optimizer_schedule_and_no_decay_groups():
     decay, no_decay = seen["opt"].param_groups
     names = {id(p): n for n, p in seen["model"].named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert {names[id(p)] for p in no_decay["params"]} >= {"embed.weight", "blocks.0.mixer.A_log",
-                                                          "blocks.0.mixer.dt_bias", "norm.weight"}
-    assert "head.weight" in {names[id(p)] for p in decay["params"]}
+    assert {names[id(p)] for p in no_decay["params"]} >= {"blocks.0.mixer.dt_bias", "norm.weight"}
+    assert all(p.ndim < 2 for p in no_decay["params"])
+    assert {names[id(p)] for p in decay["params"]} >= {"embed.weight", "head.weight", "blocks.0.mixer.conv1d.weight"}
     assert seen["opt"].defaults["betas"] == (0.9, 0.98)
     # warmup 2 steps, then cosine over 3: the last step (4) runs at 0.5 * (1 + cos(pi * 2 / 3)) * lr = 0.25 lr
     assert decay["lr"] == pytest.approx(0.25e-2, rel=1e-12)
@@ -419,8 +430,8 @@ def test_old_results_files_still_load_and_tabulate():
 # recall at a step that depends on the seed, so a fresh seed per run would be flaky; the bars have margin at seed
 # 0). Two pairs of 16 possible values: a model with no token mixing can only guess a value (1/16), one that keeps
 # the values but not which key each followed gets 1/2; the bar is above both, and the control below shows the
-# task cannot be passed without a mixer. Seed 0 on one CPU thread gave attention 1.000, linear attention 0.998,
-# gla 1.000, deltanet 1.000, gdn 0.996, kda 0.994, gdn_attention 0.998 (losses dropping by step 100 to 200 of 400).
+# task cannot be passed without a mixer. The default run trains GDN and the control (a few seconds each); the other
+# mixers are slow-marked. Seed 0 on one CPU thread gave: SEED0.
 LEARN_SETTING = Setting(seq_len=16, num_pairs=2, vocab_size=32)
 LEARN_CONFIG = TrainConfig(num_heads=1, steps=400, batch_size=32, test_examples=256)
 LEARN_BAR = 0.85
@@ -431,8 +442,13 @@ def _learn(mixer: str, seed: int = 0) -> float:
     return train_cell(cell, LEARN_CONFIG, seed=seed, device=torch.device("cpu"))["accuracy"]
 
 
+def test_gdn_learns_to_recall_two_pairs():
+    acc = _learn("gdn")
+    assert acc > LEARN_BAR, f"gdn at seed 0: accuracy {acc:.3f}, expected > {LEARN_BAR}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", [m for m in MIXERS if m != "gdn"])
 def test_each_mixer_learns_to_recall_two_pairs(mixer):
     acc = _learn(mixer)
     assert acc > LEARN_BAR, f"{mixer} at seed 0: accuracy {acc:.3f}, expected > {LEARN_BAR}"
@@ -447,7 +463,6 @@ class _NoMixing(torch.nn.Module):
         return self.proj(x)
 
 
-@pytest.mark.slow
 def test_without_token_mixing_the_task_stays_at_chance():
     """The control of the bar above: the same training with each mixer replaced by a per-token projection (the
     model sees only the current token) stays near 1/16 however it trains; a fresh seed (printed)."""
