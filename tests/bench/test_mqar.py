@@ -30,6 +30,16 @@ from hybridlm.layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, S
 PAPER_RESULTS = Path(__file__).resolve().parents[2] / "results" / "mqar-paper"
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test here runs models this small that a second thread only costs (4x on a busy 2-core machine);
+    torch's thread count is restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _batch(n=64, T=64, P=8, V=128, seed=0, noise=True):
     return mqar_batch(n, seq_len=T, num_pairs=P, vocab_size=V, random_non_queries=noise,
                       generator=torch.Generator().manual_seed(seed))
@@ -431,7 +441,8 @@ def test_old_results_files_still_load_and_tabulate():
 # 0). Two pairs of 16 possible values: a model with no token mixing can only guess a value (1/16), one that keeps
 # the values but not which key each followed gets 1/2; the bar is above both, and the control below shows the
 # task cannot be passed without a mixer. The default run trains GDN and the control (a few seconds each); the other
-# mixers are slow-marked. Seed 0 on one CPU thread gave: SEED0.
+# mixers are slow-marked. Seed 0 on one CPU thread gave attention 0.998, linear attention 1.000, gla 1.000,
+# deltanet 0.998, gdn 0.994, kda 1.000, gdn_attention 0.998.
 LEARN_SETTING = Setting(seq_len=16, num_pairs=2, vocab_size=32)
 LEARN_CONFIG = TrainConfig(num_heads=1, steps=400, batch_size=32, test_examples=256)
 LEARN_BAR = 0.85
