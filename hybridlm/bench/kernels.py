@@ -160,6 +160,24 @@ def _gpu_times(res: dict, who: str, f, fb, args) -> None:
         res[f"{who}_fwdbwd_gpu_ms"] = _gpu_ms(fb)
 
 
+def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
+    """On sm_90 with Gluon: res["gluon_fwd_ms"] of the Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd, not behind
+    impl="auto") and res["gluon_vs_ours_rel"], its relative difference from our Triton forward; an error is
+    recorded as res["gluon_error"]."""
+    from hybridlm.ops.gluon import gdn_fwd
+
+    if not gdn_fwd.gluon_available() or torch.cuda.get_device_capability() != (9, 0):
+        return
+    f = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
+    try:
+        with torch.no_grad():
+            res["gluon_fwd_ms"] = _bench(f, args.rep)
+            a, b = f().float(), ours_f().float()
+        res["gluon_vs_ours_rel"] = ((a - b).norm() / b.norm()).item()
+    except Exception as e:  # noqa: BLE001
+        res["gluon_error"] = repr(e)[:200]
+
+
 def _bench_shape(B, T, H, D, dev, gen, fla, args):
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
@@ -187,6 +205,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     with torch.no_grad():
         res["ours_fwd_ms"] = _bench(ours_f, args.rep)
     res["ours_fwdbwd_ms"] = _bench(ours_fb, args.rep)
+    _gluon_fwd_times(res, q, k, v, g, beta, ours_f, args)
     _gpu_times(res, "ours", ours_f, ours_fb, args)
     if fla is not None:
         if not getattr(args, "no_fla_retune", False):
@@ -433,6 +452,18 @@ def _table(info, rows):
             ratio = None if fl is None else fl / o
             lines.append(f"| {r['shape']} | decode | {o:.3f} | {_fmt(fl)} | {_fmt(ratio, '.2f')}"
                          f" | - | - | {gbs:.0f} ({100 * gbs / cg:.0f}% of copy) |")
+    fused = [r for r in rows if any(key.startswith("gluon_") for key in r)]
+    if fused:
+        lines += ["", "Gluon GDN forward (sm_90; hybridlm.ops.gluon.gdn_fwd, not behind impl=\"auto\"):", "",
+                  "| shape | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|"]
+        for r in fused:
+            ms = r.get("gluon_fwd_ms")
+            if ms is None:
+                lines.append(f"| {r['shape']} | failed: {r.get('gluon_error', '-')} | | | |")
+                continue
+            fl = r.get("fla_fwd_ms")
+            lines.append(f"| {r['shape']} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | "
+                         f"{_fmt(None if fl is None else fl / ms, '.2f')} | {r['gluon_vs_ours_rel']:.1e} |")
     gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
     if gpu:
         lines += ["", "Summed CUDA time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",

@@ -67,10 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the bundled Shakespeare)")
     g.add_argument("--tokenizer", default="bytes", help="'bytes' (UTF-8 bytes, vocab 256) or a tokenizer.json path")
     g.add_argument("--val-fraction", type=float, default=0.02, help="held-out tail of each document (default 0.02)")
-    g.add_argument("--packing", choices=("auto", "flat"), default="auto",
-                   help="flat: every micro-batch as one [1, B*T] row with cu_seqlens; auto (default): rows without a "
-                        "document boundary as a plain [b, T] batch, the others flattened (same math, no per-document "
-                        "work for whole rows)")
+    g.add_argument("--packing", choices=("auto", "flat"), default=None,
+                   help="flat: every micro-batch as one [1, B*T] row with cu_seqlens (one forward call: the kernels "
+                        "and varlen attention take the documents); auto: rows without a document boundary as a plain "
+                        "[b, T] batch, the others flattened (on the CPU, whole rows then skip the per-document loops "
+                        "of the PyTorch paths). Same math either way. Default: flat on CUDA, auto on the CPU")
     g = p.add_argument_group("schedule")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per row (preset default: 256 on CPU)")
     g.add_argument("--batch-size", type=int, default=None, help="rows per micro-batch per rank")
@@ -348,6 +349,8 @@ def train(args) -> dict:
     device = dist.device
     set_threads(args.threads, device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+    if args.packing is None:  # on CUDA one call a step: two calls cost the small presets their host time twice
+        args.packing = "flat" if device.type == "cuda" else "auto"
 
     cfg, preset_name, defaults = build_config(args.preset, args.config, device.type)
     if args.eval_tokens is None:
@@ -466,7 +469,8 @@ def train(args) -> dict:
     _log(dist, f"device {device} x{dist.world}, {'bf16 autocast' if bf16 else 'fp32'}, threads "
                f"{torch.get_num_threads()}, {max_steps} steps of {tokens_per_step:,} tokens "
                f"(batch {args.batch_size} x seq {args.seq_len} x accum {args.grad_accum} x {dist.world} rank(s)), "
-               f"lr {args.lr:g} warmup {args.warmup} cosine, unigram baseline {unigram:.3f} nats/byte")
+               f"lr {args.lr:g} warmup {args.warmup} cosine, {args.packing} packing, "
+               f"unigram baseline {unigram:.3f} nats/byte")
 
     def save(at_step: int) -> None:
         rng = ckpt.rng_state()

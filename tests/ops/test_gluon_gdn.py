@@ -1,0 +1,235 @@
+"""The Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd) against the float64 chunked reference, on an H100.
+
+GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
+inputs each run, the seed in every failure message; outputs are NaN-poisoned by the wrapper (gdn_fwd.POISON), so an
+element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
+2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
+scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
+fp16; both value blocks (32, 64). Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
+kernels' 16-bit checks: 5e-3 for o and the final state.
+
+Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16 and B1 T32768 H32 D128 bf16
+(inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon forward, then
+each Gluon launch alone against its floors (see `_stage_rows`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hybridlm.ops import gated_delta_rule
+
+pytest.importorskip("triton")
+from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
+
+BAR = 5e-3
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of compute capability 9.0 (Hopper)"),
+    pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API"),
+]
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Outputs start as NaN in every case."""
+    monkeypatch.setattr(gdn_fwd, "POISON", True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _gates(gen, B, T, HV, decay):
+    dev = "cuda"
+    if decay == "mild":
+        return torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=dev, generator=gen) + 3.0)
+    if decay == "strong":
+        return -30.0 * torch.rand(B, T, HV, device=dev, generator=gen)
+    bound = torch.where(torch.arange(T, device=dev) % 64 < 32, 30.0, 0.05)[:, None]  # "cliff"
+    return -bound * torch.rand(B, T, HV, device=dev, generator=gen)
+
+
+def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dtype=torch.bfloat16):
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, K, V = "cuda", 128, 128
+    if lens is not None:
+        B, T = 1, sum(lens)
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    N = B if lens is None else len(lens)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    if not l2:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    g = _gates(gen, B, T, HV, decay)
+    beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    state = r(N, HV, K, V) if h0 else None
+    o, ht = gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                               cu_seqlens=cu, use_qk_l2norm=l2)
+    d = lambda x: None if x is None else x.double()
+    o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
+                               output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2, impl="chunk")
+    errs = {"o": _rel(o, o2), "final_state": _rel(ht, ht2)}
+    msg = f"seed {seed}: B={B} T={T} H={H} HV={HV} lens={lens} decay={decay} h0={h0} l2={l2} {dtype}: {errs}"
+    assert o.dtype == dtype and ht.dtype == torch.float32, msg
+    assert all(e <= BAR for e in errs.values()), msg
+
+
+@pytest.fixture(params=gdn_fwd.BV_CHOICES, ids=lambda bv: f"BV{bv}")
+def value_block(request, monkeypatch):
+    """Both value blocks the host may pick (it picks by head count, so small cases would only see 32)."""
+    monkeypatch.setattr(gdn_fwd, "_value_block", lambda heads, V, dev: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("T", [1, 63, 65, 1000])
+def test_lengths(T, value_block):
+    _case(B=2, T=T, H=2, HV=4)
+
+
+@pytest.mark.parametrize("decay", ["mild", "strong", "cliff"])
+def test_varlen(decay, value_block):
+    _case(lens=[1, 15, 100, 700], H=2, HV=2, decay=decay)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_gva(ratio):
+    _case(B=2, T=300, H=2, HV=2 * ratio, decay="strong")
+
+
+@pytest.mark.parametrize("decay", ["strong", "cliff"])
+def test_strong_decays_long(decay):
+    _case(B=1, T=1000, H=1, HV=2, decay=decay)
+
+
+def test_no_initial_state_prenormalised_fp16():
+    _case(B=2, T=200, H=2, HV=4, h0=False, l2=False, dtype=torch.float16)
+
+
+def test_bad_input_is_one_line():
+    q = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.zeros(1, 8, 2, device="cuda")
+    with pytest.raises(ValueError, match="head dims"):
+        gdn_fwd.gated_delta_rule_fwd(q, q, v, g=g, beta=g)
+
+
+# --- timing (python tests/ops/test_gluon_gdn.py): not collected by pytest --------------------------------------
+
+COPY_BW = 3.0e12  # bytes/s: an H100's measured device-to-device copy bandwidth, the byte floors' rate
+CLOCK = 1.83e9  # Hz: the clock at which an H100 SXM's 989 dense 16-bit TFLOPS are 4096 flops a clock per SM
+FLOPS_16, FLOPS_TF32 = 4096, 2048  # dense flops a clock per multiprocessor, 16-bit and tf32 operands
+MMA_LATENCY = 128  # clocks from issuing one warpgroup MMA to its result (an estimate), paid by each synchronous one
+
+
+def _mma_clocks(m, n, k, bits, count=1):
+    """Clocks of `count` synchronous warpgroup MMAs [m, k] @ [k, n], one after another on one multiprocessor."""
+    return count * (MMA_LATENCY + 2 * m * n * k / (FLOPS_16 if bits == 16 else FLOPS_TF32))
+
+
+def _chain_chunk_clocks(BV, *, output=True):
+    """Clocks of one chunk of `_gdn_chain_kernel`'s products (each waits for its result before the next issues):
+    the state path K S (hi + lo), T R (tf32), K^T U (hi + lo); and, for the output, Q K^T, Q S (hi + lo), P V'."""
+    state = _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32) + _mma_clocks(128, BV, 64, 16, 2)
+    out = _mma_clocks(64, 64, 128, 16) + _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32)
+    return state + (out if output else 0.0)
+
+
+def _bytes(q, k, v, g, beta, Tbuf, *, solve):
+    """Bytes a launch must move, each tensor counted once (re-reads of k and T by the value blocks and of q, k by
+    the GVA heads are left to the L2): the solve reads k, g, beta and writes T; the chain reads q, k, v, g, beta,
+    T and writes o (v's size)."""
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    if solve:
+        return nb(k) + nb(g) + nb(beta) + nb(Tbuf)
+    return nb(q) + nb(k) + 2 * nb(v) + nb(g) + nb(beta) + nb(Tbuf)
+
+
+def _stage_rows(B, T, H, D, gen, fla_gdn):
+    """Print the forward ms of ours (Triton), fla and the Gluon forward at one shape (bf16, l2norm in the kernel),
+    then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW, and for the
+    chain a serial floor = waves x chunks x clocks of one chunk's MMAs back to back (`_chain_chunk_clocks`) / CLOCK,
+    a wave being one program per multiprocessor (shared memory). us/chunk = ms / (waves x chunks) beside the
+    model's per-chunk clocks says how much of a chunk is not MMA."""
+    import triton.testing
+    from torch.nn.functional import logsigmoid
+
+    from hybridlm.ops.triton import chunk_gated_delta_rule
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    g = logsigmoid(r(B, T, H) + 3.0)
+    beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chunks = math.ceil(T / gdn_fwd.CHUNK)
+    shape = f"B{B} T{T} H{H} D{D}"
+    print(f"\n{shape} bf16 forward, {torch.cuda.get_device_name()}, {sms} SMs", flush=True)
+    with torch.no_grad():
+        ref = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0].float()
+        whole = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
+        rel = ((whole().float() - ref).norm() / ref.norm()).item()
+        times = {"ours (Triton)": bench(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
+                                                                       use_qk_l2norm=True)[0])}
+        if fla_gdn is not None:
+            times["fla"] = bench(lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
+        times["gluon (both launches)"] = bench(whole)
+        for name, ms in times.items():
+            print(f"  {name}: {ms:.3f} ms", flush=True)
+        print(f"  gluon rel vs ours: {rel:.1e}")
+        print("| stage | programs | ms | MB | byte floor ms | serial floor ms | us/chunk | model us/chunk |\n"
+              "|---|---|---|---|---|---|---|---|")
+        picked = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+        picked.solve()
+        ms = bench(picked.solve)
+        mb = _bytes(q, k, v, g, beta, picked.Tbuf, solve=True)
+        print(f"| T solve | {picked.programs[0]} | {ms:.3f} | {mb / 1e6:.0f} | {1e3 * mb / COPY_BW:.3f} | - | - | - |")
+        solve_ms = ms
+        other = [bv for bv in gdn_fwd.BV_CHOICES if bv != picked.BV]
+        for bv, output in [(picked.BV, True), *[(b, True) for b in other], (picked.BV, False)]:
+            launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output)
+            launch.solve()
+            ms = bench(launch.chain)
+            if (bv, output) == (picked.BV, True):
+                chain_ms = ms
+            mb = _bytes(q, k, v, g, beta, launch.Tbuf, solve=False) - (0 if output else v.numel() * v.element_size())
+            waves = math.ceil(launch.programs[1] / sms)
+            per_chunk = _chain_chunk_clocks(bv, output=output) / CLOCK
+            name = f"chain BV{bv}" + (" (rule)" if bv == picked.BV else "") + ("" if output else ", no output")
+            print(f"| {name} | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {ms:.3f} | {mb / 1e6:.0f} "
+                  f"| {1e3 * mb / COPY_BW:.3f} | {1e3 * waves * chunks * per_chunk:.3f} "
+                  f"| {1e3 * ms / (waves * chunks):.2f} | {1e6 * per_chunk:.2f} |", flush=True)
+            del launch
+        gap = times["gluon (both launches)"] - solve_ms - chain_ms
+        print(f"| host prep and gaps (both launches - solve - chain) | - | {gap:.3f} | - | - | - | - | - |")
+
+
+def _stage_table():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+    except ImportError:
+        fla_gdn = None
+    print(f"byte floor: bytes / {COPY_BW / 1e12:.1f} TB/s; model: {MMA_LATENCY} clocks a synchronous MMA + its flops "
+          f"at {FLOPS_16} (16-bit) / {FLOPS_TF32} (tf32) a clock per SM, {CLOCK / 1e9:.2f} GHz")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for B, T, H, D in ((4, 4096, 16, 128), (1, 32768, 32, 128)):
+        _stage_rows(B, T, H, D, gen, fla_gdn)
+
+
+if __name__ == "__main__":
+    _stage_table()
