@@ -1,16 +1,18 @@
 """MQAR (multi-query associative recall, Zoology, Arora et al. 2023): can a token mixer look up what it was told?
 
 Non-standard here:
-- The data follow Zoology's recipe: P key-value pairs (keys from the lower half of the vocabulary, values from the
-  upper half, drawn fresh for every example so nothing can be memorised across examples), then the keys again at
-  gaps drawn from a power law (most queries soon after the context, a long tail far away), each followed by its
-  value. Only the value positions are scored. Other positions hold random tokens (token 0 with
-  random_non_queries=False).
+- The data follow Zoology's recipe (`mqar_data`): key-value pairs, then the keys again at power-law gaps among
+  random tokens; only the recalled values are scored.
 - The paper preset gives each mixer its published form (qk_norm "recipe"): linear attention with elu + 1
   features, the scalar-decay mixer as Mamba2 (raw q/k, the write scaled by the same dt as the decay), the delta-rule
   mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
-- Every mixer is the same small block (projections, short conv, recurrence, gated output norm) built directly on
-  `hybridlm.ops`, so the table compares the recurrences and nothing else; softmax attention uses SDPA.
+- The mixers are the layers of `hybridlm.layers`: GDN and KDA, linear attention, the scalar-decay mixer and DeltaNet
+  as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own), softmax
+  attention as the plain library attention behind the same short conv the recurrent mixers have. They keep the
+  bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
+  slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet and GDN (`beta_bias`), short convs
+  from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix, the
+  embedding too), learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
 - A grid of cells (mixer x width x setting x learning rate) is run cell by cell into a JSON file; a rerun skips
   cells already done, so the paper grid can be spread over several GPU calls.
 """
@@ -18,13 +20,11 @@ Non-standard here:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -33,215 +33,144 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..files import atomic_write_text
-from ..ops import (
-    causal_conv1d,
-    delta_rule,
-    gated_delta_rule,
-    gated_linear_attention,
-    gated_rms_norm,
-    kda,
-    linear_attention,
-    rms_norm,
-)
+from ..layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
+from ..ops import delta_rule, gated_linear_attention, linear_attention
+from ..train.optim import autocast, build_optimizer, lr_at, set_lr
+from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
+from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
 MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
-IGNORE = -100
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# data
+# models: embedding + blocks of `hybridlm.layers`
 
 
-def mqar_batch(
-    n: int, *, seq_len: int, num_pairs: int, vocab_size: int, power_a: float = 0.01, random_non_queries: bool = True,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """n examples: inputs [n, seq_len] int64 and labels [n, seq_len] (IGNORE except where a value must be recalled).
+class RecurrentMixer(GatedDeltaNet):
+    """The library's GatedDeltaNet layer (split layout: in_proj_qkv -> short conv + SiLU -> recurrence -> gated
+    RMSNorm -> out_proj) with its recurrence swapped (the library has no layer of their own): "linear_attention",
+    "gla" (scalar decay g = -exp(A_log) * softplus(a + dt_bias)) or "deltanet" (beta = sigmoid(b)). Parameters a rule
+    does not read are removed (a CUDA graph's backward needs a gradient for every parameter).
+    qk_norm "l2": l2-normalised q and k; "recipe": linear attention with elu + 1 features (Katharopoulos et al.
+    2020), the scalar-decay mixer with raw q/k and Mamba2's write h_t = exp(-A dt_t) h_t-1 + dt_t k_t v_t^T (it can
+    skip a token as well as forget); the delta rule always l2-normalises (its update needs it). x: [B, T, D]."""
 
-    Layout before the one-token shift (Zoology's): [k1 v1 ... kP vP | query region of seq_len + 1 - 2P tokens].
-    Keys are distinct within an example, from [1, V/2); values are distinct, from [V/2, V). Key ki reappears at the
-    even offset 2*gap_i of the query region; the label at that position is vi (the value is not written into the
-    input: the model must recall it). Gaps are drawn without replacement with probability proportional to
-    a * x^(a-1) (a power law: most queries soon after the context, a long tail far away). Every other query-region
-    position holds a random token of the whole vocabulary (Zoology's random_non_queries; token 0 when False), so a
-    mixer that writes every token into a fixed-size state keeps writing noise after the context.
-    The tensors are made on the generator's device (a CUDA generator keeps the sampling off the host: on the CPU it
-    costs ~20 ms for 128 examples of 128 tokens, more than a GPU training step of a small model).
-    """
-    dev = generator.device
-    check_mqar_setting(seq_len=seq_len, num_pairs=num_pairs, vocab_size=vocab_size)
-    total = seq_len + 1
-    half = vocab_size // 2
-    keys = torch.argsort(torch.rand(n, half - 1, generator=generator, device=dev), dim=1)[:, :num_pairs] + 1
-    values = torch.argsort(torch.rand(n, vocab_size - half, generator=generator, device=dev), dim=1)[:, :num_pairs]
-    values = values + half
-    context = torch.stack([keys, values], dim=2).reshape(n, 2 * num_pairs)
-
-    space = (total - 2 * num_pairs) // 2  # query slots (pairs of positions)
-    x = torch.arange(1, space + 1, dtype=torch.float64, device=dev)
-    p = power_a * x ** (power_a - 1)
-    p = (p / p.sum()).expand(n, space)
-    gaps = torch.multinomial(p, num_pairs, replacement=False, generator=generator)  # [n, P]
-    queries = torch.zeros(n, total - 2 * num_pairs, dtype=torch.int64, device=dev)
-    queries.scatter_(1, 2 * gaps, keys)
-    if random_non_queries:
-        noise = torch.randint(0, vocab_size, queries.shape, generator=generator, device=dev)
-        is_query = torch.zeros_like(queries, dtype=torch.bool).scatter_(1, 2 * gaps, True)
-        queries = torch.where(is_query, queries, noise)
-    seq = torch.cat([context, queries], dim=1)  # [n, total]
-
-    labels = torch.full((n, total), IGNORE, dtype=torch.int64, device=dev)
-    labels.scatter_(1, 2 * num_pairs + 2 * gaps + 1, values)  # the token after a query key is its value
-    return seq[:, :-1].contiguous(), labels[:, 1:].contiguous()
-
-
-def check_mqar_setting(*, seq_len: int, num_pairs: int, vocab_size: int) -> None:
-    if num_pairs < 1:
-        raise ValueError(f"num_pairs: expected >= 1, got {num_pairs}")
-    if 4 * num_pairs > seq_len + 1:
-        raise ValueError(
-            f"num_pairs: expected 4 * num_pairs <= seq_len + 1 (context and queries must fit), got num_pairs="
-            f"{num_pairs} with seq_len={seq_len}; use at most {(seq_len + 1) // 4} pairs or a longer sequence"
-        )
-    if vocab_size // 2 - 1 < num_pairs or vocab_size - vocab_size // 2 < num_pairs:
-        raise ValueError(
-            f"vocab_size: expected at least {2 * num_pairs + 2} (num_pairs={num_pairs} distinct keys in [1, V/2) and "
-            f"values in [V/2, V)), got {vocab_size}"
-        )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# models
-
-
-class LinearMixer(nn.Module):
-    """q/k/v projections -> causal short conv + SiLU -> recurrence -> gated RMSNorm -> output projection.
-
-    qk_norm: "l2" (all mixers l2-normalise q and k) or "recipe" (each as published; see __init__).
-    kind: "linear_attention" (no decay, Hebbian), "gla" (scalar decay per head, Hebbian; Mamba2-like), "deltanet"
-    (delta rule), "gdn" (scalar decay + delta rule), "kda" (per-channel decay + delta rule). x: [B, T, D].
-    key_dim, value_dim: q/k and v sizes per head (default width / num_heads); a head's state is key_dim x value_dim,
-    so these set the memory of the recurrent mixers independently of the model width.
-    The short conv (Zoology's short convolution / BaseConv role) lets a position see the previous token, which is
-    how a recurrent mixer binds a key to the value that follows it.
-    """
-
-    def __init__(self, kind: str, width: int, num_heads: int, key_dim: int | None = None,
-                 value_dim: int | None = None, conv_size: int = 4, impl: str = "auto", qk_norm: str = "l2"):
-        super().__init__()
+    def __init__(self, rule: str, width: int, num_heads: int, key_dim: int, value_dim: int, *, impl: str = "auto",
+                 qk_norm: str = "l2"):
+        super().__init__(width, num_heads, num_heads, key_dim, value_dim, layout="split", impl=impl)
         check_qk_norm(qk_norm)
-        self.kind, self.H, self.impl = kind, num_heads, impl
-        # "l2": every mixer reads l2-normalised q and k (the comparison isolates the state update); "recipe": each
-        # mixer as published: linear attention with the elu + 1 feature map (Katharopoulos et al. 2020), the
-        # scalar-decay mixer with raw q and k (Mamba2's C and B) and Mamba2's dt-scaled write, the delta-rule mixers
-        # with l2-normalised keys (DeltaNet, Gated DeltaNet and KDA need them for a stable update)
-        self.l2 = qk_norm == "l2" or kind in ("deltanet", "gdn", "kda")
-        self.elu_features = not self.l2 and kind == "linear_attention"
-        # Mamba2's selective write: the step dt_t that sets the decay exp(-dt_t) also scales what token t writes
-        # (h_t = exp(-dt_t) h_t-1 + dt_t k_t v_t^T), so the mixer can skip a token as well as forget; plain gated
-        # linear attention (the "l2" form) can only forget
-        self.dt_write = not self.l2 and kind == "gla"
-        self.dk = key_dim or width // num_heads
-        self.dv = value_dim or width // num_heads
-        self.split = [num_heads * self.dk, num_heads * self.dk, num_heads * self.dv]
-        self.qkv = nn.Linear(width, sum(self.split), bias=False)
-        self.conv_w = nn.Parameter(torch.randn(sum(self.split), conv_size) / conv_size**0.5)
-        n_gate = {"linear_attention": 0, "gla": num_heads, "deltanet": num_heads, "gdn": 2 * num_heads,
-                  "kda": num_heads + num_heads * self.dk}[kind]
-        self.gates = nn.Linear(width, n_gate, bias=True) if n_gate else None
-        if kind in ("gla", "gdn", "kda"):
-            # decay rates softplus(bias) log-uniform in [1e-3, 1e-1] (Mamba2-style): memories last 10 to 1000 tokens at
-            # the start; a zero bias would halve the state every token and the model would first have to learn to keep
-            n_decay = num_heads * self.dk if kind == "kda" else num_heads
-            lo = {"gla": 0, "gdn": 0, "kda": num_heads}[kind]
-            with torch.no_grad():
-                dt = torch.exp(torch.empty(n_decay).uniform_(math.log(1e-3), math.log(1e-1)))
-                self.gates.bias[lo : lo + n_decay] = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
-        self.z = nn.Linear(width, num_heads * self.dv, bias=False)
-        self.norm_w = nn.Parameter(torch.ones(self.dv))
-        self.out = nn.Linear(num_heads * self.dv, width, bias=False)
+        self.rule = rule
+        self.l2 = qk_norm == "l2" or rule == "deltanet"
+        self.elu_features = not self.l2 and rule == "linear_attention"
+        self.dt_write = not self.l2 and rule == "gla"
+        if rule != "gla":
+            del self.in_proj_a, self.A_log, self.dt_bias
+        if rule != "deltanet":
+            del self.in_proj_b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        H, dk = self.H, self.dk
-        qkv = self.qkv(x)  # bf16 under autocast: the conv weight follows it (one dtype for the Triton conv too)
-        qkv, _ = causal_conv1d(qkv, self.conv_w.to(qkv.dtype), activation="silu")
-        q, k, v = qkv.split(self.split, dim=-1)
-        q, k, v = q.reshape(B, T, H, dk), k.reshape(B, T, H, dk), v.reshape(B, T, H, self.dv)
-        # chunk 16: fastest on the CPU at these sizes; impl "auto" takes the Triton kernels on CUDA where they exist
+        B, T, _ = x.shape
+        q, k, v = self.conv1d(self.in_proj_qkv(x), impl=self.impl, split=(self.key_dim, self.key_dim, self.value_dim))
+        q, k, v = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk), v.view(B, T, self.HV, self.dv)
         if self.elu_features:
             q, k = F.elu(q) + 1, F.elu(k) + 1
-        kw = dict(use_qk_l2norm=self.l2, chunk_size=64 if x.is_cuda else 16, impl=self.impl)
-        if self.kind == "linear_attention":
+        kw = dict(use_qk_l2norm=self.l2, impl=self.impl)
+        if self.rule == "linear_attention":
             o, _ = linear_attention(q, k, v, **kw)
-        elif self.kind == "gla":
-            dt = F.softplus(self.gates(x).float())  # [B, T, H]
-            if self.dt_write:
-                v = v * dt[..., None].to(v.dtype)
-            o, _ = gated_linear_attention(q, k, v, g=-dt, **kw)
-        elif self.kind == "deltanet":
-            o, _ = delta_rule(q, k, v, beta=torch.sigmoid(self.gates(x).float()), **kw)
-        elif self.kind == "gdn":
-            a, b = self.gates(x).float().split([H, H], dim=-1)
-            o, _ = gated_delta_rule(q, k, v, g=-F.softplus(a), beta=torch.sigmoid(b), **kw)
-        else:  # kda
-            b, a = self.gates(x).float().split([H, H * dk], dim=-1)
-            o, _ = kda(q, k, v, g=-F.softplus(a).reshape(B, T, H, dk), beta=torch.sigmoid(b), **kw)
-        z = self.z(x).reshape(B, T, H, self.dv)
-        return self.out(gated_rms_norm(o, z, self.norm_w, 1e-6).reshape(B, T, H * self.dv))
+        elif self.rule == "gla":
+            dt = F.softplus(_gate_float(self.in_proj_a(x)) + self.dt_bias)  # [B, T, H]
+            o, _ = gated_linear_attention(q, k, v, g=-_gate_float(self.A_log).exp() * dt,
+                                          beta=dt if self.dt_write else None, **kw)
+        else:
+            o, _ = delta_rule(q, k, v, beta=torch.sigmoid(_gate_float(self.in_proj_b(x))), **kw)
+        z = self.in_proj_z(x).view(B, T, self.HV, self.dv)
+        return self.out_proj(self.norm(o, z, impl=self.impl).reshape(B, T, self.value_dim))
 
 
-class AttentionMixer(nn.Module):
-    """Causal softmax attention (SDPA) with rotary positions, after the same short conv as the recurrent mixers
-    (so every mixer sees the previous tokens the same way; conv=False gives plain attention). x: [B, T, D]."""
+def _gate_float(t: torch.Tensor) -> torch.Tensor:
+    """Gates in float32 (bf16 under autocast would round the decay), float64 kept for the exact reference."""
+    return t if t.dtype == torch.float64 else t.float()
 
-    def __init__(self, width: int, num_heads: int, conv_size: int = 4, conv: bool = True):
+
+class ConvAttention(nn.Module):
+    """The library's plain softmax attention (no output gate, no q/k norm, full rotary) with the recurrent mixers'
+    short conv + SiLU after each q/k/v projection (the key at a value's position can be the key before it; a conv over
+    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). x: [B, T, D]."""
+
+    def __init__(self, width: int, num_heads: int, *, impl: str = "auto"):
         super().__init__()
-        self.H, self.dh = num_heads, width // num_heads
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.conv_w = nn.Parameter(torch.randn(3 * width, conv_size) / conv_size**0.5) if conv else None
-        self.out = nn.Linear(width, width, bias=False)
+        hd = width // num_heads
+        self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.attn, name, nn.Sequential(getattr(self.attn, name), ShortConv(width, 4, "silu", impl=impl)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        qkv = self.qkv(x)
-        if self.conv_w is not None:
-            qkv, _ = causal_conv1d(qkv, self.conv_w.to(qkv.dtype), activation="silu")
-        q, k, v = (t.reshape(B, T, self.H, self.dh).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        q, k = rotary(q), rotary(k)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(B, T, D))
+        return self.attn(x, None, torch.arange(x.shape[1], device=x.device)[None])  # positions [1, T]
 
 
-def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """x: [B, H, T, d] with d even; rotate pairs (i, i + d/2) by position-dependent angles."""
-    T, d = x.shape[-2], x.shape[-1]
-    inv = base ** (-torch.arange(0, d // 2, dtype=torch.float32, device=x.device) / (d // 2))
-    ang = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * inv[None]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def slow_decay_init(mixer: nn.Module) -> None:
+    """A fixed at 1 (A_log a zero buffer: the decay rate is softplus(a + dt_bias) alone, as the bench's mixers always
+    had it; a learned A at lr 1e-2 moves the decay faster than the gate can) and decay rates softplus(dt_bias)
+    log-uniform in [1e-3, 1e-1] (memories of 10 to 1000 tokens): the library's init (A up to 16; KDA's dt_bias 0)
+    forgets within a few tokens, and one head would first have to learn to keep."""
+    shape = mixer.A_log.shape
+    del mixer.A_log
+    mixer.register_buffer("A_log", torch.zeros(shape))
+    with torch.no_grad():
+        dt = torch.empty_like(mixer.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+def beta_bias(mixer: nn.Module) -> None:
+    """The beta projection with a bias (beta = sigmoid(W x + b)), as the bench's delta-rule mixers had it: rms-normed
+    inputs have no constant direction, so without it every token's write strength depends on its content alone."""
+    mixer.in_proj_b = nn.Linear(mixer.in_proj_b.in_features, mixer.in_proj_b.out_features, bias=True)
+
+
+def conv_init(model: nn.Module) -> None:
+    """Every short conv's weight from N(0, 1 / kernel size) (the bench's init: std 0.5 at kernel 4; the library's
+    Conv1d default is uniform with std 0.29, with which DeltaNet and GDN recalled 0.09 and 0.13 of the tiny preset,
+    not 0.96 and 0.99)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ShortConv):
+                m.weight.normal_(0.0, m.weight.shape[-1] ** -0.5)
+
+
+def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = None, value_dim: int | None = None,
+                impl: str = "auto", qk_norm: str = "l2") -> nn.Module:
+    """A token mixer of hybridlm.layers for one MQAR block (kind: one of MIXERS except gdn_attention)."""
+    check_qk_norm(qk_norm)
+    dk, dv = key_dim or width // num_heads, value_dim or width // num_heads
+    if kind == "attention":
+        return ConvAttention(width, num_heads, impl=impl)
+    if kind == "gdn":
+        mixer = GatedDeltaNet(width, num_heads, num_heads, dk, dv, layout="split", impl=impl)
+    elif kind == "kda":
+        if dk != dv:
+            raise ValueError(f"value_dim: expected the key dim {dk} for kda (one head size), got {dv}")
+        mixer = KimiDeltaAttention(width, num_heads, dk, impl=impl)
+    else:
+        mixer = RecurrentMixer(kind, width, num_heads, dk, dv, impl=impl, qk_norm=qk_norm)
+    if hasattr(mixer, "A_log"):
+        slow_decay_init(mixer)
+    if kind in ("gdn", "deltanet"):
+        beta_bias(mixer)
+    return mixer
 
 
 class Block(nn.Module):
     """Pre-norm residual block: mixer, then (mlp=True) a SwiGLU MLP. Zoology's MQAR models have no MLP."""
 
-    def __init__(self, mixer: nn.Module, width: int, mlp: bool = False):
+    def __init__(self, mixer: nn.Module, width: int, mlp: bool = False, impl: str = "auto"):
         super().__init__()
-        self.mixer = mixer
-        self.n1 = nn.Parameter(torch.ones(width))
-        self.mlp = mlp
-        if mlp:
-            self.n2 = nn.Parameter(torch.ones(width))
-            self.up = nn.Linear(width, 4 * width, bias=False)
-            self.down = nn.Linear(2 * width, width, bias=False)
+        self.mixer, self.mixer_norm = mixer, RMSNorm(width, 1e-6, impl=impl)
+        self.mlp = SwiGLU(width, 2 * width, impl=impl) if mlp else None
+        self.mlp_norm = RMSNorm(width, 1e-6, impl=impl) if mlp else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(rms_norm(x, self.n1, 1e-6))
-        if not self.mlp:
-            return x
-        a, b = self.up(rms_norm(x, self.n2, 1e-6)).chunk(2, dim=-1)
-        return x + self.down(F.silu(a) * b)
+        x = x + self.mixer(self.mixer_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 class MQARModel(nn.Module):
@@ -254,14 +183,13 @@ class MQARModel(nn.Module):
         kinds = {"gdn_attention": ["gdn", "attention"]}.get(mixer, [mixer, mixer])
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(
-            Block(AttentionMixer(width, num_heads) if k == "attention"
-                  else LinearMixer(k, width, num_heads, key_dim=key_dim, value_dim=value_dim, impl=impl,
-                                   qk_norm=qk_norm), width,
-                  mlp=mlp)
+            Block(build_mixer(k, width, num_heads, key_dim=key_dim, value_dim=value_dim, impl=impl, qk_norm=qk_norm),
+                  width, mlp=mlp, impl=impl)
             for k in kinds
         )
-        self.norm = nn.Parameter(torch.ones(width))
+        self.norm = RMSNorm(width, 1e-6, impl=impl)
         self.head = nn.Linear(width, vocab_size, bias=False)
+        conv_init(self)
 
     def forward(self, ids: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [B, T] -> logits [B, T, vocab]; with scored (bool [B, T]) only the scored positions' logits
@@ -275,7 +203,7 @@ class MQARModel(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., width] features -> [..., vocab]."""
-        return self.head(rms_norm(x, self.norm, 1e-6))
+        return self.head(self.norm(x))
 
 
 class _Trunk(nn.Module):
@@ -302,6 +230,9 @@ QK_NORMS = ("l2", "recipe")
 # apart: linear attention's q/k features; the scalar-decay mixer's raw q/k and dt-scaled write ("dtw": cells run
 # before the write was scaled kept the plain "|qkrecipe" and are not reused)
 RECIPE_CHANGES = {"linear_attention": "|qkrecipe", "gla": "|qkrecipe|dtw"}
+# ends every cell key of the models built from hybridlm.layers: cells of the bench's earlier mixers of its own
+# (results/mqar-paper/) still load and tabulate, but a rerun does not count them as done
+MODEL_TAG = "|layers"
 
 
 def check_qk_norm(qk_norm: str) -> None:
@@ -316,9 +247,8 @@ def check_model_setting(*, mixer: str, width: int, num_heads: int, key_dim: int 
     if num_heads < 1:
         raise ValueError(f"num_heads: expected >= 1, got {num_heads}")
     if width % num_heads != 0 or (width // num_heads) % 2 != 0:
-        raise ValueError(
-            f"width: expected a multiple of num_heads={num_heads} with an even head size, got width={width}"
-        )
+        raise ValueError(f"width: expected a multiple of num_heads={num_heads} with an even head size, got "
+                         f"width={width}")
     for name, val in (("key_dim", key_dim), ("value_dim", value_dim)):
         if val is not None and val < 1:
             raise ValueError(f"{name}: expected >= 1 (or None for width / num_heads), got {val}")
@@ -349,7 +279,7 @@ class TrainConfig:
     # train each batch on P/4, P/2 and P pairs in equal parts (Zoology trains on several pair counts at once: the
     # easy examples teach the lookup sooner); tested on P pairs only
     mixed_pairs: bool = False
-    qk_norm: str = "l2"  # "l2": every recurrent mixer l2-normalises q, k; "recipe": each as published (LinearMixer)
+    qk_norm: str = "l2"  # "l2": every recurrent mixer l2-normalises q, k; "recipe": each as published (RecurrentMixer)
     impl: str = "auto"  # recurrence implementation (hybridlm.ops impl); not part of the cell key
     # capture the embedding and blocks (forward and backward) in CUDA graphs: one launch each instead of hundreds
     # of small kernels a step; same arithmetic; not part of the cell key
@@ -374,13 +304,13 @@ class Cell:
         # qk_norm "recipe" changes only the mixers in RECIPE_CHANGES; the others are the same model either way and
         # share their results
         qk = RECIPE_CHANGES.get(self.mixer, "") if cfg.qk_norm == "recipe" else ""
-        return f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}{qk}"
+        return (f"{self.mixer}|d{self.width}|T{s.seq_len}|P{s.num_pairs}|V{s.vocab_size}|lr{self.lr:g}|{cfg.tag()}"
+                f"{qk}{MODEL_TAG}")
 
 
 def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device) -> dict:
-    """Train from scratch on fresh examples every step; score recall accuracy on held-out examples.
-
-    On CUDA the forward runs under bf16 autocast (the recurrences compute in float32 inside the ops)."""
+    """Train from scratch on fresh examples every step; score recall accuracy on held-out examples. `hybridlm
+    train`'s AdamW groups, warmup + cosine schedule (to 0 here) and autocast: bf16 on CUDA unless cfg.amp is off."""
     s = cell.setting
     torch.manual_seed(seed)
     gen = torch.Generator(device=device).manual_seed(seed)  # training data are sampled where the model runs
@@ -391,23 +321,22 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
     model = MQARModel(cell.mixer, width=cell.width, num_heads=cfg.num_heads, vocab_size=s.vocab_size,
                       key_dim=cfg.key_dim, value_dim=cfg.value_dim, mlp=cfg.mlp, impl=cfg.impl,
                       qk_norm=cfg.qk_norm).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms, biases: no weight decay
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cell.lr, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, cfg.steps, cfg.warmup))
+    # every matrix decays, the embedding too (no_decay=()): the bench's rule, kept so its results stay comparable
+    opt = build_optimizer(model, cell.lr, cfg.weight_decay, betas=(0.9, 0.98), no_decay=())
+    warmup = max(1, int(cfg.warmup * cfg.steps))
+    bf16 = cfg.amp and device.type == "cuda"
     t_start = time.perf_counter()
     trunk: nn.Module = _Trunk(model)
     if cfg.cuda_graphs:
         if device.type != "cuda":
             raise ValueError(f"cuda_graphs: expected a CUDA device, got {device}")
         # autocast's weight-cast cache cannot live across graph replays (make_graphed_callables' rule)
-        autocast = _autocast(device, cfg.amp, cache=False)
-        with autocast:
+        amp = autocast(device, bf16, cache=False)
+        with amp:
             trunk = torch.cuda.make_graphed_callables(
                 trunk, (torch.zeros(cfg.batch_size, s.seq_len, dtype=torch.int64, device=device),))
     else:
-        autocast = _autocast(device, cfg.amp)
+        amp = autocast(device, bf16)
     t0 = time.perf_counter()
     losses = []
     for step in range(cfg.steps):
@@ -416,24 +345,24 @@ def train_cell(cell: Cell, cfg: TrainConfig, *, seed: int, device: torch.device)
         # every example scores exactly its number of pairs, so the count is known and finding the scored positions
         # needs no device-to-host sync (a boolean index would wait for the GPU every step)
         idx = torch.nonzero_static((y != IGNORE).flatten(), size=n_scored).squeeze(1)
-        with autocast:
+        with amp:
             # logits at the scored positions only [n_scored, vocab]: the same mean loss as over all positions
             logits = model.logits(trunk(x).flatten(0, 1)[idx])
         loss = F.cross_entropy(logits.float(), y.flatten()[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        set_lr(opt, lr_at(step, lr=cell.lr, warmup=warmup, total=cfg.steps, min_ratio=0.0))
         opt.step()
-        sched.step()
         if step % 50 == 0 or step == cfg.steps - 1:
             losses.append(round(loss.item(), 4))
     train_s = time.perf_counter() - t0
-    acc = evaluate(model, x_te, y_te, batch_size=cfg.batch_size, device=device, amp=cfg.amp)
+    acc = evaluate(model, x_te, y_te, batch_size=cfg.batch_size, device=device, bf16=bf16)
     return {"key": cell.key(cfg), "mixer": cell.mixer, "width": cell.width, **asdict(s), "lr": cell.lr,
             **asdict(cfg), "accuracy": acc, "final_train_loss": losses[-1], "loss_every_50": losses,
             "ms_per_step": round(1000 * train_s / cfg.steps, 2), "seconds": round(time.perf_counter() - t_start, 2),
-            "setup_seconds": round(t0 - t_start, 2),
-            "seed": seed, "device": device_name(device), "torch": torch.__version__,
+            "setup_seconds": round(t0 - t_start, 2), "seed": seed, "device": device_name(device),
+            "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -449,33 +378,19 @@ def train_groups(batch_size: int, num_pairs: int, mixed: bool) -> list[tuple[int
     return list(zip(sizes, counts))
 
 
-def _autocast(device: torch.device, amp: bool, cache: bool = True):
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
-    return contextlib.nullcontext()
-
-
-def lr_factor(step: int, steps: int, warmup: float) -> float:
-    """Linear warmup over warmup * steps, then cosine decay to 0 at the last step."""
-    w = max(1, int(warmup * steps))
-    if step < w:
-        return (step + 1) / w
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, steps - w))))
-
-
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device: torch.device,
-             amp: bool = True) -> float:
+             bf16: bool = False) -> float:
+    """Recall accuracy: the share of scored positions (labels not IGNORE) whose argmax is the value."""
     model.eval()
     right = total = 0
-    autocast = _autocast(device, amp)
     for i in range(0, x.shape[0], batch_size):
         yb = y[i : i + batch_size].to(device)
-        with autocast:
+        with autocast(device, bf16):
             pred = model(x[i : i + batch_size].to(device)).argmax(-1)
         mask = yb != IGNORE
         right += (pred[mask] == yb[mask]).sum().item()
@@ -570,14 +485,6 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def atomic_savefig(fig, path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="grid to run: tiny (CPU, minutes) or paper (one GPU, resumable); flags below override it")
@@ -662,56 +569,6 @@ def resolve_config(args: argparse.Namespace) -> dict:
 
 def train_config(cfg: dict) -> TrainConfig:
     return TrainConfig(**{f: cfg[f] for f in TrainConfig.__dataclass_fields__ if f in cfg})
-
-
-def load_results(path: str) -> dict:
-    if not os.path.exists(path):
-        return {"runs": [], "cells": []}
-    with open(path) as f:
-        data = json.load(f)
-    if isinstance(data, list):  # the first format: a bare list of cells
-        data = {"runs": [], "cells": data}
-    return data
-
-
-def parse_shard(text: str | None) -> tuple[int, int] | None:
-    """'I/N' -> (I, N): this process runs the cells whose index among those still to run is I modulo N."""
-    if text is None:
-        return None
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        i, n = -1, 0
-    if not 0 <= i < n:
-        raise ValueError(f"shard: expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
-    return i, n
-
-
-def merged_results(out: str) -> dict:
-    """results.json plus every shard file in out, one record per cell key (the first seen wins)."""
-    data = load_results(os.path.join(out, "results.json"))
-    seen = {r["key"] for r in data["cells"]}
-    names = sorted(f for f in os.listdir(out) if f.startswith("results.shard") and f.endswith(".json")) \
-        if os.path.isdir(out) else []
-    for name in names:
-        part = load_results(os.path.join(out, name))
-        data["runs"] += [r for r in part["runs"] if r not in data["runs"]]  # a part may start from a copy of the base
-        for r in part["cells"]:
-            if r["key"] not in seen:
-                seen.add(r["key"])
-                data["cells"].append(r)
-    return data
-
-
-def estimate_seconds(cell: Cell, cfg: TrainConfig, done: list[dict], device: str) -> float | None:
-    """Seconds a cell will take, from cells already run on this device with the same mixer, width, length, steps,
-    batch and CUDA-graph setting (scaled by steps); None when nothing comparable ran yet."""
-    same = [r for r in done if r.get("device") == device and r["mixer"] == cell.mixer and r["width"] == cell.width
-            and r["seq_len"] == cell.setting.seq_len and r.get("batch_size") == cfg.batch_size and r.get("steps")
-            and r.get("cuda_graphs", False) == cfg.cuda_graphs]
-    if same:
-        return max(r["seconds"] / r["steps"] for r in same) * cfg.steps
-    return None
 
 
 def run(args: argparse.Namespace) -> int:

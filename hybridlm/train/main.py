@@ -37,7 +37,7 @@ from ..ops.offsets import remember_offsets
 from . import checkpoint as ckpt
 from .data import IGNORE, RowLayout, RowSampler, load_corpus, make_batch, unigram_nats
 from .errors import TrainError
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import autocast, build_optimizer, lr_at, set_lr
 from .parallel import (
     Dist,
     all_reduce_sum,
@@ -205,12 +205,6 @@ def plot_curve(records: list[dict], unigram: float, path: str, title: str) -> No
     plt.close(fig)
 
 
-def _autocast(device: torch.device, bf16: bool):
-    if bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _forward_calls(batch, packing: str, n_calls: int):
     """The (input_ids, targets, cu_seqlens) calls of a micro-batch, padded to `n_calls`. Under FSDP every rank must
     make the same number of forward/backward calls (each one all-gathers and reduce-scatters every block), and with
@@ -249,7 +243,7 @@ def _offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.T
 def _loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
     """The sum of token losses of one forward call: the model's head and loss fused (hybridlm.ops.linear_ce), so
     the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered."""
-    with _autocast(device, bf16):
+    with autocast(device, bf16):
         return model(ids, cu_seqlens=cu, targets=tg).loss
 
 
