@@ -28,20 +28,11 @@ METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
 
 
 def inputs(op: str, B: int, T: int, H: int, D: int, gates: str) -> list:
-    """q, k, v [B, T, H, D], g ([B, T, H] for GDN, [B, T, H, D] for KDA, fp32), beta [B, T, H]: bf16-representable."""
-    import torch
+    """q, k, v [B, T, H, D], g ([B, T, H] for GDN, [B, T, H, D] for KDA, fp32), beta [B, T, H]: bf16-representable
+    (`hybridlm.bench.kernels.op_inputs`, seed 0)."""
+    from hybridlm.bench.kernels import op_inputs
 
-    from hybridlm.bench.kernels import kda_bench_gates
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
-    if op == "gdn":
-        g = torch.nn.functional.logsigmoid(r(B, T, H) + 3.0)
-    else:
-        g = kda_bench_gates(gates, B, T, H, D, "cuda", gen)
-    beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
-    return [q, k, v, g, beta]
+    return op_inputs(op, B, T, H, D, gates)
 
 
 def step(op: str, shape: str, gates: str, backward: bool) -> None:

@@ -26,7 +26,7 @@ import time
 import torch
 import triton.testing
 
-from hybridlm.bench.kernels import kda_bench_gates
+from hybridlm.bench.kernels import op_inputs
 from hybridlm.ops.triton import chunk_gated_delta_rule, chunk_kda, gdn, kda
 from hybridlm.ops.triton.tune import tuned
 
@@ -51,17 +51,8 @@ def rel(a, b):
 
 
 def make(op: str, B: int, T: int, H: int, D: int, gates: str, seed: int = 0) -> list[torch.Tensor]:
-    """The bench's inputs, bf16-representable (g stays fp32): GDN's gates logsigmoid(N(3, 1)), KDA's
-    `kda_bench_gates`."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
-    if op == "gdn":
-        g = torch.nn.functional.logsigmoid(r(B, T, H) + 3.0)
-    else:
-        g = kda_bench_gates(gates, B, T, H, D, "cuda", gen)
-    beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
-    return [q, k, v, g, beta]
+    """The bench's inputs (`hybridlm.bench.kernels.op_inputs`)."""
+    return op_inputs(op, B, T, H, D, gates, seed)
 
 
 def run(op: str, xs, dtype, do):

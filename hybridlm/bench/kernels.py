@@ -250,6 +250,19 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
 KDA_GATES = ("bench", "init")
 
 
+def op_inputs(op: str, B: int, T: int, H: int, D: int, gates: str = "bench", seed: int = 0,
+              device="cuda") -> list[torch.Tensor]:
+    """[q, k, v, g, beta] for the GDN ("gdn") or KDA op at [B, T, H, D], bf16-representable fp32 (g stays fp32):
+    q, k, v ~ N(0, 1); GDN's g = logsigmoid(N(3, 1)) [B, T, H], KDA's `kda_bench_gates(gates)` [B, T, H, D]; beta
+    sigmoid(N(0, 1)) [B, T, H]. The tuner and the byte counter time the same inputs."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).bfloat16().float() for _ in range(3))
+    g = F.logsigmoid(r(B, T, H) + 3.0) if op == "gdn" else kda_bench_gates(gates, B, T, H, D, device, gen)
+    beta = torch.sigmoid(r(B, T, H)).bfloat16().float()
+    return [q, k, v, g, beta]
+
+
 def kda_bench_gates(kind: str, B: int, T: int, H: int, D: int, device, gen: torch.Generator) -> torch.Tensor:
     """g [B, T, H, D] fp32 log-decays for the KDA rows. "bench": logsigmoid(N(0, 1) + 3), about -0.05 a step, so
     every chunk takes the kernels' whole-chunk dot. "init": as a freshly initialised `KimiDeltaAttention` makes
