@@ -1,8 +1,7 @@
 """hybridlm: hybrid linear-attention language models (Gated DeltaNet and family), exact and fast.
 
 Non-standard here: `HybridConfig` and `HybridLM` are imported on first use (module __getattr__), so that
-`import hybridlm.cli` does not load torch: the command line sets OpenMP's wait policy before torch starts its
-OpenMP runtime (see hybridlm/cli.py).
+`import hybridlm.cli` (and `hybridlm --help`) does not load torch.
 """
 
 __version__ = "0.1.0"

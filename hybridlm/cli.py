@@ -5,10 +5,6 @@ Non-standard here: subcommands live in the modules that do the work; each module
 stays fast and a missing optional dependency only breaks the subcommand that needs it.
 Errors are one line on stderr: a bad flag (argparse) or a UsageError (a bad argument, a damaged checkpoint) exits
 with 2, anything else with 1 and the exception's type; `-v` (before or after the subcommand) shows the traceback.
-OpenMP's worker threads sleep at their barriers instead of spinning (OMP_WAIT_POLICY=PASSIVE unless set), set here
-before torch loads: on cores shared with other processes, spinning threads wait for a descheduled peer, and the
-main job with 2 threads on 2 busy cores ran 60-210 tokens/s against 820-1140 with passive waiting (and 800-950
-with 1 thread).
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ import importlib
 import logging
 import os
 import sys
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
