@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridlm.layers.attention import varlen_available, varlen_causal
 from hybridlm.train.data import IGNORE
 
 GUARD_NOTE = ("fla 0.6.0's guard against its gated chunk backward on Hopper with Triton < 3.7.1 (fla #640) was "
@@ -49,15 +50,6 @@ def sdpa_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop
     return o.transpose(1, 2)
 
 
-def varlen_available() -> bool:
-    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def varlen_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: float | None = None, causal: bool = False,
@@ -67,8 +59,6 @@ def varlen_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
     Only what fla's Attention asks for in training: no dropout, no sliding window; causal and GQA as
     `hybridlm.layers.attention.varlen_causal`."""
-    from hybridlm.layers.attention import varlen_causal
-
     if dropout_p or tuple(window_size) != (-1, -1):
         raise NotImplementedError(f"the varlen_attn stand-in for flash_attn_varlen_func takes no dropout "
                                   f"({dropout_p}) and no window ({window_size})")

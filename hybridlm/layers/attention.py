@@ -139,7 +139,8 @@ def _compiled(name: str):
     return _COMPILED[name]
 
 
-def _varlen_available() -> bool:
+def varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10)."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
     except ImportError:
@@ -168,7 +169,7 @@ def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") 
         impl, why = "loop", f"on {q.device.type}"
     elif q.dtype not in (torch.float16, torch.bfloat16) or max(q.shape[-1], v.shape[-1]) > 256:
         impl, why = "loop", f"{q.dtype} inputs, head dims {q.shape[-1]}/{v.shape[-1]}"
-    elif _varlen_available():
+    elif varlen_available():
         impl = "varlen"
     elif _flex_available() and min(q.shape[-1], v.shape[-1]) >= 16:  # flex_attention's smallest head dim
         impl, why = "flex", "no torch.nn.attention.varlen (torch < 2.10)"
