@@ -31,7 +31,7 @@ from torch import nn
 
 from hybridlm.ops.offsets import host_offsets
 
-from .norm import RMSNorm
+from .norm import RMSNorm, autocast_dtype
 
 log = logging.getLogger("hybridlm.layers")
 _DOC_LOGGED: set[tuple] = set()
@@ -185,12 +185,9 @@ def resolve_document_impl(q: torch.Tensor, v: torch.Tensor, impl: str = "auto") 
 
 
 def _autocast_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q, k, v in the autocast dtype when autocast is on (SDPA casts itself; varlen_attn / flex do not)."""
-    dt = q.device.type
-    if torch.is_autocast_enabled(dt):
-        half = torch.get_autocast_dtype(dt)
-        return q.to(half), k.to(half), v.to(half)
-    return q, k, v
+    """q, k, v in the dtype autocast would give them (SDPA casts itself; varlen_attn / flex do not)."""
+    half = autocast_dtype(q)
+    return (q, k, v) if half is None else (q.to(half), k.to(half), v.to(half))
 
 
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
