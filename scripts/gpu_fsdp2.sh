@@ -8,6 +8,8 @@
 #   two64 / one64: the same pair at 64 rows per GPU (scaling once the GPU is busy)
 #   two325 / one325: the gpu-325m preset (the shape of `hybridlm bench train`'s model, byte vocabulary), 4 rows x
 #                  4096 tokens per GPU, 30 steps: a model whose per-block work is larger than FSDP's collectives
+#   two325r8 / one325r8: the same at 8 rows per GPU (at 4 rows one GPU's step is bound by the host, not the GPU)
+#   two325pb:      two325 with one FSDP unit per block (--fsdp-min-unit-params 0; only when RUNS names it)
 #   two325nr:      two325 with --no-reshard-after-forward (parameters kept gathered from forward to backward; only
 #                  when RUNS names it)
 # tokens/s is each run's summary.json "tokens_per_s": the median over the steps after the first ten. No eval on the
@@ -55,8 +57,13 @@ for run in ${RUNS:-two16 one32 one16 two64 one64 two325 one325}; do
     two325) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train two325 "${TWO[@]}" --batch-size 4; COMMON=("${C30[@]}") ;;
     two325nr) C30=("${COMMON[@]}"); COMMON=("${C325[@]}")
               train two325nr "${TWO[@]}" --batch-size 4 --no-reshard-after-forward; COMMON=("${C30[@]}") ;;
+    two325pb) C30=("${COMMON[@]}"); COMMON=("${C325[@]}")
+              train two325pb "${TWO[@]}" --batch-size 4 --fsdp-min-unit-params 0; COMMON=("${C30[@]}") ;;
+    two325r8) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train two325r8 "${TWO[@]}" --batch-size 8; COMMON=("${C30[@]}") ;;
+    one325r8) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train one325r8 "${ONE[@]}" --batch-size 8; COMMON=("${C30[@]}") ;;
     one325) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train one325 "${ONE[@]}" --batch-size 4; COMMON=("${C30[@]}") ;;
-    *) echo "RUNS: unknown run $run (expected two16 one32 one16 two64 one64 two325 one325 two325nr)"; exit 2 ;;
+    *) echo "RUNS: unknown run $run (expected two16 one32 one16 two64 one64 two325 one325 two325r8 one325r8 two325pb"\
+            "two325nr)"; exit 2 ;;
   esac
 done
 
@@ -66,7 +73,9 @@ import json, os, sys
 d = sys.argv[1]
 runs = {"two16": "2 GPUs x 16 (FSDP2)", "one32": "1 GPU x 32", "one16": "1 GPU x 16",
         "two64": "2 GPUs x 64 (FSDP2)", "one64": "1 GPU x 64", "two325": "325M: 2 GPUs x 4 x 4096 (FSDP2)",
-        "one325": "325M: 1 GPU x 4 x 4096", "two325nr": "325M: 2 GPUs, --no-reshard-after-forward"}
+        "one325": "325M: 1 GPU x 4 x 4096", "two325r8": "325M: 2 GPUs x 8 x 4096 (FSDP2)",
+        "one325r8": "325M: 1 GPU x 8 x 4096", "two325pb": "325M: 2 GPUs x 4, one FSDP unit per block",
+        "two325nr": "325M: 2 GPUs, --no-reshard-after-forward"}
 s = {}
 for name in runs:
     try:
@@ -91,7 +100,8 @@ def ratio(a, b):
 la, lb = s["two16"].get("final_train_loss"), s["one32"].get("final_train_loss")
 diff = abs(la - lb) if la is not None and lb is not None else None
 scales = {"two16 / one16": ratio("two16", "one16"), "two64 / one64": ratio("two64", "one64"),
-          "two325 / one325": ratio("two325", "one325"), "two325nr / one325": ratio("two325nr", "one325")}
+          "two325 / one325": ratio("two325", "one325"), "two325r8 / one325r8": ratio("two325r8", "one325r8"),
+          "two325pb / one325": ratio("two325pb", "one325"), "two325nr / one325": ratio("two325nr", "one325")}
 res.update(loss_abs_diff=diff, scalings=scales, scaling_vs_one32=ratio("two16", "one32"))
 ok = diff is None or diff <= 1e-2  # the scalings are measurements, not a verdict
 lines += ["", "|loss(two16) - loss(one32)| = " + ("no verdict (a run is missing)" if diff is None else

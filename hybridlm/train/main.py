@@ -44,12 +44,14 @@ from .parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     barrier,
+    clip_grad_norm,
     dcp_load,
     dcp_save,
     full_model_state,
     init_distributed,
 )
 from .presets import TRAIN_DEFAULTS, build_config
+from .profile import StepProfiler, parse_profile_steps
 
 DEFAULT_OUT = os.path.join("runs", "train")
 TPS_WARMUP_STEPS = 10  # summary.json's tokens_per_s: median over this process's steps after the first ten (compilation)
@@ -112,10 +114,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-linear", action="store_true",
                    help="the linear layers' recurrences keep only their inputs and rerun their forward in the "
                    "backward (less memory than the default, far less extra compute than --activation-checkpointing)")
+    g.add_argument("--fsdp-min-unit-params", type=float, default=5e7, metavar="N",
+                   help="FSDP2 (torchrun): shard consecutive blocks together until a unit holds N parameters "
+                   "(default 5e7; 0: one unit per block). Each unit costs host time every step, which a small "
+                   "model's blocks do not hide; a large model's blocks pass N one by one")
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP2 (torchrun): keep each block's gathered parameters from the forward to the backward "
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
+    g.add_argument("--profile-steps", default=None, metavar="FIRST:COUNT",
+                   help="profile COUNT optimizer steps from step FIRST with torch.profiler: a Chrome trace and a "
+                   "summary (GPU busy / NCCL / idle time a step, top ops) per rank under OUT/profile")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads of each process (default: on CPU the cores this process may run on, "
                    "os.sched_getaffinity; on GPU PyTorch's own, which torchrun sets to 1)")
@@ -301,16 +310,11 @@ def median_tokens_per_s(rates: list[float], warmup: int = TPS_WARMUP_STEPS) -> t
     return (statistics.median(kept) if kept else None), len(kept)
 
 
-def _clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ (the same two calls inside, the same numbers), returning the total norm as
-    a plain tensor on the device: under FSDP2 the norm of the sharded gradients is reduced over ranks once here
-    (clipping needs it), and logging it later needs no second reduction and no wait for the device now."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if hasattr(total, "full_tensor"):  # a DTensor (FSDP2): the partial norms of each rank's shards
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total.detach()
+def _clip_grad_norm(model, max_norm: float, dist: Dist) -> torch.Tensor:
+    """Clip the gradients to `max_norm` and return their total norm as a tensor on the device: under FSDP2 the
+    norm of the sharded gradients is reduced over ranks once here (clipping needs it), and logging it later needs no
+    second reduction and no wait for the device now."""
+    return clip_grad_norm([p for p in model.parameters() if p.grad is not None], max_norm, dist)
 
 
 def _oom_message(args, err) -> str:
@@ -360,6 +364,12 @@ def train(args) -> dict:
             setattr(args, name, getattr(defaults, name))
     if args.log_every is None:
         args.log_every = 1 if device.type == "cpu" else 10
+    if args.fsdp_min_unit_params < 0:
+        raise TrainError(f"--fsdp-min-unit-params: expected >= 0, got {args.fsdp_min_unit_params:g}")
+    try:
+        prof_steps = parse_profile_steps(args.profile_steps)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     if args.log_every < 1:
         raise TrainError(f"--log-every: must be >= 1, got {args.log_every}")
     if args.seq_len < 2:
@@ -407,7 +417,8 @@ def train(args) -> dict:
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if dist.enabled:
-        apply_fsdp(model, bf16, reshard_after_forward=not args.no_reshard_after_forward)
+        apply_fsdp(model, bf16, reshard_after_forward=not args.no_reshard_after_forward,
+                   min_unit_params=int(args.fsdp_min_unit_params))
     elif args.no_reshard_after_forward:
         raise TrainError("--no-reshard-after-forward: applies to FSDP2 runs under torchrun; this run has one process")
     fwd_model = torch.compile(model) if args.compile else model
@@ -520,6 +531,9 @@ def train(args) -> dict:
         return per_byte
 
     # --- loop ---
+    profiler = None
+    if prof_steps is not None:
+        profiler = StepProfiler(os.path.join(args.out, "profile"), *prof_steps, dist.rank, device)
     from tqdm import tqdm
 
     bar = tqdm(total=max_steps, initial=step, disable=not dist.is_main or args.no_progress, unit="step",
@@ -589,7 +603,7 @@ def train(args) -> dict:
             if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
                 raise TrainError(_oom_message(args, e)) from e
             raise
-        grad_norm = _clip_grad_norm(model, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        grad_norm = _clip_grad_norm(model, args.grad_clip if args.grad_clip > 0 else float("inf"), dist)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -599,7 +613,14 @@ def train(args) -> dict:
                     lr=optimizer.param_groups[0]["lr"], epoch=sampler.epoch_of(micro))
 
     while step < max_steps:
+        if profiler is not None:
+            profiler.before(step)
         pending.append(one_step())
+        if profiler is not None:
+            profiler.after(step - 1)
+            if profiler.written:
+                _log(dist, f"profile of steps {profiler.first}..{step - 1}: {profiler.written}", bar)
+                profiler = None
         bar.update(1)
         do_eval = bool(args.eval_every) and step % args.eval_every == 0 and step < max_steps
         do_save = bool(args.save_every) and step % args.save_every == 0 and step < max_steps

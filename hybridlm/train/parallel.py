@@ -1,9 +1,11 @@
 """Several GPUs from outside the model: torch.distributed set-up, FSDP2, activation checkpointing, DCP checkpoints.
 
 Non-standard here: the model code knows nothing of sharding. `apply_fsdp` finds the model's block list (the
-`nn.ModuleList` with `num_hidden_layers` entries), calls `fully_shard` on each block and then on the root with a
-`MixedPrecisionPolicy` (bf16 params/compute, fp32 gradient reduction). Sharded checkpoints use
-torch.distributed.checkpoint (each rank writes its shards into the same temp folder, rank 0 renames it);
+`nn.ModuleList` with `num_hidden_layers` entries), calls `fully_shard` on units of consecutive blocks (one block
+each for a large model; several for a small one, whose per-unit host cost the GPU would not hide) and then on the
+root with a `MixedPrecisionPolicy` (fp32 params gathered, bf16 compute by autocast, fp32 gradient reduction).
+Sharded checkpoints use torch.distributed.checkpoint (each rank writes its shards into the same temp folder, rank 0
+renames it);
 `export_full` gathers a full state dict onto rank 0 for a single-safetensors folder that `from_pretrained` loads.
 """
 
@@ -92,13 +94,32 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(blocks)
 
 
-def apply_fsdp(model: nn.Module, bf16: bool, reshard_after_forward: bool = True, fully_shard=None) -> nn.Module:
-    """FSDP2: fully_shard every block, then the root, gradients reduced in fp32. Parameters are gathered in
-    fp32 and the bf16 compute comes from the same autocast the one-GPU run uses, so N GPUs compute what one GPU
-    computes (a bf16 param_dtype would also round the norms' and gates' weights, which autocast leaves in fp32:
-    seen on two H200s as a final loss 0.066 away from one GPU's after 50 steps).
-    reshard_after_forward=False keeps each block's gathered parameters from its forward to its backward: one
-    all-gather per block a step instead of two, for the whole model's parameters in memory on every GPU.
+def fsdp_units(blocks: nn.ModuleList, min_unit_params: int) -> list[list[nn.Module]]:
+    """Consecutive blocks grouped until each group holds at least `min_unit_params` parameters (the last group
+    may hold fewer); 0 gives one group per block."""
+    units: list[list[nn.Module]] = []
+    size = min_unit_params  # start a new group at the first block
+    for block in blocks:
+        if size >= min_unit_params:
+            units.append([])
+            size = 0
+        units[-1].append(block)
+        size += sum(p.numel() for p in block.parameters())
+    return units
+
+
+def apply_fsdp(model: nn.Module, bf16: bool, reshard_after_forward: bool = True, min_unit_params: int = 0,
+               fully_shard=None) -> nn.Module:
+    """FSDP2: fully_shard each unit of consecutive blocks, then the root, gradients reduced in fp32. Parameters are
+    gathered in fp32 and the bf16 compute comes from the same autocast the one-GPU run uses, so N GPUs compute
+    what one GPU computes (a bf16 param_dtype would also round the norms' and gates' weights, which autocast leaves
+    in fp32: seen on two H200s as a final loss 0.066 away from one GPU's after 50 steps).
+    min_unit_params: blocks are sharded together until a unit holds this many parameters (`fsdp_units`). Each unit
+    costs host time in its hooks and collectives every step (on an H100 host the 325M preset's 24 single-block
+    units added ~80 ms of host time to a 160 ms step that the host already bounds); a large model's blocks pass
+    the bar one by one, as torchtitan wraps them.
+    reshard_after_forward=False keeps each unit's gathered parameters from its forward to its backward: one
+    all-gather per unit a step instead of two, for the whole model's parameters in memory on every GPU.
     fully_shard: the function to apply (tests pass a recorder; default torch's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -106,10 +127,26 @@ def apply_fsdp(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
         from torch.distributed.fsdp import fully_shard
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32) if bf16 else None
     kw = {"mp_policy": mp} if mp is not None else {}
-    for block in find_blocks(model):
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    for unit in fsdp_units(find_blocks(model), min_unit_params):
+        fully_shard(unit[0] if len(unit) == 1 else unit, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, dist: Dist) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm) computed on each rank's local gradient shards with one all-reduce of
+    the squared norm, returning the total norm on the device. Under FSDP2 the gradients are DTensors and the same
+    two calls on them go through DTensor dispatch per tensor: ~5 ms more host time a step for the 325M preset."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if dist.enabled:
+        sq = total.square()
+        torch.distributed.all_reduce(sq, op=torch.distributed.ReduceOp.SUM)
+        total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+    return total.detach()
 
 
 def dcp_save(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -101,3 +101,29 @@ def test_reshard_after_forward_reaches_every_block(small_corpus):
     assert "reshard_after_forward" not in calls[-1][1] and "mp_policy" in calls[-1][1]
     with pytest.raises(TrainError, match="--no-reshard-after-forward: applies to FSDP2 runs under torchrun"):
         train(_parse([*ARGS, "--data", small_corpus, "--no-reshard-after-forward"]))
+
+
+def test_fsdp_units_group_blocks_up_to_the_parameter_bar():
+    """Consecutive blocks share a unit until it holds min_unit_params; 0 keeps one unit per block; a bar above the
+    whole model gives one unit; apply_fsdp shards each unit (a list when it holds several blocks), then the root."""
+    from torch import nn
+
+    from hybridlm.train.parallel import apply_fsdp, find_blocks, fsdp_units
+
+    blocks = nn.ModuleList(nn.Linear(10, 10) for _ in range(5))  # 110 parameters each
+    assert [len(u) for u in fsdp_units(blocks, 0)] == [1] * 5
+    assert [len(u) for u in fsdp_units(blocks, 200)] == [2, 2, 1]
+    assert [len(u) for u in fsdp_units(blocks, 220)] == [2, 2, 1]
+    assert [len(u) for u in fsdp_units(blocks, 221)] == [3, 2]
+    assert [len(u) for u in fsdp_units(blocks, 10**9)] == [5]
+    assert [b for u in fsdp_units(blocks, 300) for b in u] == list(blocks)
+
+    from hybridlm.train.presets import build_config
+
+    model = HybridLM(build_config("test-micro", None, "cpu")[0])
+    per_block = sum(p.numel() for p in find_blocks(model)[0].parameters())
+    calls = []
+    apply_fsdp(model, True, min_unit_params=2 * per_block, fully_shard=lambda m, **kw: calls.append(m))
+    blocks = list(find_blocks(model))
+    assert calls[-1] is model and all(isinstance(c, list) and len(c) == 2 for c in calls[:-1]), calls
+    assert [b for c in calls[:-1] for b in c] == blocks
