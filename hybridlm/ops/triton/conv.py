@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..offsets import host_offsets
+from .custom import call, custom_op
 from .tune import LaunchTable
 
 MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
@@ -334,7 +335,7 @@ def _final_state_fake(x, weight, cu_seqlens, output_final_state):
     return x.new_empty(N, x.shape[2], weight.shape[1]) if output_final_state else x.new_empty(0)
 
 
-@torch.library.custom_op("hybridlm::conv_fwd", mutates_args=())
+@custom_op("conv_fwd")
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, initial_state: torch.Tensor | None,
              cu_seqlens: torch.Tensor | None, silu: bool, output_final_state: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +349,7 @@ def _(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state):
     return torch.empty_like(x), _final_state_fake(x, weight, cu_seqlens, output_final_state)
 
 
-@torch.library.custom_op("hybridlm::conv_fwd_split", mutates_args=())
+@custom_op("conv_fwd_split")
 def conv_fwd_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool,
                    output_final_state: bool, C0: int, C1: int
@@ -410,7 +411,7 @@ def _bwd_fake(x, weight, bias, initial_state, need_dh0):
     return torch.empty_like(x), torch.empty_like(weight), db, dh0
 
 
-@torch.library.custom_op("hybridlm::conv_bwd", mutates_args=())
+@custom_op("conv_bwd")
 def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, silu: bool, need_dh0: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,7 +424,7 @@ def _(dy, x, weight, bias, initial_state, cu_seqlens, silu, need_dh0):
     return _bwd_fake(x, weight, bias, initial_state, need_dh0)
 
 
-@torch.library.custom_op("hybridlm::conv_bwd_split", mutates_args=())
+@custom_op("conv_bwd_split")
 def conv_bwd_split(dy0: torch.Tensor, dy1: torch.Tensor, dy2: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                    silu: bool, need_dh0: bool, C0: int, C1: int
@@ -440,7 +441,7 @@ def _(dy0, dy1, dy2, x, weight, bias, initial_state, cu_seqlens, silu, need_dh0,
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, cu_seqlens, silu, output_final_state):
-        y, ht = torch.ops.hybridlm.conv_fwd(x, weight, bias, initial_state, cu_seqlens, silu, output_final_state)
+        y, ht = call("conv_fwd", x, weight, bias, initial_state, cu_seqlens, silu, output_final_state)
         ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
         ctx.silu = silu
         ctx.mark_non_differentiable(ht)
@@ -450,7 +451,7 @@ class _CausalConv1d(torch.autograd.Function):
     def backward(ctx, dy, _dht):
         x, weight, bias, h0, cu = ctx.saved_tensors
         need_dh0 = h0 is not None and ctx.needs_input_grad[3]
-        dx, dw, db, dh0 = torch.ops.hybridlm.conv_bwd(dy, x, weight, bias, h0, cu, ctx.silu, need_dh0)
+        dx, dw, db, dh0 = call("conv_bwd", dy, x, weight, bias, h0, cu, ctx.silu, need_dh0)
         return dx, dw, (db if bias is not None else None), (dh0 if need_dh0 else None), None, None, None
 
 
@@ -460,7 +461,7 @@ class _CausalConv1dSplit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, initial_state, cu_seqlens, silu, output_final_state, C0, C1):
-        *ys, ht = torch.ops.hybridlm.conv_fwd_split(x, weight, bias, initial_state, cu_seqlens, silu,
+        *ys, ht = call("conv_fwd_split", x, weight, bias, initial_state, cu_seqlens, silu,
                                                     output_final_state, C0, C1)
         ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
         ctx.silu, ctx.C0, ctx.C1 = silu, C0, C1
@@ -474,7 +475,7 @@ class _CausalConv1dSplit(torch.autograd.Function):
         B, T, C = x.shape
         sizes = (ctx.C0, ctx.C1, C - ctx.C0 - ctx.C1)
         dys = [d if d is not None else x.new_zeros(B, T, c) for d, c in zip((dy0, dy1, dy2), sizes)]
-        dx, dw, db, dh0 = torch.ops.hybridlm.conv_bwd_split(*dys, x, weight, bias, h0, cu, ctx.silu, need_dh0,
+        dx, dw, db, dh0 = call("conv_bwd_split", *dys, x, weight, bias, h0, cu, ctx.silu, need_dh0,
                                                             ctx.C0, ctx.C1)
         return (dx, dw, (db if bias is not None else None), (dh0 if need_dh0 else None), None, None, None, None,
                 None)
@@ -563,7 +564,7 @@ def causal_conv1d(
     return y, (ht if output_final_state else None)
 
 
-@torch.library.custom_op("hybridlm::conv_decode", mutates_args=("conv_state",))
+@custom_op("conv_decode", mutates_args=("conv_state",))
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor | None,
                 weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     N, C = x.shape
@@ -610,7 +611,7 @@ def causal_conv1d_update(
                          f"{tuple(state_indices.shape)}")
     _check_device("x", x)
     idx = state_indices.contiguous() if state_indices is not None else None
-    return torch.ops.hybridlm.conv_decode(x, conv_state, idx, weight, bias, silu)
+    return call("conv_decode", x, conv_state, idx, weight, bias, silu)
 
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "conv_fwd", "conv_bwd", "conv_decode"]

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
+from .custom import call, custom_op
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 MAX_COLS = 16384
@@ -99,7 +100,7 @@ def _blocks(D: int, HV: int) -> tuple[int, int, int]:
     return BD, BH, max(1, min(64, 4096 // BD))
 
 
-@torch.library.custom_op("hybridlm::gates_fwd", mutates_args=())
+@custom_op("gates_fwd")
 def gates_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """a: [M, HV * KG]; b: [M, HV]; A_log: [HV]; dt_bias: [HV * KG]. Returns (g [M, HV * KG] fp32, beta [M, HV])."""
@@ -119,7 +120,7 @@ def _(a, b, A_log, dt_bias, scale):
     return a.new_empty(a.shape, dtype=torch.float32), torch.empty_like(b)
 
 
-@torch.library.custom_op("hybridlm::gates_bwd", mutates_args=())
+@custom_op("gates_bwd")
 def gates_bwd(dg: torch.Tensor, dbeta: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
               dt_bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (da, db, dA_log, ddt_bias), each in its input's dtype."""
@@ -147,7 +148,7 @@ def _(dg, dbeta, a, b, A_log, dt_bias, scale):
 class _Gates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, A_log, dt_bias, scale):
-        g, beta = torch.ops.hybridlm.gates_fwd(a, b, A_log, dt_bias, scale)
+        g, beta = call("gates_fwd", a, b, A_log, dt_bias, scale)
         ctx.save_for_backward(a, b, A_log, dt_bias)
         ctx.scale = scale
         return g, beta
@@ -159,7 +160,7 @@ class _Gates(torch.autograd.Function):
             dg = torch.zeros(a.shape, device=a.device, dtype=torch.float32)
         if dbeta is None:
             dbeta = torch.zeros_like(b)
-        da, db, dA, ddt = torch.ops.hybridlm.gates_bwd(dg, dbeta, a, b, A_log, dt_bias, ctx.scale)
+        da, db, dA, ddt = call("gates_bwd", dg, dbeta, a, b, A_log, dt_bias, ctx.scale)
         return da, db, dA, ddt, None
 
 

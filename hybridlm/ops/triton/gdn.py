@@ -36,6 +36,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
+from .custom import call, custom_op
 from .tune import LaunchTable
 
 # head dims the kernels' blocks are built for; any K, V in 1..MAX_HEAD_DIM run zero-padded to the next of these
@@ -236,7 +237,7 @@ def _output_pass(q, k, g, rk, hb, vn, o, Pb, lay: Layout, H: int, HV: int, K: in
     )
 
 
-@torch.library.custom_op("hybridlm::gdn_chunk_fwd", mutates_args=())
+@custom_op("gdn_chunk_fwd")
 def gdn_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -370,7 +371,7 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     return dq
 
 
-@torch.library.custom_op("hybridlm::gdn_chunk_bwd", mutates_args=())
+@custom_op("gdn_chunk_bwd")
 def gdn_chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
@@ -404,7 +405,7 @@ def _bwd_recomputed(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm,
     raise err
 
 
-@torch.library.custom_op("hybridlm::gdn_chunk_bwd_rc", mutates_args=())
+@custom_op("gdn_chunk_bwd_rc")
 def gdn_chunk_bwd_rc(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -446,7 +447,7 @@ class _ChunkGDN(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
                 recompute):
         grad = any(ctx.needs_input_grad[:6])
-        o, ht, *saved = torch.ops.hybridlm.gdn_chunk_fwd(
+        o, ht, *saved = call("gdn_chunk_fwd",
             q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
             grad and not recompute,
         )
@@ -463,10 +464,10 @@ class _ChunkGDN(torch.autograd.Function):
         if dht is not None and dht.numel() == 0:
             dht = None
         if ctx.recompute:
-            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd_rc(
+            dq, dk, dv, dg, db, dh0 = call("gdn_chunk_bwd_rc",
                 do, dht, q, k, v, g, beta, cu, ctx.scale, ctx.l2, ctx.has_h0, h0)
         else:
-            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.gdn_chunk_bwd(
+            dq, dk, dv, dg, db, dh0 = call("gdn_chunk_bwd",
                 do, dht, q, k, v, g, beta, *saved, cu, ctx.scale, ctx.l2, ctx.has_h0, h0)
         return dq, dk, dv, dg, db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
@@ -555,7 +556,7 @@ def chunk_gated_delta_rule(
     return o, (ht if output_final_state else None)
 
 
-@torch.library.custom_op("hybridlm::gdn_decode", mutates_args=("state_pool",))
+@custom_op("gdn_decode", mutates_args=("state_pool",))
 def gdn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
@@ -627,7 +628,7 @@ def fused_recurrent_gated_delta_rule_update(
         q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
     K = _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=False)
     scale = K**-0.5 if scale is None else float(scale)
-    o = torch.ops.hybridlm.gdn_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
+    o = call("gdn_decode", q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
                                       bool(use_qk_l2norm))
     return o.unsqueeze(1) if four else o
 

@@ -24,6 +24,7 @@ import torch
 
 from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
+from .custom import call, custom_op
 from .tune import LaunchTable
 
 # the launches of each K-blocked kernel, in order (`kda_decay._diag_pass`): the whole chunk by one dot, its diagonal
@@ -53,7 +54,7 @@ def _chunk_size(K: int, dtype: torch.dtype) -> int:
     return 32 if K > 128 and dtype == torch.float32 else 64
 
 
-@torch.library.custom_op("hybridlm::kda_chunk_fwd", mutates_args=())
+@custom_op("kda_chunk_fwd")
 def kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -151,7 +152,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     return out
 
 
-@torch.library.custom_op("hybridlm::kda_chunk_bwd", mutates_args=())
+@custom_op("kda_chunk_bwd")
 def kda_chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, saved: list[torch.Tensor], cu_seqlens: torch.Tensor | None, scale: float,
@@ -161,7 +162,7 @@ def kda_chunk_bwd(
     return _bwd_impl(do, dht, q, k, v, g, beta, list(saved), cu_seqlens, scale, use_qk_l2norm, has_h0)
 
 
-@torch.library.custom_op("hybridlm::kda_chunk_bwd_rc", mutates_args=())
+@custom_op("kda_chunk_bwd_rc")
 def kda_chunk_bwd_rc(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
@@ -255,7 +256,7 @@ class _ChunkKDA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state,
                 recompute):
         grad = any(ctx.needs_input_grad[:6])
-        o, ht, *saved = torch.ops.hybridlm.kda_chunk_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+        o, ht, *saved = call("kda_chunk_fwd", q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                                          use_qk_l2norm, output_final_state, grad and not recompute)
         ctx.recompute = grad and recompute
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, *([] if ctx.recompute else saved))
@@ -270,10 +271,10 @@ class _ChunkKDA(torch.autograd.Function):
         if dht is not None and dht.numel() == 0:
             dht = None
         if ctx.recompute:
-            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd_rc(do, dht, q, k, v, g, beta, cu, ctx.scale,
+            dq, dk, dv, dg, db, dh0 = call("kda_chunk_bwd_rc", do, dht, q, k, v, g, beta, cu, ctx.scale,
                                                                           ctx.l2, ctx.has_h0, h0)
         else:
-            dq, dk, dv, dg, db, dh0 = torch.ops.hybridlm.kda_chunk_bwd(do, dht, q, k, v, g, beta, saved, cu,
+            dq, dk, dv, dg, db, dh0 = call("kda_chunk_bwd", do, dht, q, k, v, g, beta, saved, cu,
                                                                        ctx.scale, ctx.l2, ctx.has_h0)
         return dq, dk, dv, dg.to(ctx.g_dtype), db, (dh0 if ctx.has_h0 else None), None, None, None, None, None
 
@@ -311,7 +312,7 @@ def chunk_kda(
     return o, (ht if output_final_state else None)
 
 
-@torch.library.custom_op("hybridlm::kda_decode", mutates_args=("state_pool",))
+@custom_op("kda_decode", mutates_args=("state_pool",))
 def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
@@ -332,7 +333,7 @@ def fused_recurrent_kda_update(
     state_pool fp32 [P, HV, K, V] updated in place at rows state_indices. Returns o [N, HV, V]."""
     K = gdn._check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=True)
     scale = K**-0.5 if scale is None else float(scale)
-    return torch.ops.hybridlm.kda_decode(q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
+    return call("kda_decode", q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
                                          bool(use_qk_l2norm))
 
 

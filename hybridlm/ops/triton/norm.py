@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
+from .custom import call, custom_op
 from .tune import LaunchTable
 
 MAX_D = 16384
@@ -165,7 +166,7 @@ def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
     return max(1, min(NP, DWP_BYTES // (4 * BD)))
 
 
-@torch.library.custom_op("hybridlm::norm_fwd", mutates_args=())
+@custom_op("norm_fwd")
 def norm_fwd(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float, zc: bool,
              cast_y: bool, w_lowp: bool, act: int, out_dtype: torch.dtype | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +188,7 @@ def _(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
     return torch.empty_like(x, dtype=out_dtype or x.dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("hybridlm::norm_bwd", mutates_args=())
+@custom_op("norm_bwd")
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
              zc: bool, cast_y: bool, w_lowp: bool, act: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,7 +221,7 @@ def _(dy, x, gate, weight, eps, zc, cast_y, w_lowp, act):
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype):
-        y, _ = torch.ops.hybridlm.norm_fwd(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
+        y, _ = call("norm_fwd", x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype)
         ctx.save_for_backward(x, gate, weight)
         ctx.args = (eps, zc, cast_y, w_lowp, act)
         return y
@@ -228,7 +229,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, gate, weight = ctx.saved_tensors
-        dx, dg, dw = torch.ops.hybridlm.norm_bwd(dy, x, gate, weight, *ctx.args)
+        dx, dg, dw = call("norm_bwd", dy, x, gate, weight, *ctx.args)
         return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 6)
 
 

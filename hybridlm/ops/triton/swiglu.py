@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .conv import _check_device, _check_tensor
+from .custom import call, custom_op
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 BLOCK = 2048  # elements per program (8 warps: 8 fp32 values a thread per tensor)
@@ -51,7 +52,7 @@ def _out(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, float("nan")) if POISON else torch.empty_like(like)
 
 
-@torch.library.custom_op("hybridlm::swiglu_fwd", mutates_args=())
+@custom_op("swiglu_fwd")
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up: contiguous, same shape and dtype -> silu(gate) * up."""
     y = _out(gate)
@@ -66,7 +67,7 @@ def _(gate, up):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("hybridlm::swiglu_bwd", mutates_args=())
+@custom_op("swiglu_bwd")
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dgate, dup) in the inputs' dtype."""
     dgate, dup = _out(gate), _out(up)
@@ -85,12 +86,12 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return torch.ops.hybridlm.swiglu_fwd(gate, up)
+        return call("swiglu_fwd", gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return torch.ops.hybridlm.swiglu_bwd(dy, gate, up)
+        return call("swiglu_bwd", dy, gate, up)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
