@@ -105,7 +105,7 @@ def comba_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tens
         outs.append(q_dec[:, :, n] @ S + P[:, :, n] @ U)
         S = S * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ U
     o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, HV, 0, C, v.shape[-1])
-    return o.reshape(B, HV, NC * C, -1)[:, :, :T].transpose(1, 2), S
+    return o.reshape(B, HV, NC * C, v.shape[-1])[:, :, :T].transpose(1, 2), S
 
 
 def _check_p(p: torch.Tensor | None, k: torch.Tensor) -> None:
