@@ -6,13 +6,13 @@ Non-standard here:
 - The paper preset gives each mixer its published form (qk_norm "recipe"): linear attention with elu + 1
   features, the scalar-decay mixer as Mamba2 (raw q/k, the write scaled by the same dt as the decay), the delta-rule
   mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
-- The mixers are the layers of `hybridlm.layers`: GDN and KDA, linear attention, the scalar-decay mixer and DeltaNet
-  as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own), softmax
-  attention as the plain library attention behind the same short conv the recurrent mixers have. They keep the
-  bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
-  slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet and GDN (`beta_bias`), short convs
-  from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix, the
-  embedding too), learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
+- The mixers are the layers of `hybridlm.layers`: GDN, KDA and Comba, linear attention, the scalar-decay mixer and
+  DeltaNet as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own),
+  softmax attention as the plain library attention behind the same short conv the recurrent mixers have. They keep
+  the bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
+  slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet, GDN and Comba (`beta_bias`), short
+  convs from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix,
+  the embedding too), learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
 - A grid of cells (mixer x width x setting x learning rate) is run cell by cell into a JSON file; a rerun skips
   cells already done, so the paper grid can be spread over several GPU calls.
 """
@@ -33,13 +33,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..files import atomic_write_text
-from ..layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
+from ..layers import Comba, GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
 from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
 from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
-MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
+MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "gdn_attention")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -124,7 +124,9 @@ def slow_decay_init(mixer: nn.Module) -> None:
 def beta_bias(mixer: nn.Module) -> None:
     """The beta projection with a bias (beta = sigmoid(W x + b)), as the bench's delta-rule mixers had it: rms-normed
     inputs have no constant direction, so without it every token's write strength depends on its content alone."""
-    mixer.in_proj_b = nn.Linear(mixer.in_proj_b.in_features, mixer.in_proj_b.out_features, bias=True)
+    name = "b_proj" if isinstance(mixer, Comba) else "in_proj_b"
+    old = getattr(mixer, name)
+    setattr(mixer, name, nn.Linear(old.in_features, old.out_features, bias=True))
 
 
 def conv_init(model: nn.Module) -> None:
@@ -150,11 +152,13 @@ def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = 
         if dk != dv:
             raise ValueError(f"value_dim: expected the key dim {dk} for kda (one head size), got {dv}")
         mixer = KimiDeltaAttention(width, num_heads, dk, impl=impl)
+    elif kind == "comba":
+        mixer = Comba(width, num_heads, num_heads, dk, dv, impl=impl)
     else:
         mixer = RecurrentMixer(kind, width, num_heads, dk, dv, impl=impl, qk_norm=qk_norm)
     if hasattr(mixer, "A_log"):
         slow_decay_init(mixer)
-    if kind in ("gdn", "deltanet"):
+    if kind in ("gdn", "deltanet", "comba"):
         beta_bias(mixer)
     return mixer
 

@@ -1,6 +1,7 @@
 """Token mixers, norms and MLPs of hybrid linear-attention models (nn.Modules over `hybridlm.ops`)."""
 
 from .attention import GatedAttention, Rotary, apply_rotary, build_attention_mask, positions_for
+from .comba import Comba
 from .conv import ShortConv
 from .gdn import GatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -10,6 +11,7 @@ from .norm import GatedRMSNorm, RMSNorm
 
 __all__ = [
     "MLA",
+    "Comba",
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",

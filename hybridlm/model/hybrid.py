@@ -1,7 +1,7 @@
 """`HybridLM`: embedding, a stack of hybrid blocks, final norm, lm head.
 
 Non-standard here:
-- A block's token mixer is chosen per layer from `config.layer_types` (linear: GDN or KDA; full: gated / plain
+- A block's token mixer is chosen per layer from `config.layer_types` (linear: GDN, KDA or Comba; full: gated / plain
   softmax attention or MLA) and its MLP from `config.mlp_types` (SwiGLU or MoE).
 - block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
   linear blocks stay pre-norm.
@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridlm.layers import (
     MLA,
+    Comba,
     GatedAttention,
     GatedDeltaNet,
     KimiDeltaAttention,
@@ -56,6 +57,10 @@ def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Modu
             return KimiDeltaAttention(c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim,
                                       conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl,
                                       recompute=c.linear_recompute)
+        if c.linear_kind == "comba":
+            return Comba(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, beta_scale=c.linear_beta_scale,
+                         norm_eps=c.linear_norm_eps, impl=impl, recompute=c.linear_recompute)
         return GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, layout=c.gdn_layout,
                              beta_scale=c.linear_beta_scale, norm_eps=c.linear_norm_eps, impl=impl,

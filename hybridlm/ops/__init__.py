@@ -5,6 +5,7 @@ See docs/math.md for the recurrences and the chunkwise derivation.
 """
 
 from .chunk import recurrence_chunk
+from .comba import comba
 from .conv import causal_conv1d, causal_conv1d_update
 from .naive import recurrence_naive
 from .norm import gated_rms_norm, l2norm, rms_norm
@@ -22,6 +23,7 @@ __all__ = [
     "TRITON_KERNELS",
     "causal_conv1d",
     "causal_conv1d_update",
+    "comba",
     "delta_rule",
     "gated_delta_rule",
     "gated_linear_attention",
