@@ -4,12 +4,14 @@ from .attention import GatedAttention, Rotary, apply_rotary, build_attention_mas
 from .conv import ShortConv
 from .gdn import GatedDeltaNet
 from .kda import KimiDeltaAttention
+from .mesa_net import MesaNet
 from .mla import MLA
 from .mlp import MoE, SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
 
 __all__ = [
     "MLA",
+    "MesaNet",
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",

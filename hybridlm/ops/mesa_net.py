@@ -9,9 +9,13 @@ Non-standard here (against the delta-rule ops of `hybridlm.ops.recurrence`):
 - `scale` (default K ** -0.5, as every op here) only rescales o, since o is linear in q; fla's MesaNet has no
   scale, so its layer here passes scale=1.
 - No Triton kernel: impl="auto" is "chunk" everywhere, and "triton" fails with resolve_impl's error.
+- Autocast is switched off inside: the solve and the covariances are float32 whatever region the call is in (a
+  bfloat16 key covariance would make the solve meaningless); the output still comes back in the input dtype.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -113,11 +117,13 @@ def mesa_net(
         kw = dict(g=g[:, sl], beta=beta[:, sl], lamb=lamb, h_BHKK=h, s_BHKV=s, cg_iters=cg_iters)
         return mesa_naive(*args, **kw) if impl == "naive" else mesa_chunk(*args, chunk_size=chunk_size, **kw)
 
-    if cu_seqlens is None:
-        o, h, s = core(slice(None), h0, s0)
-    else:  # varlen: each packed sequence starts from its own state
-        bounds = host_offsets(cu_seqlens)
-        parts = [core(slice(bounds[n], bounds[n + 1]), h0[n : n + 1], s0[n : n + 1]) for n in range(N)]
-        o = torch.cat([p[0] for p in parts], dim=1)
-        h, s = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+    dev = q.device.type
+    with torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) else contextlib.nullcontext():
+        if cu_seqlens is None:
+            o, h, s = core(slice(None), h0, s0)
+        else:  # varlen: each packed sequence starts from its own state
+            bounds = host_offsets(cu_seqlens)
+            parts = [core(slice(bounds[n], bounds[n + 1]), h0[n : n + 1], s0[n : n + 1]) for n in range(N)]
+            o = torch.cat([p[0] for p in parts], dim=1)
+            h, s = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
     return o.to(out_dtype), ((h, s) if output_final_state else None)
