@@ -8,7 +8,9 @@ Non-standard here:
   so only the chunk-start states run sequentially (one [K, K] and one [K, V] update per chunk); all tokens of
   all chunks are then solved at once. Every exponent is <= 0 (nothing overflows in float32).
 - The exact solve materialises H_i + diag(lambda) for every token ([.., C, K, K] per chunk, O(T K^2) memory) and
-  calls torch.linalg.solve batched. With `cg_iters` the system is never formed: conjugate gradient only needs
+  LU-solves them batched; its backward is written out (`_StructuredSolve`): each dA_i is rank one, so the
+  gradients are chunk matmuls instead of a [.., C, K, K] gradient pushed back through the product that built A.
+  With `cg_iters` the system is never formed: conjugate gradient only needs
   (H_i + diag(lambda)) p = e^{b_i} H_0 p + sum_j M_ij k_j (k_j . p) + lambda * p, chunk matmuls as in fla's kernel.
 - The output uses the same split: o_i = e^{b_i} G_0^T x_i + sum_j M_ij (k_j . x_i) v_j.
 - T is padded to a multiple of the chunk with k = v = q = 0, g = 0, beta = 0: a padded token writes nothing and
@@ -67,9 +69,7 @@ def mesa_chunk(
     lam = lamb[None, :, None, None, :]  # [1, H, 1, 1, K]
 
     if cg_iters is None:
-        A = decay.unsqueeze(-1) * h0.unsqueeze(3) + torch.einsum("bhnij,bhnjk,bhnjl->bhnikl", M, k, k)
-        A = A + torch.diag_embed(lam.expand(B, H, A.shape[2], C, K))
-        x = torch.linalg.solve(A, q.unsqueeze(-1)).squeeze(-1)
+        x = _StructuredSolve.apply(q, h0, decay.squeeze(-1), M, k, lamb)
     else:
         kt = k.transpose(-1, -2)
 
@@ -80,6 +80,39 @@ def mesa_chunk(
     o = decay * torch.einsum("bhnck,bhnkv->bhncv", x, s0) + (M * (x @ k.transpose(-1, -2))) @ v
     o = o.movedim(1, 3).reshape(B, -1, H, v.shape[-1])[:, :T]
     return o, h_final, s_final
+
+
+class _StructuredSolve(torch.autograd.Function):
+    """x_i = A_i^{-1} q_i with A_i = d_i H_0 + sum_j M_ij k_j k_j^T + diag(lambda), for every token of every chunk.
+
+    The backward uses that the gradient of each A_i is rank one, dA_i = -y_i x_i^T with y_i = A_i^{-T} dx_i, so the
+    gradients of H_0, d, M, k and lambda are chunk matmuls (O(C^2 K + C K^2) per chunk); autograd through the
+    materialised A_i would form dA [.., C, K, K] and push it back through the C^2 K^2 product that built A.
+    q, k: [B, H, N, C, K]; h0: [B, H, N, K, K]; d: [B, H, N, C]; M: [B, H, N, C, C]; lamb: [H, K]."""
+
+    @staticmethod
+    def forward(ctx, q, h0, d, M, k, lamb):
+        A = d[..., None, None] * h0.unsqueeze(3) + torch.einsum("bhnij,bhnjk,bhnjl->bhnikl", M, k, k)
+        A.diagonal(dim1=-2, dim2=-1).add_(lamb[None, :, None, None, :])
+        # no error check (it would sync with the device): A is positive definite for lambda > 0 and H_0 a
+        # covariance, and any state this op returns is one
+        lu, piv, _ = torch.linalg.lu_factor_ex(A)
+        x = torch.linalg.lu_solve(lu, piv, q.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(lu, piv, x, h0, d, M, k)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        lu, piv, x, h0, d, M, k = ctx.saved_tensors
+        y = torch.linalg.lu_solve(lu, piv, dx.unsqueeze(-1), adjoint=True).squeeze(-1)  # dq
+        kt = k.transpose(-1, -2)
+        xk, yk = x @ kt, y @ kt  # [.., C(i), C(j)]: x_i . k_j, y_i . k_j
+        d_d = -torch.einsum("bhnck,bhnkl,bhncl->bhnc", y, h0, x)
+        d_h0 = -(y * d.unsqueeze(-1)).transpose(-1, -2) @ x
+        d_M = -(yk * xk)
+        d_k = -((M * xk).transpose(-1, -2) @ y + (M * yk).transpose(-1, -2) @ x)
+        d_lamb = -(y * x).sum(dim=(0, 2, 3))
+        return y, d_h0, d_d, d_M, d_k, d_lamb
 
 
 def _advance(h: torch.Tensor, s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
