@@ -73,7 +73,7 @@ def mesa_net(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
     cg_iters: int | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -88,7 +88,9 @@ def mesa_net(
     output_final_state: also return the final (H, G); otherwise None is returned.
     cu_seqlens: int32/int64 [N+1] offsets of sequences packed into one row (B must be 1), FlashAttention-style.
     use_qk_l2norm: normalise q and k over K as x * rsqrt(sum(x^2) + 1e-6) first.
-    chunk_size: 16, 32, 64 or 128, used by impl="chunk".
+    chunk_size: 16, 32, 64 or 128, used by impl="chunk". Default 16, not 64 as for the delta rules: the exact solve
+    forms every token's K x K system from its chunk's keys, O(T * chunk_size * K^2) work, while the sequential part
+    is only one K x K update per chunk.
     cg_iters: None for the exact solve, or that many conjugate-gradient steps from x = 0 (fla: 30).
     impl: "auto" | "naive" | "chunk" ("triton" has no kernel and fails).
     Returns (o [B, T, HV, V] in the input dtype, (H, G) or None)."""
