@@ -53,7 +53,7 @@ class MesaNet(nn.Module):
         self.a_proj = nn.Linear(D, num_heads, bias=True)
         self.b_proj = nn.Linear(D, num_heads, bias=True)
         self.conv1d = ShortConv(2 * self.key_dim, conv_kernel, activation="silu")
-        # softplus^{-1}(1 - lower bound): lambda starts at 1
+        # softplus^{-1}(1 - lower bound): lambda starts at 1 (at the bound + log 2 for a bound >= 1)
         start = math.log(math.expm1(1.0 - lambda_lower_bound)) if lambda_lower_bound < 1 else 0.0
         self.lambda_params = nn.Parameter(torch.full((self.key_dim,), start))
         if output_gate:
@@ -65,8 +65,8 @@ class MesaNet(nn.Module):
         self.o_proj = nn.Linear(self.value_dim, D, bias=False)
 
     def ridge(self) -> torch.Tensor:
-        """lambda: [H, dk] float32 (> lambda_lower_bound)."""
-        return (F.softplus(self.lambda_params.float()) + self.lambda_lower_bound).view(self.H, self.dk)
+        """lambda: [H, dk] (> lambda_lower_bound) in float32 (float64 for a float64 model)."""
+        return (F.softplus(_gate_dtype(self.lambda_params)) + self.lambda_lower_bound).view(self.H, self.dk)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -84,7 +84,6 @@ class MesaNet(nn.Module):
             keep = attention_mask[:, :, None].to(g.dtype)
             g, beta = g * keep, beta * keep
         lamb = self.ridge()
-        lamb = lamb.double() if q.dtype == torch.float64 else lamb
         h0 = None if cache is None else cache.recurrent
         op_impl = glue.step_impl("auto" if self.impl == "triton" else self.impl, cache is not None, T)
 
