@@ -33,13 +33,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..files import atomic_write_text
-from ..layers import Comba, GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
+from ..layers import Comba, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MesaNet, RMSNorm, ShortConv, SwiGLU
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
 from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
 from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
-MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "gdn_attention")
+MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "mesanet", "gdn_attention")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,6 +121,15 @@ def slow_decay_init(mixer: nn.Module) -> None:
         mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
 
+def forget_gate_init(mixer: MesaNet) -> None:
+    """MesaNet's forget gate e^g = sigmoid(a_proj(x)) with decay rates -g = softplus(-bias) log-uniform in
+    [1e-3, 1e-1], as `slow_decay_init` gives the other mixers (a zero or default bias forgets half the memory at
+    every token)."""
+    with torch.no_grad():
+        rate = torch.empty_like(mixer.a_proj.bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        mixer.a_proj.bias.copy_(-(rate + torch.log(-torch.expm1(-rate))))  # -softplus^-1(rate)
+
+
 def beta_bias(mixer: nn.Module) -> None:
     """The beta projection with a bias (beta = sigmoid(W x + b)), as the bench's delta-rule mixers had it: rms-normed
     inputs have no constant direction, so without it every token's write strength depends on its content alone."""
@@ -154,6 +163,10 @@ def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = 
         mixer = KimiDeltaAttention(width, num_heads, dk, impl=impl)
     elif kind == "comba":
         mixer = Comba(width, num_heads, num_heads, dk, dv, impl=impl)
+    elif kind == "mesanet":
+        mixer = MesaNet(width, num_heads, dk, dv, impl=impl)
+        forget_gate_init(mixer)
+        return mixer
     else:
         mixer = RecurrentMixer(kind, width, num_heads, dk, dv, impl=impl, qk_norm=qk_norm)
     if hasattr(mixer, "A_log"):

@@ -5,6 +5,7 @@ from .comba import Comba
 from .conv import ShortConv
 from .gdn import GatedDeltaNet
 from .kda import KimiDeltaAttention
+from .mesa_net import MesaNet
 from .mla import MLA
 from .mlp import MoE, SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
@@ -12,6 +13,7 @@ from .norm import GatedRMSNorm, RMSNorm
 __all__ = [
     "MLA",
     "Comba",
+    "MesaNet",
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",

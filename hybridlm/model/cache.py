@@ -23,7 +23,7 @@ from .config import HybridConfig
 @dataclass
 class LinearState:
     conv: torch.Tensor | None = None  # [B, conv_dim, W], model dtype
-    recurrent: torch.Tensor | None = None  # [B, HV, dk, dv], float32
+    recurrent: torch.Tensor | tuple | None = None  # [B, HV, dk, dv] float32; MesaNet: ([B, H, dk, dk], [B, H, dk, dv])
 
 
 @dataclass
@@ -74,7 +74,8 @@ class HybridCache:
     def tensors(self) -> list[torch.Tensor]:
         out = []
         for st in self.layers:
-            out += [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
+            for t in vars(st).values():  # a tuple is MesaNet's (H, G) recurrent pair
+                out += [x for x in (t if isinstance(t, tuple) else (t,)) if isinstance(x, torch.Tensor)]
         return out
 
     def nbytes(self) -> int:

@@ -35,6 +35,7 @@ class HybridConfig:
     # --- linear mixer ---
     linear_kind: str = "gdn"  # "gdn" (Gated DeltaNet, scalar decay per head) | "kda" (channel-wise decay)
     #                           | "comba" (Comba: scalar decay, read key p = d k, output correction q - D p)
+    #                           | "mesa" (MesaNet: least-squares memory, exact solve; H == HV heads of dk / dv)
     gdn_layout: str = "split"  # "fused" (Qwen3-Next in_proj_qkvz/in_proj_ba) | "split" (Qwen3.5 in_proj_qkv/z/b/a)
     #                            | "olmo" (separate q/k/v/a/b/g projections)
     linear_num_key_heads: int = 2  # H (query/key heads of the linear mixer)
@@ -104,7 +105,7 @@ class HybridConfig:
         choices = {
             "norm_kind": ("zero_centered", "llama", "fp32_weight"),
             "block_style": ("pre", "olmo"),
-            "linear_kind": ("gdn", "kda", "comba"),
+            "linear_kind": ("gdn", "kda", "comba", "mesa"),
             "gdn_layout": ("fused", "split", "olmo"),
             "attention_kind": ("gated", "plain", "mla"),
             "attn_gate": ("elementwise", "headwise"),

@@ -29,6 +29,7 @@ from hybridlm.layers import (
     GatedAttention,
     GatedDeltaNet,
     KimiDeltaAttention,
+    MesaNet,
     MoE,
     RMSNorm,
     SwiGLU,
@@ -53,6 +54,10 @@ class HybridOutput:
 def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module:
     c = config
     if c.layer_types[layer] == "linear_attention":
+        if c.linear_kind == "mesa":
+            return MesaNet(c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                           conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl,
+                           recompute=c.linear_recompute)
         if c.linear_kind == "kda":
             return KimiDeltaAttention(c.hidden_size, c.linear_num_value_heads, c.linear_key_head_dim,
                                       conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.linear_norm_eps, impl=impl,

@@ -42,8 +42,11 @@ def cache_bytes(cfg: HybridConfig, dtype_bytes: int = 2) -> CacheBytes:
                 kv += 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
         else:
             HV, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            conv_dim = 2 * cfg.linear_key_dim + cfg.linear_value_dim if cfg.linear_kind != "kda" else 3 * HV * dk
-            state += HV * dk * dv * 4 + conv_dim * cfg.linear_conv_kernel_dim * dtype_bytes
+            conv_dim = {"gdn": 2 * cfg.linear_key_dim + cfg.linear_value_dim,
+                        "comba": 2 * cfg.linear_key_dim + cfg.linear_value_dim, "mesa": 2 * HV * dk}.get(
+                cfg.linear_kind, 3 * HV * dk)
+            key_cov = HV * dk * dk * 4 if cfg.linear_kind == "mesa" else 0  # MesaNet's second state
+            state += HV * dk * dv * 4 + key_cov + conv_dim * cfg.linear_conv_kernel_dim * dtype_bytes
     return CacheBytes(kv, state)
 
 

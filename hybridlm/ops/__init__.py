@@ -7,6 +7,7 @@ See docs/math.md for the recurrences and the chunkwise derivation.
 from .chunk import recurrence_chunk
 from .comba import comba
 from .conv import causal_conv1d, causal_conv1d_update
+from .mesa_net import mesa_net
 from .naive import recurrence_naive
 from .norm import gated_rms_norm, l2norm, rms_norm
 from .recurrence import (
@@ -31,6 +32,7 @@ __all__ = [
     "kda",
     "l2norm",
     "linear_attention",
+    "mesa_net",
     "recurrence_chunk",
     "recurrence_naive",
     "resolve_impl",

@@ -195,6 +195,9 @@ def test_mixers_are_the_library_layers_with_the_benchs_init():
     assert rate.min() < 1e-2 < rate.max(), rate
     for kind in ("gdn", "deltanet"):
         assert MQARModel(kind, width=32, num_heads=2, vocab_size=32).blocks[0].mixer.in_proj_b.bias is not None
+    mesa = MQARModel("mesanet", width=32, num_heads=2, vocab_size=32).blocks[0].mixer
+    rate = torch.nn.functional.softplus(-mesa.a_proj.bias.detach())  # the forget gate's decay rate -g at x = 0
+    assert rate.min() >= 1e-3 * (1 - 1e-5) and rate.max() <= 1e-1 * (1 + 1e-5), rate
     convs = [m.weight for m in MQARModel("attention", width=64, num_heads=1, vocab_size=32).modules()
              if isinstance(m, ShortConv)] + [kda_mixer.conv1d.weight]
     assert len(convs) == 7

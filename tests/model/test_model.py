@@ -30,6 +30,7 @@ def small_variants():
                                          kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                                          norm_kind="llama", moe_kind="kimi", n_group=2, topk_group=1,
                                          routed_scaling_factor=2.0, **moe),
+        "mesa": HybridConfig(**{**base, "linear_num_key_heads": 4}, linear_kind="mesa"),
     }
 
 
@@ -67,7 +68,7 @@ def test_backward_reaches_every_parameter(name):
     assert not missing
 
 
-@pytest.mark.parametrize("name", ["gdn_split_headwise", "kda_mla_kimi_moe"])
+@pytest.mark.parametrize("name", ["gdn_split_headwise", "kda_mla_kimi_moe", "mesa"])
 def test_linear_recompute_changes_no_gradient(name):
     """linear_recompute=True: the same loss and parameter gradients bit for bit, packed documents included, with
     fewer tensors kept for the backward (the recurrences keep only their inputs)."""

@@ -1,0 +1,91 @@
+"""MesaNet on CUDA: our chunked form (exact solve, float32 compute) and fla's `chunk_mesa_net`, both against our
+float64 token-by-token reference on the same inputs (plain with initial states, and packed sequences).
+
+The definitions agree (H_t = e^{g_t} H_{t-1} + beta_t k_t k_t^T, G_t likewise with v_t, o_t = G_t^T (H_t +
+diag(lambda))^{-1} q_t, lambda [H, K], q and k l2-normalised, state pair (h_kk, h_kv)) except where fla differs:
+- fla does not solve exactly: it runs `max_CG_iteration` (default 30) conjugate-gradient steps from x = 0 with 1e-5
+  added to both denominators; we solve exactly (`cg_iters=None`, our default). Its error printed below is that
+  truncation plus the next item, not a bug in either.
+- fla casts the l2-normalised q and k to float16 inside the kernel (float32 inputs too), and stores the chunk
+  states in that dtype; our float32 path keeps everything in float32.
+- fla has no q scale: we pass scale=1 (our default K ** -0.5 only rescales o).
+- fla needs V == K (<= 128) and float32 initial states; the inputs here are H 4, K = V = 64.
+The assertion is on ours only (close to float64 at float32 / bfloat16 rounding); fla's error is printed per tensor,
+`PARITY mesa_net <dtype> <tensor> ours=<max abs err vs fp64> fla=<max abs err vs fp64> ref=<max |fp64|>`, with an
+`o_cg30` line for our op at fla's 30 CG steps (the same approximation fla makes, without its float16 q/k).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops import mesa_net
+
+pytestmark = pytest.mark.gpu
+fla_mesa = pytest.importorskip("fla.ops.mesa_net")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+H, K, V = 4, 64, 64
+# max |ours - fp64| / max |fp64| per tensor: float32 compute at a condition number of a few tens; bfloat16 outputs
+# and gradients are rounded to 8 bits (2^-8 ~ 4e-3)
+TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
+NAMES = ["o", "H_final", "G_final", "dq", "dk", "dv", "dg", "dbeta", "dlamb", "dH0", "dG0"]
+
+
+def make_inputs(dtype, varlen, gen):
+    dev = "cuda"
+    B, T = (1, 300) if varlen else (2, 300)
+    N = 3 if varlen else B
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q, k, v = (r(B, T, H, D).to(dtype) for D in (K, K, V))
+    g = F.logsigmoid(r(B, T, H) + 2.0)  # e^g mostly in (0.5, 1): memories of a few to tens of tokens
+    beta = torch.sigmoid(r(B, T, H))
+    lamb = F.softplus(r(H, K)) + 0.25  # fla's layer: softplus(param) + 0.25
+    a = r(N, H, K, K) / K
+    h0, s0 = a @ a.transpose(-1, -2), r(N, H, K, V)  # a symmetric positive semi-definite key covariance
+    cu = torch.tensor([0, 1, 101, 300], device=dev, dtype=torch.long) if varlen else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, lamb=lamb, h0=h0, s0=s0, cu=cu)
+
+
+def _run(which, x, do, *, fp64=False, **kw):
+    """Outputs and gradients (q, k, v, g, beta, lamb, H0, G0) of one implementation; fp64: every input upcast
+    (exactly: the bfloat16 inputs are the reference's inputs too)."""
+    leaves = [(x[n].double() if fp64 else x[n]).detach().requires_grad_(True)
+              for n in ("q", "k", "v", "g", "beta", "lamb", "h0", "s0")]
+    q, k, v, g, beta, lamb, h0, s0 = leaves
+    if which == "fla":
+        o, h, s = fla_mesa.chunk_mesa_net(q, k, v, g, beta, lamb, h_kk_init=h0, h_kv_init=s0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"])
+    else:
+        o, (h, s) = mesa_net(q, k, v, g=g, beta=beta, lamb=lamb, scale=1.0, initial_state=(h0, s0),
+                             output_final_state=True, use_qk_l2norm=True, cu_seqlens=x["cu"], **kw)
+    grads = torch.autograd.grad((o * do.to(o.dtype)).sum(), leaves, allow_unused=True)
+    # a gradient fla does not return prints as nan instead of stopping the comparison of the others
+    return [o, h, s, *(torch.full_like(x, float("nan")) if d is None else d for x, d in zip(leaves, grads))]
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["plain", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mesa_net_matches_fp64_and_fla(dtype, varlen, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = make_inputs(dtype, varlen, gen)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda", dtype=torch.float32)
+    ref = _run("ours", x, do.double(), fp64=True, impl="naive")
+    ours = _run("ours", x, do, impl="chunk")
+    fla = _run("fla", x, do)
+    cg30 = _run("ours", x, do, impl="chunk", cg_iters=30)[0]
+    name = str(dtype).replace("torch.", "")
+    bad = []
+    for n, a, b, r in zip(NAMES, ours, fla, ref):
+        err_ours, err_fla = ((t.double() - r).abs().max().item() for t in (a, b))
+        scale = r.abs().max().item()
+        print(f"PARITY mesa_net {name} {n} ours={err_ours:.3e} fla={err_fla:.3e} ref={scale:.3e}")
+        if not err_ours <= TOL[dtype] * scale:
+            bad.append((n, err_ours, scale))
+    err_cg = (cg30.double() - ref[0]).abs().max().item()
+    print(f"PARITY mesa_net {name} o_cg30 ours={err_cg:.3e} fla={(fla[0].double() - ref[0]).abs().max().item():.3e} "
+          f"ref={ref[0].abs().max().item():.3e}")
+    assert not bad, f"seed {seed}: (tensor, max abs err, max |fp64|) over {TOL[dtype]} x max |fp64|: {bad}"
