@@ -6,8 +6,10 @@ See docs/math.md for the recurrences and the chunkwise derivation.
 
 from .chunk import recurrence_chunk
 from .conv import causal_conv1d, causal_conv1d_update
+from .deltaformer import deltaformer_attention
 from .naive import recurrence_naive
 from .norm import gated_rms_norm, l2norm, rms_norm
+from .path_attn import path_attention
 from .recurrence import (
     TRITON_KERNELS,
     delta_rule,
@@ -23,12 +25,14 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "delta_rule",
+    "deltaformer_attention",
     "gated_delta_rule",
     "gated_linear_attention",
     "gated_rms_norm",
     "kda",
     "l2norm",
     "linear_attention",
+    "path_attention",
     "recurrence_chunk",
     "recurrence_naive",
     "resolve_impl",
