@@ -2,19 +2,23 @@
 
 from .attention import GatedAttention, Rotary, apply_rotary, build_attention_mask, positions_for
 from .conv import ShortConv
+from .deltaformer import DeltaFormerAttention
 from .gdn import GatedDeltaNet
 from .kda import KimiDeltaAttention
 from .mla import MLA
 from .mlp import MoE, SwiGLU
 from .norm import GatedRMSNorm, RMSNorm
+from .path_attn import PaTHAttention
 
 __all__ = [
     "MLA",
+    "DeltaFormerAttention",
     "GatedAttention",
     "GatedDeltaNet",
     "GatedRMSNorm",
     "KimiDeltaAttention",
     "MoE",
+    "PaTHAttention",
     "RMSNorm",
     "Rotary",
     "ShortConv",
