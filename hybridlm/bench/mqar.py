@@ -8,7 +8,8 @@ Non-standard here:
   mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
 - The mixers are the layers of `hybridlm.layers`: GDN and KDA, linear attention, the scalar-decay mixer and DeltaNet
   as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own), softmax
-  attention as the plain library attention behind the same short conv the recurrent mixers have. They keep the
+  attention as the plain library attention behind the same short conv the recurrent mixers have, and so PaTH
+  attention (no forget gate) and DeltaFormer. They keep the
   bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
   slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet and GDN (`beta_bias`), short convs
   from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix, the
@@ -33,13 +34,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..files import atomic_write_text
-from ..layers import GatedAttention, GatedDeltaNet, KimiDeltaAttention, RMSNorm, ShortConv, SwiGLU
+from ..layers import (
+    DeltaFormerAttention,
+    GatedAttention,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    PaTHAttention,
+    RMSNorm,
+    ShortConv,
+    SwiGLU,
+)
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
 from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
 from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
-MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
+MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention", "path", "deltaformer")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,12 +105,18 @@ def _gate_float(t: torch.Tensor) -> torch.Tensor:
 class ConvAttention(nn.Module):
     """The library's plain softmax attention (no output gate, no q/k norm, full rotary) with the recurrent mixers'
     short conv + SiLU after each q/k/v projection (the key at a value's position can be the key before it; a conv over
-    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). x: [B, T, D]."""
+    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). kind "path" / "deltaformer":
+    PaTH attention (its own positions, no rotary) / DeltaFormer (full rotary) behind the same convs. x: [B, T, D]."""
 
-    def __init__(self, width: int, num_heads: int, *, impl: str = "auto"):
+    def __init__(self, width: int, num_heads: int, *, impl: str = "auto", kind: str = "attention"):
         super().__init__()
         hd = width // num_heads
-        self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
+        if kind == "path":
+            self.attn = PaTHAttention(width, num_heads, num_heads, hd, impl=impl)
+        elif kind == "deltaformer":
+            self.attn = DeltaFormerAttention(width, num_heads, num_heads, hd, rotary_dim=hd, impl=impl)
+        else:
+            self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self.attn, name, nn.Sequential(getattr(self.attn, name), ShortConv(width, 4, "silu", impl=impl)))
 
@@ -142,8 +158,8 @@ def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = 
     """A token mixer of hybridlm.layers for one MQAR block (kind: one of MIXERS except gdn_attention)."""
     check_qk_norm(qk_norm)
     dk, dv = key_dim or width // num_heads, value_dim or width // num_heads
-    if kind == "attention":
-        return ConvAttention(width, num_heads, impl=impl)
+    if kind in ("attention", "path", "deltaformer"):
+        return ConvAttention(width, num_heads, impl=impl, kind=kind)
     if kind == "gdn":
         mixer = GatedDeltaNet(width, num_heads, num_heads, dk, dv, layout="split", impl=impl)
     elif kind == "kda":
