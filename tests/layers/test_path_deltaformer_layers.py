@@ -94,3 +94,15 @@ def test_masks_other_than_key_padding_are_refused():
     assert key_padding(causal[None, None], 1, 4, 4).all()
     with pytest.raises(ValueError, match="mask: .*key padding only"):
         key_padding(docs[None, None], 1, 4, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_bytes_match_the_formula(kind):
+    from hybridlm.model.info import cache_bytes
+
+    cfg = config(kind)
+    m = HybridLM(cfg).eval().to(torch.bfloat16)
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randint(0, 64, (3, 16)), cache=cache)
+    assert cache.nbytes() == cache_bytes(cfg, dtype_bytes=2).total(16, batch=3)
