@@ -6,13 +6,14 @@ Non-standard here:
 - The paper preset gives each mixer its published form (qk_norm "recipe"): linear attention with elu + 1
   features, the scalar-decay mixer as Mamba2 (raw q/k, the write scaled by the same dt as the decay), the delta-rule
   mixers with l2-normalised q/k; qk_norm "l2" l2-normalises every mixer's q/k instead.
-- The mixers are the layers of `hybridlm.layers`: GDN, KDA and Comba, linear attention, the scalar-decay mixer and
-  DeltaNet as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of their own),
-  softmax attention as the plain library attention behind the same short conv the recurrent mixers have. They keep
-  the bench's own initialisation, on which its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and
-  slow initial decays (`slow_decay_init`), a biased beta projection for DeltaNet, GDN and Comba (`beta_bias`), short
-  convs from N(0, 1/4) (`conv_init`). Training uses `hybridlm train`'s optimizer (with weight decay on every matrix,
-  the embedding too), learning-rate schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
+- The mixers are the layers of `hybridlm.layers`: GDN, KDA, Comba and MesaNet, linear attention, the scalar-decay
+  mixer and DeltaNet as the GDN layer with its recurrence swapped (`RecurrentMixer`; the library has no layer of
+  their own), softmax attention as the plain library attention behind the same short conv the recurrent mixers
+  have, and so PaTH attention (no forget gate) and DeltaFormer. They keep the bench's own initialisation, on which
+  its results rest: decay rate softplus(a + dt_bias) with A fixed at 1 and slow initial decays (`slow_decay_init`),
+  a biased beta projection for DeltaNet, GDN and Comba (`beta_bias`), short convs from N(0, 1/4) (`conv_init`).
+  Training uses `hybridlm train`'s optimizer (with weight decay on every matrix, the embedding too), learning-rate
+  schedule (decayed to 0) and autocast (`hybridlm.train.optim`).
 - A grid of cells (mixer x width x setting x learning rate) is run cell by cell into a JSON file; a rerun skips
   cells already done, so the paper grid can be spread over several GPU calls.
 """
@@ -33,13 +34,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..files import atomic_write_text
-from ..layers import Comba, GatedAttention, GatedDeltaNet, KimiDeltaAttention, MesaNet, RMSNorm, ShortConv, SwiGLU
+from ..layers import (
+    Comba,
+    DeltaFormerAttention,
+    GatedAttention,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    MesaNet,
+    PaTHAttention,
+    RMSNorm,
+    ShortConv,
+    SwiGLU,
+)
 from ..ops import delta_rule, gated_linear_attention, linear_attention
 from ..train.optim import autocast, build_optimizer, lr_at, set_lr
 from .mqar_data import IGNORE, check_mqar_setting, mqar_batch
 from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged_results, parse_shard
 
-MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "mesanet", "gdn_attention")
+MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "mesanet", "gdn_attention",
+          "path", "deltaformer")
+# the paper preset's grid: the mixers Zoology-style MQAR tables compare. Comba, MesaNet, PaTH and DeltaFormer run
+# their PyTorch forms (no kernels; MesaNet's exact solve holds a K x K matrix per token: ~17 GB a layer at width 256),
+# so they join a GPU grid only by --mixers.
+PAPER_MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,12 +112,18 @@ def _gate_float(t: torch.Tensor) -> torch.Tensor:
 class ConvAttention(nn.Module):
     """The library's plain softmax attention (no output gate, no q/k norm, full rotary) with the recurrent mixers'
     short conv + SiLU after each q/k/v projection (the key at a value's position can be the key before it; a conv over
-    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). x: [B, T, D]."""
+    the block input mixes the two tokens' embeddings: tiny preset recall 0.67, not 0.99). kind "path" / "deltaformer":
+    PaTH attention (its own positions, no rotary) / DeltaFormer (full rotary) behind the same convs. x: [B, T, D]."""
 
-    def __init__(self, width: int, num_heads: int, *, impl: str = "auto"):
+    def __init__(self, width: int, num_heads: int, *, impl: str = "auto", kind: str = "attention"):
         super().__init__()
         hd = width // num_heads
-        self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
+        if kind == "path":
+            self.attn = PaTHAttention(width, num_heads, num_heads, hd, impl=impl)
+        elif kind == "deltaformer":
+            self.attn = DeltaFormerAttention(width, num_heads, num_heads, hd, rotary_dim=hd, impl=impl)
+        else:
+            self.attn = GatedAttention(width, num_heads, num_heads, hd, gate="none", qk_norm="none", rotary_dim=hd)
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self.attn, name, nn.Sequential(getattr(self.attn, name), ShortConv(width, 4, "silu", impl=impl)))
 
@@ -153,8 +176,8 @@ def build_mixer(kind: str, width: int, num_heads: int, *, key_dim: int | None = 
     """A token mixer of hybridlm.layers for one MQAR block (kind: one of MIXERS except gdn_attention)."""
     check_qk_norm(qk_norm)
     dk, dv = key_dim or width // num_heads, value_dim or width // num_heads
-    if kind == "attention":
-        return ConvAttention(width, num_heads, impl=impl)
+    if kind in ("attention", "path", "deltaformer"):
+        return ConvAttention(width, num_heads, impl=impl, kind=kind)
     if kind == "gdn":
         mixer = GatedDeltaNet(width, num_heads, num_heads, dk, dv, layout="split", impl=impl)
     elif kind == "kda":
@@ -432,7 +455,7 @@ PRESETS = {
     # chance level); each mixer in its published form (qk_norm "recipe": with l2-normalised q/k for every mixer,
     # linear attention recalled 0.977 of 64 pairs at width 64); lr 1e-2 left every recurrent mixer at chance and
     # 6e-3 most of them (H100 runs), hence 1e-3 and 3e-3; 42 cells of 4000 steps x 128 examples
-    "paper": dict(mixers=list(MIXERS), widths=[64, 128, 256], seq_lens=[512], pairs=[64], vocab_size=4096,
+    "paper": dict(mixers=list(PAPER_MIXERS), widths=[64, 128, 256], seq_lens=[512], pairs=[64], vocab_size=4096,
                   lrs=[1e-3, 3e-3], num_heads=1, key_dim=None, value_dim=None, mlp=False, steps=4000,
                   batch_size=128, warmup=0.1, weight_decay=0.1, test_examples=1000, mixed_pairs=True,
                   qk_norm="recipe"),

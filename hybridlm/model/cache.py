@@ -7,6 +7,8 @@ Non-standard here:
 - Softmax attention keeps post-norm, post-RoPE K and V `[B, kv_heads, S, head_dim]`.
 - MLA keeps the compressed, normed latent `[B, S, kv_lora_rank]` and the shared `k_rot` `[B, S, rope_dim]`, and
   re-expands them with kv_b_proj at every step (the memory saving of MLA).
+- PaTH attention / DeltaFormer keep their layer's per-token inputs `[B, S, ...]` (`HistoryState`) and rerun the
+  op over them at every step (hybridlm.layers.history): their old keys' contributions change with each new token.
 - The cache counts the tokens it has seen; `HybridLM.forward(..., cache=...)` then expects the attention mask of
   the whole history ([B, past + T]), as transformers does.
 """
@@ -49,6 +51,22 @@ class LatentState:
 
 
 @dataclass
+class HistoryState:
+    q: torch.Tensor | None = None  # [B, S, heads, head_dim], and so on: the parts a layer passes to `append`
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    w: torch.Tensor | None = None  # PaTH: Householder directions before the short conv
+    beta: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+
+    def append(self, **parts: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+        for name, t in parts.items():
+            old = getattr(self, name)
+            setattr(self, name, t if old is None or t is None else torch.cat([old, t], dim=1))
+        return {name: getattr(self, name) for name in parts}
+
+
+@dataclass
 class HybridCache:
     layers: list = field(default_factory=list)
     seen_tokens: int = 0
@@ -61,6 +79,8 @@ class HybridCache:
                 layers.append(LinearState())
             elif config.attention_kind == "mla":
                 layers.append(LatentState())
+            elif config.attention_kind in ("path", "deltaformer"):
+                layers.append(HistoryState())
             else:
                 layers.append(KVState())
         return cls(layers)

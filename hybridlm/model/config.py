@@ -49,6 +49,8 @@ class HybridConfig:
     #                                 reruns its forward there (GDN kernels: ~1.9 KB less per token and value head)
     # --- softmax attention ---
     attention_kind: str = "gated"  # "gated" (softmax + sigmoid output gate, Qwen) | "plain" (OLMo) | "mla" (Kimi)
+    #                                | "path" (PaTH: Householder positions, no RoPE) | "deltaformer" (with RoPE)
+    path_forget_gate: bool = False  # attention_kind "path": PaTH-FoX's forget gate on the logits
     attn_gate: str = "elementwise"  # for "gated": "elementwise" (one gate per channel) | "headwise" (one per head)
     qk_norm: str = "head"  # "head" (norm over head_dim) | "full" (over the whole projection, OLMo) | "none"
     num_attention_heads: int = 4  # query heads
@@ -107,7 +109,7 @@ class HybridConfig:
             "block_style": ("pre", "olmo"),
             "linear_kind": ("gdn", "kda", "comba", "mesa"),
             "gdn_layout": ("fused", "split", "olmo"),
-            "attention_kind": ("gated", "plain", "mla"),
+            "attention_kind": ("gated", "plain", "mla", "path", "deltaformer"),
             "attn_gate": ("elementwise", "headwise"),
             "qk_norm": ("head", "full", "none"),
             "moe_kind": ("qwen", "kimi"),

@@ -1,8 +1,8 @@
 """`HybridLM`: embedding, a stack of hybrid blocks, final norm, lm head.
 
 Non-standard here:
-- A block's token mixer is chosen per layer from `config.layer_types` (linear: GDN, KDA or Comba; full: gated / plain
-  softmax attention or MLA) and its MLP from `config.mlp_types` (SwiGLU or MoE).
+- A block's token mixer is chosen per layer from `config.layer_types` (linear: GDN, KDA, Comba or MesaNet; full:
+  gated / plain softmax attention, MLA, PaTH or DeltaFormer) and its MLP from `config.mlp_types` (SwiGLU or MoE).
 - block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
   linear blocks stay pre-norm.
 - `cu_seqlens` (documents packed into one row, B == 1) reaches every mixer: the linear ops restart their state,
@@ -26,11 +26,13 @@ from torch import nn
 from hybridlm.layers import (
     MLA,
     Comba,
+    DeltaFormerAttention,
     GatedAttention,
     GatedDeltaNet,
     KimiDeltaAttention,
     MesaNet,
     MoE,
+    PaTHAttention,
     RMSNorm,
     SwiGLU,
     build_attention_mask,
@@ -70,6 +72,14 @@ def build_mixer(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Modu
                              c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, layout=c.gdn_layout,
                              beta_scale=c.linear_beta_scale, norm_eps=c.linear_norm_eps, impl=impl,
                              recompute=c.linear_recompute)
+    if c.attention_kind == "path":
+        return PaTHAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                             forget_gate=c.path_forget_gate, qk_norm=c.qk_norm, norm_kind=c.norm_kind,
+                             norm_eps=c.rms_norm_eps, impl=impl)
+    if c.attention_kind == "deltaformer":
+        return DeltaFormerAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                    qk_norm=c.qk_norm, norm_kind=c.norm_kind, norm_eps=c.rms_norm_eps,
+                                    rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, impl=impl)
     if c.attention_kind == "mla":
         return MLA(c.hidden_size, c.num_attention_heads, kv_lora_rank=c.kv_lora_rank,
                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,

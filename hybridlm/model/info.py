@@ -38,6 +38,8 @@ def cache_bytes(cfg: HybridConfig, dtype_bytes: int = 2) -> CacheBytes:
         if t == "full_attention":
             if cfg.attention_kind == "mla":
                 kv += (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+            elif cfg.attention_kind in ("path", "deltaformer"):  # HistoryState: the layer's per-token inputs
+                kv += _history_bytes_per_token(cfg, dtype_bytes)
             else:
                 kv += 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
         else:
@@ -48,6 +50,14 @@ def cache_bytes(cfg: HybridConfig, dtype_bytes: int = 2) -> CacheBytes:
             key_cov = HV * dk * dk * 4 if cfg.linear_kind == "mesa" else 0  # MesaNet's second state
             state += HV * dk * dv * 4 + key_cov + conv_dim * cfg.linear_conv_kernel_dim * dtype_bytes
     return CacheBytes(kv, state)
+
+
+def _history_bytes_per_token(cfg: HybridConfig, dtype_bytes: int) -> int:
+    """q, k, v (and PaTH's w) in the model dtype; beta (and PaTH-FoX's g) in float32."""
+    nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if cfg.attention_kind == "deltaformer":
+        return (nH + 2 * nKV) * hd * dtype_bytes + nH * 4
+    return (nH + 3 * nKV) * hd * dtype_bytes + nKV * 4 + (nH * 4 if cfg.path_forget_gate else 0)
 
 
 def load_config(target: str, arg: str = "target") -> HybridConfig:

@@ -7,9 +7,11 @@ See docs/math.md for the recurrences and the chunkwise derivation.
 from .chunk import recurrence_chunk
 from .comba import comba
 from .conv import causal_conv1d, causal_conv1d_update
+from .deltaformer import deltaformer_attention
 from .mesa_net import mesa_net
 from .naive import recurrence_naive
 from .norm import gated_rms_norm, l2norm, rms_norm
+from .path_attn import path_attention
 from .recurrence import (
     TRITON_KERNELS,
     delta_rule,
@@ -26,6 +28,7 @@ __all__ = [
     "causal_conv1d_update",
     "comba",
     "delta_rule",
+    "deltaformer_attention",
     "gated_delta_rule",
     "gated_linear_attention",
     "gated_rms_norm",
@@ -33,6 +36,7 @@ __all__ = [
     "l2norm",
     "linear_attention",
     "mesa_net",
+    "path_attention",
     "recurrence_chunk",
     "recurrence_naive",
     "resolve_impl",

@@ -445,7 +445,7 @@ def test_old_results_files_still_load_and_tabulate():
 # the values but not which key each followed gets 1/2; the bar is above both, and the control below shows the
 # task cannot be passed without a mixer. The default run trains GDN and the control (a few seconds each); the other
 # mixers are slow-marked. Seed 0 on one CPU thread gave attention 0.998, linear attention 1.000, gla 1.000,
-# deltanet 0.998, gdn 0.994, kda 1.000, comba 1.000, gdn_attention 0.998.
+# deltanet 0.998, gdn 0.994, kda 1.000, comba 1.000, gdn_attention 0.998, path 0.998, deltaformer 0.998.
 LEARN_SETTING = Setting(seq_len=16, num_pairs=2, vocab_size=32)
 LEARN_CONFIG = TrainConfig(num_heads=1, steps=400, batch_size=32, test_examples=256)
 LEARN_BAR = 0.85

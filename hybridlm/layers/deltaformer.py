@@ -1,0 +1,72 @@
+"""DeltaFormerAttention: softmax attention over delta-rule-rewritten values (hybridlm.ops.deltaformer), with RoPE.
+
+Non-standard here:
+- beta = sigmoid(b_proj(x)) per query head, in (0, 1). fla's layer passes b_proj(x) unbounded; a bounded write
+  strength keeps u from growing with the context (each write removes at most the retrieved value).
+- RoPE on q and k before both softmaxes (the write and the read), as fla.
+- Generation reruns the op over the cached per-token inputs (hybridlm.layers.history): exact, O(S^2) per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlm.ops import deltaformer_attention
+
+from .attention import Rotary, apply_rotary
+from .history import gate_dtype, run_over_history
+from .norm import RMSNorm
+
+
+class DeltaFormerAttention(nn.Module):
+    """x: [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 qk_norm: str = "none", norm_kind: str = "zero_centered", norm_eps: float = 1e-6,
+                 rotary_dim: int = 0, rope_theta: float | None = 10000.0, impl: str = "auto"):
+        super().__init__()
+        if qk_norm not in ("head", "full", "none"):
+            raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
+        self.impl = impl if impl in ("naive", "chunk") else "auto"  # no Triton kernel: "triton" means the default
+        D, kv = hidden_size, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(D, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(D, kv, bias=False)
+        self.v_proj = nn.Linear(D, kv, bias=False)
+        self.b_proj = nn.Linear(D, num_heads, bias=True)
+        self.o_proj = nn.Linear(num_heads * head_dim, D, bias=False)
+        if qk_norm != "none":  # "head": over each head; "full": over the whole projection
+            full = qk_norm == "full"
+            self.q_norm = RMSNorm(num_heads * head_dim if full else head_dim, norm_eps, norm_kind, impl=impl)
+            self.k_norm = RMSNorm(kv if full else head_dim, norm_eps, norm_kind, impl=impl)
+        self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
+
+    def _parts(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        B, T, _ = x.shape
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, self.nH, self.hd), k.view(B, T, self.nKV, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            if position_ids is None:
+                raise ValueError("position_ids: DeltaFormer with RoPE needs position ids [B|1, T], got None")
+            cos, sin = self.rotary(position_ids)
+            q = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2)
+            k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        beta = torch.sigmoid(gate_dtype(self.b_proj(x)))
+        return dict(q=q, k=k, v=self.v_proj(x).view(B, T, self.nKV, self.hd), beta=beta)
+
+    def _attend(self, p: dict[str, torch.Tensor], cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        return deltaformer_attention(p["q"], p["k"], p["v"], beta=p["beta"], cu_seqlens=cu_seqlens, impl=self.impl)
+
+    def forward(self, x: torch.Tensor, mask, position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """x: [B, T, D]; mask: None (causal), a `Documents` (packed, B == 1) or a bool [B|1, 1, T, S] with key
+        padding; position_ids: [B|1, T] for RoPE; cache: a HistoryState."""
+        B, T, _ = x.shape
+        o = run_over_history(self._attend, self._parts(x, position_ids), mask, T, cache)
+        return self.o_proj(o.reshape(B, T, self.nH * self.hd))
