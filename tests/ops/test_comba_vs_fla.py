@@ -78,7 +78,11 @@ def _fla(xs, cu):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["plain", "varlen"])
-def test_ours_and_fla_against_float64(gen, dtype, varlen):
+def test_ours_and_fla_against_float64(gen, dtype, varlen, monkeypatch):
+    # fla 0.6.0 refuses its gated chunk backward on Hopper with Triton 3.4 to 3.7.0 (its issue 640); lifted here, as
+    # in the benchmarks, so that its gradients are measured (printed) rather than refused
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True, raising=False)
     if varlen:
         lens = [1, 15, 284, 300]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -105,5 +109,6 @@ def test_ours_and_fla_against_float64(gen, dtype, varlen):
         print(f"PARITY comba {dt} {name} ours={e_ours:.3e} fla={e_fla:.3e} ({variant}, max |ref| {scale:.3e})")
         bar = 1e-2 if (dtype == torch.bfloat16 and name == "o") else 1e-5
         assert e_ours <= bar * scale, f"{tag} {name}: ours off by {e_ours:.3e} (max |ref| {scale:.3e}), seed {SEED}"
-        assert e_fla <= 3e-2 * scale, f"{tag} {name}: fla off by {e_fla:.3e} (max |ref| {scale:.3e}), seed {SEED}"
+        if i < 2:  # the definitions agree: fla's forward must match; its gradients are reported, not judged
+            assert e_fla <= 3e-2 * scale, f"{tag} {name}: fla off by {e_fla:.3e} (max |ref| {scale:.3e}), seed {SEED}"
     assert torch.isnan(ours[0]).sum() == 0, f"{tag}: NaN in our output, seed {SEED}"
