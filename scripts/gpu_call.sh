@@ -18,6 +18,9 @@
 #   train30m   `hybridlm train` with no arguments (the gpu-30m preset)
 #   train350m  `hybridlm bench train`: a 357M hybrid's training tokens/s, ours against fla's model
 #   fsdp2      scripts/gpu_fsdp2.sh (two GPUs): the same loss as one GPU, and tokens/s of two against one
+#   family     the GPU parity tests of Comba, MesaNet, PaTH and DeltaFormer against fla (tests/ops/test_*_vs_fla.py), one
+#              process a file (fla autotunes every kernel on its first call: minutes each on a fresh machine); the
+#              PARITY lines go to $OUT/family/parity.txt
 #   mqar       `hybridlm bench mqar --preset paper` with CUDA graphs, resuming from results/mqar-paper/results.json
 #              until the step's limit (copy the returned results.json there and commit it to go on later)
 # Any other STEP runs as a bash command (its log is $OUT/cmdN.log, N counting such steps from 1).
@@ -57,6 +60,10 @@ for spec in "$@"; do
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --data bundled,short-docs --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
+    family) mkdir -p "$OUT/family"
+      cmd=(bash -c "for f in comba mesa_net path_attn deltaformer; do python3 -m pytest -q -s -p no:cacheprovider \
+             tests/ops/test_\${f}_vs_fla.py > $OUT/family/\$f.log 2>&1 & done; wait; tail -n 2 $OUT/family/*.log; \
+             grep -h PARITY $OUT/family/*.log | tee $OUT/family/parity.txt") ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results.json "$OUT/mqar/" 2>/dev/null
           cmd=(python3 -m hybridlm bench mqar --preset paper --cuda-graphs --out "$OUT/mqar" \
                --max-minutes $(((secs - 60) / 60))) ;;
