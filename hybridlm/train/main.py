@@ -382,6 +382,14 @@ def train(args) -> dict:
                          f"use --seq-len <= {cfg.max_position_embeddings} or a --config with a larger "
                          "max_position_embeddings")
 
+    if cfg.hf_model_type:  # checkpoints are exported in that format: refuse now, not at the first save
+        from ..model.hf import config_to_hf
+
+        try:
+            config_to_hf(cfg, cfg.hf_model_type)
+        except ValueError as e:
+            raise TrainError(f"{'--config' if args.config else '--preset'}: {e}; set \"hf_model_type\": null in the "
+                             "config to save checkpoints in hybridlm's own format") from None
     try:
         tokenizer = tokenizer_from_spec(args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
