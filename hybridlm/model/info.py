@@ -103,14 +103,21 @@ def count_parameters(cfg: HybridConfig) -> tuple[int, int]:
     return model.num_parameters(), model.num_parameters(active=True)
 
 
+LINEAR_LETTERS = {"gdn": "L", "kda": "K", "comba": "C", "mesa": "S"}
+ATTENTION_LETTERS = {"mla": "M", "path": "P", "deltaformer": "D"}  # any other kind: A
+
+
 def layer_pattern(cfg: HybridConfig) -> str:
-    """One letter per layer: L linear (GDN) / K (KDA), A attention / M (MLA); lower case when the MLP is MoE."""
+    """One letter per layer (`PATTERN_LEGEND`); lower case when the MLP is MoE."""
     out = []
     for t, m in zip(cfg.layer_types, cfg.mlp_types):
-        c = ("K" if cfg.linear_kind == "kda" else "L") if t == "linear_attention" else (
-            "M" if cfg.attention_kind == "mla" else "A")
+        c = LINEAR_LETTERS[cfg.linear_kind] if t == "linear_attention" else ATTENTION_LETTERS.get(
+            cfg.attention_kind, "A")
         out.append(c.lower() if m == "moe" else c)
     return "".join(out)
+
+
+PATTERN_LEGEND = "L=GDN K=KDA C=Comba S=MesaNet A=attention M=MLA P=PaTH D=DeltaFormer; lower case = MoE MLP"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  parameters        {_fmt_count(total)} total, {_fmt_count(active)} active per token")
     print(f"  layers            {cfg.num_hidden_layers}: {n_lin} linear ({cfg.linear_kind}), "
           f"{cfg.num_hidden_layers - n_lin} attention ({cfg.attention_kind})")
-    print(f"  pattern           {info['pattern']}   (L=GDN K=KDA A=attention M=MLA; lower case = MoE MLP)")
+    print(f"  pattern           {info['pattern']}   ({PATTERN_LEGEND})")
     print(f"  KV cache          {_fmt_bytes(cb.kv_per_token)} per token ({args.dtype})")
     print(f"  recurrent state   {_fmt_bytes(cb.state_per_sequence)} per sequence (fp32 state + conv), constant")
     print(f"  cache at {ctx} tokens: {_fmt_bytes(cb.total(ctx))} per sequence")

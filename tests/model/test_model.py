@@ -155,3 +155,16 @@ def test_info_subcommand(capsys):
     assert cli_main(["info", "tiny", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["pattern"] == "LLLA" and d["parameters"] == HybridLM(get_preset("tiny")).num_parameters()
+
+
+def test_layer_pattern_names_every_mixer_kind():
+    """`hybridlm info`'s pattern: one letter per layer and kind (no new kind printed as another's letter)."""
+    cfg = get_preset("test-micro")
+    letters = set()
+    for field, kinds in (("linear_kind", ("gdn", "kda", "comba", "mesa")),
+                         ("attention_kind", ("gated", "mla", "path", "deltaformer"))):
+        for kind in kinds:
+            c = HybridConfig.from_dict({**cfg.to_dict(), field: kind})
+            letters.add(layer_pattern(c)[cfg.layer_types.index(
+                "linear_attention" if field == "linear_kind" else "full_attention")])
+    assert len(letters) == 8, letters
