@@ -10,7 +10,17 @@ import time
 
 import torch
 
-from .ops import delta_rule, gated_delta_rule, gated_linear_attention, kda, linear_attention
+from .ops import (
+    comba,
+    delta_rule,
+    deltaformer_attention,
+    gated_delta_rule,
+    gated_linear_attention,
+    kda,
+    linear_attention,
+    mesa_net,
+    path_attention,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +35,20 @@ def run(args: argparse.Namespace) -> int:
     q, k, v = torch.randn(B, T, H, K, dtype=d), torch.randn(B, T, H, K, dtype=d), torch.randn(B, T, HV, V, dtype=d)
     g, gk = -torch.rand(B, T, HV, dtype=d), -torch.rand(B, T, HV, K, dtype=d)
     beta = torch.rand(B, T, HV, dtype=d)
+    p, w = torch.randn(B, T, H, K, dtype=d), torch.randn(B, T, H, K, dtype=d)  # Comba's read key, PaTH's directions
     ops = {
         "gated_delta_rule": (gated_delta_rule, dict(g=g, beta=beta)),
         "kda": (kda, dict(g=gk, beta=beta)),
         "delta_rule": (delta_rule, dict(beta=beta)),
         "gated_linear_attention": (gated_linear_attention, dict(g=gk, beta=beta)),
         "linear_attention": (linear_attention, {}),
+        "comba": (lambda q, k, v, **kw: comba(q, k, v, p, **kw), dict(g=g, beta=beta)),
+        "mesa_net": (mesa_net, dict(g=g, beta=beta, lamb=torch.rand(HV, K, dtype=d) + 0.25)),
+        # softmax-attention forms: as many query as key heads here, no state
+        "path_attention": (lambda q, k, v, use_qk_l2norm, **kw: (path_attention(
+            q, k, v[:, :, :H], w, beta=2 * beta[:, :, :H], **kw), None), {}),
+        "deltaformer_attention": (lambda q, k, v, use_qk_l2norm, **kw: (deltaformer_attention(
+            q, k, v[:, :, :H], beta=beta[:, :, :H], **kw), None), {}),
     }
     print(f"float64, B={B} T={T} H={H} HV={HV} K={K} V={V}, q/k L2-normalised")
     print(f"{'op':<24}{'naive ms':>10}{'chunk ms':>10}{'rel. diff':>12}")
