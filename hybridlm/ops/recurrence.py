@@ -22,7 +22,7 @@ from .chunk import recurrence_chunk
 from .naive import recurrence_naive
 from .norm import l2norm
 from .offsets import host_offsets
-from .validate import Dims, check_recurrence_inputs
+from .validate import Dims, check_recurrence_inputs, check_state_pool
 
 log = logging.getLogger("hybridlm.ops")
 
@@ -130,11 +130,30 @@ def _run(
 
 
 def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
-              cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute=False):
+              cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute=False, state_pool=None, state_indices=None):
     dims = check_recurrence_inputs(
         q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, impl=impl,
     )
+    if state_pool is None and state_indices is None:
+        return _dispatch_checked(op, delta, dims, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl, recompute=recompute)
+    # a pool of states (chunked prefill in a server): sequence n starts from row state_indices[n] and its final
+    # state is written back there; one gather before, one scatter after, any impl
+    check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims, dtype=_compute_dtype(q),
+                     device=q.device)
+    rows = state_indices.long()  # index_copy_ takes int64 rows only
+    h0 = state_pool.index_select(0, rows)
+    o, final = _dispatch_checked(op, delta, dims, q, k, v, g=g, beta=beta, scale=scale, initial_state=h0,
+                                 output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                                 chunk_size=chunk_size, impl=impl, recompute=recompute)
+    state_pool.index_copy_(0, rows, final.detach())
+    return o, (final if output_final_state else None)
+
+
+def _dispatch_checked(op: str, delta: bool, dims: Dims, q, k, v, *, g, beta, scale, initial_state,
+                      output_final_state, cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute):
     out_dtype = q.dtype
     impl = resolve_impl(op, impl, q.device, q, v)
     if dims.T == 0:  # nothing to run: empty output, state passed through
@@ -170,6 +189,9 @@ _COMMON_DOC = """
     cu_seqlens: int32/int64 [N+1] offsets of sequences packed into one row (B must be 1), FlashAttention-style.
     use_qk_l2norm: normalise q and k over K as x * rsqrt(sum(x^2) + 1e-6) before the recurrence.
     chunk_size: 16, 32, 64 or 128, used by impl="chunk".
+    state_pool, state_indices: instead of initial_state, a pool [P, HV, K, V] (compute dtype) and int rows [N]:
+    sequence n starts from state_pool[state_indices[n]] and its final state is written back there in place
+    (chunked prefill and continuation in a server; rows distinct and in range, not checked).
     impl: "auto" | "naive" | "chunk" | "triton".
     recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
     activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch
@@ -193,6 +215,8 @@ def gated_delta_rule(
     chunk_size: int = 64,
     impl: str = "auto",
     recompute: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet: S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
 
@@ -201,7 +225,7 @@ def gated_delta_rule(
     return _dispatch("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
 
 
 def kda(
@@ -219,6 +243,8 @@ def kda(
     chunk_size: int = 64,
     impl: str = "auto",
     recompute: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention: the gated delta rule with one log-decay per key channel,
     S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t (v_t - (diag(e^{g_t}) S_{t-1})^T k_t)^T.
@@ -227,7 +253,7 @@ def kda(
     return _dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
 
 
 def delta_rule(
@@ -244,12 +270,14 @@ def delta_rule(
     chunk_size: int = 64,
     impl: str = "auto",
     recompute: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DeltaNet (no decay): S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T. beta: [B, T, HV]."""
     return _dispatch("delta_rule", "none", True, q, k, v, g=None, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
 
 
 def gated_linear_attention(
@@ -267,6 +295,8 @@ def gated_linear_attention(
     chunk_size: int = 64,
     impl: str = "auto",
     recompute: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention (Hebbian write, no delta): S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t v_t^T.
 
@@ -275,7 +305,7 @@ def gated_linear_attention(
     return _dispatch("gated_linear_attention", "scalar_or_channel", False, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
 
 
 def linear_attention(
@@ -291,12 +321,14 @@ def linear_attention(
     chunk_size: int = 64,
     impl: str = "auto",
     recompute: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain (unnormalised) linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T q_t."""
     return _dispatch("linear_attention", "none", False, q, k, v, g=None, beta=None, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
 
 
 for _f in (gated_delta_rule, kda, delta_rule, gated_linear_attention, linear_attention):

@@ -146,3 +146,34 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, *, B: int, T: int) -> int:
     if c[-1] != T:
         raise ValueError(f"cu_seqlens: expected to end at T={T}, got {c[-1]}")
     return len(c) - 1
+
+
+def check_state_pool(state_pool: torch.Tensor | None, state_indices: torch.Tensor | None, *,
+                     initial_state: torch.Tensor | None, dims: Dims, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """A pool of recurrent states [P, HV, K, V] in the compute dtype, read at and written back to rows
+    state_indices [N] (int32/int64). The rows' values are not checked (distinct, in range): that needs the device."""
+    if state_pool is None or state_indices is None:
+        given, missing = ("state_pool", "state_indices") if state_indices is None else ("state_indices", "state_pool")
+        raise ValueError(f"{missing}: expected a tensor with {given} (the pool is read and written at those rows), "
+                         "got None")
+    if initial_state is not None:
+        raise ValueError("initial_state: expected None with state_pool (the pool's rows are the initial states), "
+                         "got a tensor")
+    check_float("state_pool", state_pool)
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (dims.HV, dims.K, dims.V):
+        raise ValueError(f"state_pool: expected shape [P, {dims.HV}, {dims.K}, {dims.V}] ([P, HV, K, V]), got "
+                         f"{tuple(state_pool.shape)}")
+    if state_pool.dtype != dtype:
+        raise TypeError(f"state_pool: expected dtype {dtype} (the state's compute dtype), got {state_pool.dtype}")
+    if state_pool.requires_grad:
+        raise ValueError("state_pool: expected a tensor without requires_grad (it is updated in place), got one "
+                         "that requires grad")
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
+        got = state_indices.dtype if isinstance(state_indices, torch.Tensor) else type(state_indices).__name__
+        raise TypeError(f"state_indices: expected an int32/int64 tensor, got {got}")
+    check_shape("state_indices", state_indices, (dims.N,), "[N], one row per sequence")
+    for name, x in (("state_pool", state_pool), ("state_indices", state_indices)):
+        if x.device != device:
+            raise ValueError(f"{name}: expected a tensor on the inputs' device {device}, got {x.device}")
+

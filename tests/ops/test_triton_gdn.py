@@ -322,3 +322,12 @@ def test_recompute_frees_what_the_chunk_backward_does_not_read(interp_results):
     chunk backward allocates dq, dk, dv (one layer's peak memory); without it autograd holds both."""
     res = interp_results["recompute_frees_early"]
     assert res == {"alive_without": 2.0, "alive_with": 0.0}, res
+
+
+def test_chunked_prefill_through_a_state_pool_on_the_kernels(interp_results):
+    """gated_delta_rule(..., state_pool=, state_indices=, impl="triton"), three sequences in 40-token chunks, each
+    call reading and writing the sequences' pool rows: equal to one float64 call per sequence; other rows kept."""
+    res, seed = interp_results["pool_prefill"], interp_results["seed"]
+    assert res["o"] <= TOL_OUT and res["state"] <= TOL_OUT, f"{res} (seed {seed})"
+    assert res["others_unchanged"] == 1.0, f"{res} (seed {seed})"
+

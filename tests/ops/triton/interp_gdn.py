@@ -144,6 +144,39 @@ def _decode_ref(q, k, v, g, beta, pool0, idx, l2):
     return torch.stack(outs), torch.stack(states)
 
 
+def pool_prefill_case(gen, *, chunk=40, lengths=(70, 25, 90), rows=(4, 0, 2), H=1, HV=2, K=64, V=64) -> dict:
+    """Chunked prefill through a state pool with impl="triton": each call packs the next `chunk` tokens of every
+    unfinished sequence (varlen), reads its pool row and writes the final state back; against one float64 call
+    per sequence from the same row."""
+    P = max(rows) + 2
+    seqs = [dict(q=torch.randn(1, n, H, K, generator=gen), k=torch.randn(1, n, H, K, generator=gen),
+                 v=torch.randn(1, n, HV, V, generator=gen), g=-1.5 * torch.rand(1, n, HV, generator=gen),
+                 beta=torch.rand(1, n, HV, generator=gen)) for n in lengths]
+    pool0 = torch.randn(P, HV, K, V, generator=gen)
+    pool = pool0.clone()
+    outs = [[] for _ in lengths]
+    for start in range(0, max(lengths), chunk):
+        live = [i for i, n in enumerate(lengths) if n > start]
+        lens = [min(chunk, lengths[i] - start) for i in live]
+        part = {x: torch.cat([seqs[i][x][:, start:start + chunk] for i in live], dim=1) for x in seqs[0]}
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        idx = torch.tensor([rows[i] for i in live])
+        o, _ = gated_delta_rule(part["q"], part["k"], part["v"], g=part["g"], beta=part["beta"], cu_seqlens=cu,
+                                use_qk_l2norm=True, state_pool=pool, state_indices=idx, impl="triton")
+        for i, s, n in zip(live, cu[:-1].tolist(), lens):
+            outs[i].append(o[:, s:s + n])
+    res = {"o": 0.0, "state": 0.0}
+    for i, x in enumerate(seqs):
+        o2, s2 = gated_delta_rule(*(x[n].to(F64) for n in "qkv"), g=x["g"].to(F64), beta=x["beta"].to(F64),
+                                  initial_state=pool0[rows[i]:rows[i] + 1].to(F64), output_final_state=True,
+                                  use_qk_l2norm=True, impl="naive")
+        res["o"] = max(res["o"], rel(torch.cat(outs[i], dim=1), o2))
+        res["state"] = max(res["state"], rel(pool[rows[i]], s2[0]))
+    others = [r for r in range(P) if r not in rows]
+    res["others_unchanged"] = float(torch.equal(pool[others], pool0[others]))
+    return res
+
+
 ODD_DIMS = ((48, 48), (96, 192), (32, 16))
 
 
@@ -197,6 +230,7 @@ def main() -> int:
         res[f"bt{bt}_gva2_varlen"] = bt_case(gen, bt, B=1, T=100, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                              cu=[0, 1, 40, 100])
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64, l2=True)
+    res["pool_prefill"] = pool_prefill_case(gen)
     # head dims off the native 64/128/256: the chunk ops run zero-padded, the decode step masked (OLMo-Hybrid's
     # K 96 / V 192, the cpu-tiny preset's 48, and dims below 64)
     res["K48_V48_gva2_T70"] = run_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, l2=True, h0=True)
