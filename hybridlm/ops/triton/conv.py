@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..offsets import host_offsets
 from .custom import call, custom_op
-from .tune import LaunchTable
+from .tune import LaunchTable, cdiv, next_pow2
 
 MAX_W = 8  # kernel widths 1..MAX_W (Qwen3-Next / Kimi / OLMo use 4)
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
@@ -317,15 +317,15 @@ def _fwd_launch(x, weight, bias, initial_state, cu_seqlens, silu: bool, output_f
         FBT = TUNE.fwd_bt
         FBC = split_block(C0, C1, TUNE.fwd_bc) if split else TUNE.fwd_bc
         y0, y1, y2 = ys if split else (ys[0],) * 3
-        _conv_fwd[(triton.cdiv(C, FBC), triton.cdiv(Lmax, FBT), N)](
+        _conv_fwd[(cdiv(C, FBC), cdiv(Lmax, FBT), N)](
             x, weight, b, h0, y0, y1, y2, cu, C, C0, C1, W=W, BT=FBT, BC=FBC, HAS_BIAS=bias is not None,
             HAS_H0=initial_state is not None, SILU=silu, SPLIT=split, num_warps=TUNE.fwd_warps)
     if not output_final_state:
         return x.new_empty(0)
     ht = _out((N, C, W), x, x.dtype)
     if N > 0:
-        _conv_final_state[(triton.cdiv(C, BC), N)](
-            x, h0, ht, cu, C, W=W, WP=triton.next_power_of_2(W), BC=BC, HAS_H0=initial_state is not None,
+        _conv_final_state[(cdiv(C, BC), N)](
+            x, h0, ht, cu, C, W=W, WP=next_pow2(W), BC=BC, HAS_H0=initial_state is not None,
             num_warps=4)
     return ht
 
@@ -373,7 +373,7 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     """The backward from dys (dy [B, T, C], or with C0 > 0 its three parts as `conv_fwd_split` wrote y)."""
     B, T, C = x.shape
     W = weight.shape[1]
-    WP = triton.next_power_of_2(W)
+    WP = next_pow2(W)
     x, weight = x.contiguous(), weight.contiguous()
     split = C0 > 0
     dys = tuple(d.contiguous() for d in dys)
@@ -382,11 +382,11 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     h0 = initial_state.contiguous() if initial_state is not None else x
     b = bias.contiguous() if bias is not None else x
     BC1 = split_block(C0, C1, TUNE.bwd_bc) if split else TUNE.bwd_bc
-    NC = triton.cdiv(C, BC1)
+    NC = cdiv(C, BC1)
     NS = 1  # the CPU interpreter pays per program
     if x.device.type == "cuda":
-        NS = max(1, min(triton.cdiv(Lmax, TUNE.bwd_bt),
-                        triton.cdiv(TUNE.bwd_programs_per_sm * _num_sms(x.device), NC * max(N, 1))))
+        NS = max(1, min(cdiv(Lmax, TUNE.bwd_bt),
+                        cdiv(TUNE.bwd_programs_per_sm * _num_sms(x.device), NC * max(N, 1))))
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
@@ -571,9 +571,9 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.
     W = weight.shape[1]
     y = _out((N, C), x, x.dtype)
     if N > 0:
-        _conv_decode[(triton.cdiv(C, BC), N)](
+        _conv_decode[(cdiv(C, BC), N)](
             x.contiguous(), conv_state, state_indices if state_indices is not None else x, weight.contiguous(),
-            bias.contiguous() if bias is not None else x, y, C, W=W, WP=triton.next_power_of_2(W), BC=BC,
+            bias.contiguous() if bias is not None else x, y, C, W=W, WP=next_pow2(W), BC=BC,
             HAS_IDX=state_indices is not None, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     return y
 

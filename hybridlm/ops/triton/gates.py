@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .conv import _check_device, _check_tensor
 from .custom import call, custom_op
+from .tune import cdiv, next_pow2
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 MAX_COLS = 16384
@@ -96,7 +97,7 @@ def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _blocks(D: int, HV: int) -> tuple[int, int, int]:
-    BD, BH = triton.next_power_of_2(D), triton.next_power_of_2(HV)
+    BD, BH = next_pow2(D), next_pow2(HV)
     return BD, BH, max(1, min(64, 4096 // BD))
 
 
@@ -110,7 +111,7 @@ def gates_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     g = _out((M, D), a, torch.float32)
     beta = _out((M, HV), a, b.dtype)
     if M > 0:
-        _gates_fwd[(triton.cdiv(M, BM),)](a, A_log, dt_bias, b, g, beta, M, D, HV, D // HV, scale, BM=BM, BD=BD,
+        _gates_fwd[(cdiv(M, BM),)](a, A_log, dt_bias, b, g, beta, M, D, HV, D // HV, scale, BM=BM, BD=BD,
                                           BH=BH, num_warps=4)
     return g, beta
 
@@ -128,7 +129,7 @@ def gates_bwd(dg: torch.Tensor, dbeta: torch.Tensor, a: torch.Tensor, b: torch.T
     HV = b.shape[1]
     BD, BH, BM = _blocks(D, HV)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.device.type == "cuda" else 1
-    NP = max(1, min(triton.cdiv(M, BM), 4 * sms))
+    NP = max(1, min(cdiv(M, BM), 4 * sms))
     da = _out((M, D), a, a.dtype)
     db = _out((M, HV), a, b.dtype)
     dAp = torch.zeros(NP, D, device=a.device, dtype=torch.float32)

@@ -37,7 +37,7 @@ from triton.runtime.errors import OutOfResources
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
-from .tune import LaunchTable
+from .tune import LaunchTable, cdiv, next_pow2
 
 # head dims the kernels' blocks are built for; any K, V in 1..MAX_HEAD_DIM run zero-padded to the next of these
 # (`padded_dim`, `pad_heads`)
@@ -569,11 +569,11 @@ def decode_launch(q, k, v, g, beta, state_pool, state_indices, scale: float, l2:
     V blocks masked at V's end). Returns o [N, HV, V] in q's dtype."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(32 if BK <= 128 else 16, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_pow2(K))
+    BV = min(32 if BK <= 128 else 16, max(16, next_pow2(V)))
     o = _out((N, HV, V), q, q.dtype)
     if N > 0:
-        decode._decode_step[(triton.cdiv(V, BV), N * HV)](
+        decode._decode_step[(cdiv(V, BV), N * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
             state_indices, o, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=l2, CHANNEL=channel, num_warps=4,
         )

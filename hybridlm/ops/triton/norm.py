@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .conv import _check_device, _check_tensor
 from .custom import call, custom_op
-from .tune import LaunchTable
+from .tune import LaunchTable, cdiv, next_pow2
 
 MAX_D = 16384
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
@@ -138,7 +138,7 @@ def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _blocks(D: int) -> tuple[int, int, int]:
     """Forward (BD, BM, num_warps): about 4K elements per program (one row when D is that wide)."""
-    BD = triton.next_power_of_2(D)
+    BD = next_pow2(D)
     BM = max(1, min(64, TUNE.fwd_elems // BD))
     return BD, BM, TUNE.fwd_warps or (4 if BD * BM <= 4096 else 8)
 
@@ -147,7 +147,7 @@ def _blocks_bwd(D: int) -> tuple[int, int, int]:
     """Backward (BD, BM, num_warps): rows up to NARROW_D wide 1K elements per program at 4 warps; wider ones about
     2K elements at 8 warps, 16 warps for rows of 8K and more (sm_90 compile, bf16: D=128 72 registers, D=2048 63,
     D=8192 107, no spills; D=16384 spills 48 B; the forward's 4K-element blocks spill here)."""
-    BD = triton.next_power_of_2(D)
+    BD = next_pow2(D)
     narrow = BD <= NARROW_D
     elems = TUNE.bwd_elems or (1024 if narrow else 2048)
     warps = TUNE.bwd_warps or (4 if narrow else 8 if BD <= 4096 else 16)
@@ -162,7 +162,7 @@ def _bwd_programs(M: int, BM: int, BD: int, sms: int) -> int:
         per_sm = 64 if BD <= NARROW_D else 4
     if not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"norm.TUNE.bwd_programs_per_sm: expected None or a positive int, got {per_sm!r}")
-    NP = min(triton.cdiv(M, BM), per_sm * sms)
+    NP = min(cdiv(M, BM), per_sm * sms)
     return max(1, min(NP, DWP_BYTES // (4 * BD)))
 
 
@@ -177,7 +177,7 @@ def norm_fwd(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | 
     y = _out((M, D), x, out_dtype or x.dtype)
     rstd = _out((M,), x, torch.float32)
     if M > 0:
-        _norm_fwd[(triton.cdiv(M, BM),)](
+        _norm_fwd[(cdiv(M, BM),)](
             x, gate if gate is not None else x, weight if weight is not None else x, y, rstd, M, D, eps,
             BM=BM, BD=BD, HAS_W=weight is not None, ZC=zc, CAST_Y=cast_y, W_LOWP=w_lowp, ACT=act, num_warps=nw)
     return y, rstd

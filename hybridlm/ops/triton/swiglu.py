@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .conv import _check_device, _check_tensor
 from .custom import call, custom_op
+from .tune import cdiv
 
 POISON = False  # tests set this: outputs start as NaN so an unwritten element shows
 BLOCK = 2048  # elements per program (8 warps: 8 fp32 values a thread per tensor)
@@ -58,7 +59,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = _out(gate)
     N = gate.numel()
     if N > 0:
-        _swiglu_fwd[(triton.cdiv(N, BLOCK),)](gate, up, y, N, BLOCK=BLOCK, num_warps=8)
+        _swiglu_fwd[(cdiv(N, BLOCK),)](gate, up, y, N, BLOCK=BLOCK, num_warps=8)
     return y
 
 
@@ -73,7 +74,7 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
     dgate, dup = _out(gate), _out(up)
     N = gate.numel()
     if N > 0:
-        _swiglu_bwd[(triton.cdiv(N, BLOCK),)](gate, up, dy.contiguous(), dgate, dup, N, BLOCK=BLOCK, num_warps=8)
+        _swiglu_bwd[(cdiv(N, BLOCK),)](gate, up, dy.contiguous(), dgate, dup, N, BLOCK=BLOCK, num_warps=8)
     return dgate, dup
 
 

@@ -36,3 +36,14 @@ def tuned(table: LaunchTable, **settings) -> Iterator[LaunchTable]:
         yield table
     finally:
         table.update(**old)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids on the host (`triton.cdiv` is a constexpr function: ~2-5 us a host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for block sizes on the host (as `triton.next_power_of_2`)."""
+    return 1 << (n - 1).bit_length()
+
