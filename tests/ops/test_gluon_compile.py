@@ -3,8 +3,8 @@
 Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drift and shared-memory overflow in CI.
 Each kernel is compiled through `triton.compile` with a CUDA `GPUTarget` of capability 90, its arguments typed as
 the host wrapper passes them (16-byte aligned pointers, as torch allocations are): both kernels in bf16 with l2norm
-and both states (the chain at value block 64), the chain once more in fp16 without them at value block 32, and
-once without its output (the form the stage timing launches).
+and both states (the chain at value block 64), the chain once more in fp16 without them at value block 32, once
+without its output (the form the stage timing launches), and once with its states in a pool.
 About 10 s a compile on one core.
 """
 
@@ -26,14 +26,16 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 FP32_PTRS = ("g", "h0", "ht", "Tbuf")
-INT_PTRS = ("cu", "chunk_off")
+INT_PTRS = ("cu", "chunk_off", "rows")
 INTS = ("H", "HV")
 
 
-def compile_kernel(name: str, dtype: str, *, bv: int, l2: bool, state: bool, output: bool = True):
+def compile_kernel(name: str, dtype: str, *, bv: int, l2: bool, state: bool, output: bool = True,
+                   pool: bool = False):
     """Compile one kernel of gdn_fwd for sm_90: pointers typed by name (q, k, v, beta, o in the input dtype)."""
     fn = getattr(gdn_fwd, name)
-    consts = dict(K=128, V=128, BV=bv, C=gdn_fwd.CHUNK, L2=l2, HAS_H0=state, STORE_HT=state, OUTPUT=output)
+    consts = dict(K=128, V=128, BV=bv, C=gdn_fwd.CHUNK, L2=l2, HAS_H0=state, STORE_HT=state, OUTPUT=output,
+                  POOL=pool)
     sig, ptrs = {}, []
     for n in fn.arg_names:
         if n in consts:
@@ -52,17 +54,18 @@ def compile_kernel(name: str, dtype: str, *, bv: int, l2: bool, state: bool, out
 
 
 CASES = [
-    ("_gdn_solve_kernel", "bf16", 64, True, True, True),
-    ("_gdn_chain_kernel", "bf16", 64, True, True, True),
-    ("_gdn_chain_kernel", "fp16", 32, False, False, True),
-    ("_gdn_chain_kernel", "bf16", 32, True, False, False),
+    ("_gdn_solve_kernel", "bf16", 64, True, True, True, False),
+    ("_gdn_chain_kernel", "bf16", 64, True, True, True, False),
+    ("_gdn_chain_kernel", "fp16", 32, False, False, True, False),
+    ("_gdn_chain_kernel", "bf16", 32, True, False, False, False),
+    ("_gdn_chain_kernel", "bf16", 64, True, True, True, True),  # states read from / written to a pool's rows
 ]
 
 
-@pytest.mark.parametrize("name,dtype,bv,l2,state,output", CASES)
-def test_kernel_compiles_for_sm90(name, dtype, bv, l2, state, output):
+@pytest.mark.parametrize("name,dtype,bv,l2,state,output,pool", CASES)
+def test_kernel_compiles_for_sm90(name, dtype, bv, l2, state, output, pool):
     assert bv in gdn_fwd.BV_CHOICES
-    k = compile_kernel(name, dtype, bv=bv, l2=l2, state=state, output=output)
+    k = compile_kernel(name, dtype, bv=bv, l2=l2, state=state, output=output, pool=pool)
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert "ttng.warp_group_dot" in k.asm["ttgir"], "expected warpgroup MMA ops in the TTGIR"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"

@@ -5,7 +5,8 @@ inputs each run, the seed in every failure message; outputs are NaN-poisoned by 
 element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; both value blocks (32, 64). Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
+fp16; both value blocks (32, 64); chunked prefill through a state pool (up to 16 sequences of 4096 tokens in
+2048-token chunks) against whole sequences. Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
 kernels' 16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16 and B1 T32768 H32 D128 bf16
@@ -119,6 +120,46 @@ def test_strong_decays_long(decay):
 
 def test_no_initial_state_prenormalised_fp16():
     _case(B=2, T=200, H=2, HV=4, h0=False, l2=False, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("n_seq,length,chunk", [(4, 300, 128), (16, 4096, 2048)], ids=["small", "server"])
+def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk, value_block):
+    """Sequences prefilled chunk by chunk through a state pool (each call reads every sequence's pool row and the
+    kernel writes the final state back there) against one float64 call per whole sequence; rows no sequence owns
+    stay as they were. "server": 16 sequences of 4096 tokens in 2048-token chunks."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, H, HV, K, V = "cuda", 2, 4, 128, 128
+    lens = [max(1, length - 37 * i) for i in range(n_seq)]  # unequal lengths: sequences finish in different calls
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    q, k, v = r(1, sum(lens), H, K), r(1, sum(lens), H, K), r(1, sum(lens), HV, V)
+    g = _gates(gen, 1, sum(lens), HV, "mild")
+    beta = torch.rand(1, sum(lens), HV, device=dev, generator=gen)
+    q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+    starts = [0, *itertools.accumulate(lens)]
+    rows = torch.randperm(2 * n_seq, device=dev, generator=gen)[:n_seq]
+    pool0 = r(2 * n_seq, HV, K, V)
+    pool = pool0.clone()
+    o = torch.full_like(v, float("nan"))
+    for c0 in range(0, max(lens), chunk):
+        live = [i for i, n in enumerate(lens) if n > c0]
+        pieces = [torch.arange(starts[i] + c0, starts[i] + min(lens[i], c0 + chunk), device=dev) for i in live]
+        at = torch.cat(pieces)
+        cu = torch.tensor([0, *itertools.accumulate(len(p) for p in pieces)], dtype=torch.int32, device=dev)
+        o_c, _ = gdn_fwd.gated_delta_rule_fwd(q[:, at], k[:, at], v[:, at], g=g[:, at], beta=beta[:, at],
+                                              cu_seqlens=cu, use_qk_l2norm=True, state_pool=pool,
+                                              state_indices=rows[live])
+        o[:, at] = o_c
+    cu_all = torch.tensor(starts, dtype=torch.int32, device=dev)
+    d = lambda x: x.double()  # noqa: E731
+    o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(pool0[rows]),
+                               output_final_state=True, cu_seqlens=cu_all, use_qk_l2norm=True, impl="chunk")
+    errs = {"o": _rel(o, o2), "pool rows": _rel(pool[rows], ht2)}
+    others = torch.ones(2 * n_seq, dtype=torch.bool, device=dev)
+    others[rows] = False
+    msg = f"seed {seed}: {n_seq} sequences up to {length} tokens in chunks of {chunk}: {errs}"
+    assert all(e <= BAR for e in errs.values()), msg
+    assert torch.equal(pool[others], pool0[others]), f"{msg}: rows no sequence owns changed"
 
 
 def test_bad_input_is_one_line():

@@ -54,6 +54,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..validate import Dims, check_state_pool
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -265,15 +267,17 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _gdn_chain_kernel(
-        q, k, v, g, beta, Tbuf, o, h0, ht, cu, chunk_off, scale, H, HV,
+        q, k, v, g, beta, Tbuf, o, h0, ht, rows, cu, chunk_off, scale, H, HV,
         K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, OUTPUT: gl.constexpr,
+        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, OUTPUT: gl.constexpr, POOL: gl.constexpr,
     ):
         """The state chain: grid (V / BV, sequences x HV), one program walking its sequence chunk by chunk with
         the state [K, BV] in registers; T of each chunk is read from Tbuf (written by `_gdn_solve_kernel` before
         it) and copied in asynchronously with the next chunk's q, k, v (double buffer). q, k: [Ttot, H, K];
         v, o: [Ttot, HV, V]; g, beta: [Ttot, HV]; h0, ht: [N, HV, K, V] fp32; cu, chunk_off: [N + 1] int32.
-        OUTPUT False skips the output products and o (only for timing the state path)."""
+        OUTPUT False skips the output products and o (only for timing the state path). POOL: h0 and ht are one
+        state pool [P, HV, K, V] and sequence n reads and writes its row rows[n] (int32 [N]); each program touches
+        only its own [K, BV] slice of that row, read first and written last, so the update in place is safe."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -324,8 +328,12 @@ if _IMPORT_ERROR is None:
             + gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, LT)), 0)
         col0 = i_v * BV
 
+        if POOL:
+            row = gl.load(rows + i_n).to(gl.int64)
+        else:
+            row = i_n.to(gl.int64)
         if HAS_H0:
-            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+            p_h = (row * HV + i_hv) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             S = gl.load(h0 + p_h)
         else:
             S = gl.zeros([K, BV], gl.float32, MV16)
@@ -413,9 +421,10 @@ if _IMPORT_ERROR is None:
             S = _mma(kt, u_lo, _mma(kt, u_hi, S * gl.exp(b_last), True), True)
 
         async_copy.wait_group(0)
-        if STORE_HT:
-            p_h = (i_n * HV + i_hv).to(gl.int64) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
+        if STORE_HT:  # the offsets again, not kept across the loop (they would hold K * BV / 128 registers)
+            p_h = (row * HV + i_hv) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             gl.store(ht + p_h, S)
+
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if q.dim() != 4 or k.shape != q.shape:
@@ -447,6 +456,20 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
                          f"got {tuple(initial_state.shape)}")
 
 
+def _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens) -> bool:
+    """True when a state pool is given (and well formed); see `hybridlm.ops.validate.check_state_pool`."""
+    if state_pool is None and state_indices is None:
+        return False
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    check_state_pool(state_pool, state_indices, initial_state=initial_state,
+                     dims=Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N), dtype=torch.float32, device=q.device)
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool: expected a contiguous tensor (the kernel updates its rows in place)")
+    return True
+
+
 def _value_block(heads: int, V: int, dev: torch.device) -> int:
     """64, or 32 when even V / 32 x heads programs fit in one wave (one program per multiprocessor: its shared
     memory): each program walks the whole sequence, so at few heads only more programs shorten the run, although a
@@ -468,20 +491,26 @@ def gated_delta_rule_fwd(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
+    state_pool: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule forward in two launches, T solve then state chain (Hopper only; no autograd).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head hv reads key head hv // (HV // H));
     g (log-decay), beta: [B, T, HV]; initial_state: [N, HV, K, V] (N = B, or len(cu_seqlens) - 1 with B = 1);
     cu_seqlens: [N + 1] token offsets of packed sequences. Returns o [B, T, HV, V] in q's dtype and the final
-    state [N, HV, K, V] in fp32 (None unless output_final_state). Same contract as
-    `hybridlm.ops.gated_delta_rule` for these arguments.
+    state [N, HV, K, V] in fp32 (None unless output_final_state). state_pool [P, HV, K, V] fp32 and state_indices
+    [N] (instead of initial_state): sequence n starts from pool row state_indices[n], and the kernel writes its
+    final state back to that row in place (chunked prefill; rows distinct and in range, not checked). Same
+    contract as `hybridlm.ops.gated_delta_rule` for these arguments.
     """
     launch = forward_launches(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                              use_qk_l2norm=use_qk_l2norm)
+                              use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices)
     launch.solve()
     launch.chain()
+    if state_pool is not None and output_final_state:
+        return launch.o, state_pool.index_select(0, state_indices.long())
     return launch.o, launch.ht
 
 
@@ -499,13 +528,15 @@ class Launches(NamedTuple):
 
 
 def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, use_qk_l2norm=False, bv: int | None = None, output: bool = True) -> Launches:
+                     cu_seqlens=None, use_qk_l2norm=False, state_pool=None, state_indices=None,
+                     bv: int | None = None, output: bool = True) -> Launches:
     """Check the inputs of `gated_delta_rule_fwd` (same arguments), allocate o, ht and T and bind the two launches
     without running them. bv: the chain's value block (default: `_value_block`'s rule); output False: the chain
     skips the output (o stays unwritten), for timing the state path alone."""
     if not gluon_available():
         raise ValueError(f"triton: expected the Gluon API of Triton 3.6, got Triton {triton.__version__}")
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale
@@ -526,8 +557,13 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     gc, bc = g.contiguous(), beta.contiguous()
     alloc = torch.full if POISON else lambda shape, _, **kw: torch.empty(shape, **kw)
     o = alloc(vc.shape, float("nan"), dtype=vc.dtype, device=dev)
-    ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
-    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    if pool:  # the kernel reads and writes the pool's rows; ht (if asked) is a copy of them afterwards
+        h0 = ht = state_pool
+        rows = state_indices.to(torch.int32).contiguous()
+    else:
+        ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
+        h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+        rows = cu  # never read: POOL is compiled out
     Tbuf = torch.empty(max(total, 1), HV, CHUNK, CHUNK, dtype=torch.float32, device=dev)
     BV = _value_block(N * HV, V, dev) if bv is None else bv
     if BV not in BV_CHOICES:
@@ -543,8 +579,9 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
                                           num_warps=NUM_WARPS)
 
     def chain():
-        _gdn_chain_kernel[chain_grid](qc, kc, vc, gc, bc, Tbuf, o, *states, cu, chunk_off, float(scale), H, HV,
-                                      K=K, V=V, BV=BV, C=CHUNK, L2=l2, HAS_H0=h0 is not None,
-                                      STORE_HT=ht is not None, OUTPUT=output, num_warps=NUM_WARPS)
+        _gdn_chain_kernel[chain_grid](qc, kc, vc, gc, bc, Tbuf, o, *states, rows, cu, chunk_off, float(scale), H,
+                                      HV, K=K, V=V, BV=BV, C=CHUNK, L2=l2, HAS_H0=h0 is not None,
+                                      STORE_HT=ht is not None, OUTPUT=output, POOL=pool, num_warps=NUM_WARPS)
 
-    return Launches(solve, chain, o, ht, Tbuf, BV, (most * N * HV, (V // BV) * N * HV))
+    # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
+    return Launches(solve, chain, o, None if pool else ht, Tbuf, BV, (most * N * HV, (V // BV) * N * HV))
