@@ -57,3 +57,30 @@ def test_forward_calls_pad_to_the_ranks_largest_count():
     assert len(both.pieces("auto")) == 2
     with pytest.raises(RuntimeError, match="forward calls"):
         _forward_calls(both, "auto", 1)
+
+
+def test_profile_steps_writes_a_summary_and_a_trace(tmp_path, small_corpus, micro_args):
+    """--profile-steps 1:2 profiles steps 1 and 2 only: OUT/profile/rank0.txt names them and lists the top ops by
+    host time, rank0.trace.json.gz is a Chrome trace; training goes on to its last step; bad specs are refused."""
+    import gzip
+
+    out = tmp_path / "run"
+    s = train(micro_args(small_corpus, str(out), "--max-steps", "4", "--profile-steps", "1:2"))
+    assert s["final_step"] == 4
+    text = (out / "profile" / "rank0.txt").read_text()
+    assert text.startswith("rank 0: steps 1..2 (2 steps)") and "top ops by host time" in text, text[:300]
+    with gzip.open(out / "profile" / "rank0.trace.json.gz", "rt") as f:
+        assert "traceEvents" in json.load(f)
+    for bad in ("3", "a:b", "-1:2", "2:0"):
+        with pytest.raises(TrainError, match=r"--profile-steps: expected"):
+            train(micro_args(small_corpus, str(tmp_path / "bad"), "--max-steps", "1", f"--profile-steps={bad}"))
+
+
+def test_profile_summary_splits_gpu_time_into_compute_and_collectives():
+    """The summary's GPU lines: busy is the union of kernel intervals, NCCL and compute each their own union, and
+    their overlap what both cover at once."""
+    from hybridlm.train.profile import _busy_us
+
+    assert _busy_us([]) == 0.0
+    assert _busy_us([(0, 10), (5, 15), (20, 30)]) == 25.0
+    assert _busy_us([(0, 10), (2, 3), (10, 12)]) == 12.0
