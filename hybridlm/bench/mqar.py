@@ -53,9 +53,8 @@ from .mqar_results import atomic_savefig, estimate_seconds, load_results, merged
 
 MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "comba", "mesanet", "gdn_attention",
           "path", "deltaformer")
-# the paper preset's grid: the mixers Zoology-style MQAR tables compare. Comba, MesaNet, PaTH and DeltaFormer run
-# their PyTorch forms (no kernels; MesaNet's exact solve holds a K x K matrix per token: ~17 GB a layer at width 256),
-# so they join a GPU grid only by --mixers.
+# the paper grid's mixers; the rest of the family runs PyTorch forms only (MesaNet's exact solve: a K x K matrix a
+# token, ~17 GB a layer at width 256), so they join a GPU grid by --mixers
 PAPER_MIXERS = ("attention", "linear_attention", "gla", "deltanet", "gdn", "kda", "gdn_attention")
 
 
