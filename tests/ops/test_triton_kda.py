@@ -133,17 +133,21 @@ def test_decode_step_bad_input_names_the_argument(op):
         kw = dict(good, **change)
         return fn(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
 
-    cases = [
-        (dict(v=torch.randn(N + 1, HV, V)), r"v: expected \[N, HV, V\] with HV a multiple of H"),
-        (dict(g=torch.zeros(N, HV, 3)), r"g: expected"),
-        (dict(beta=torch.zeros(N, HV + 1)), r"beta: expected shape \(2, 2\)"),
-        (dict(state_pool=torch.zeros(P, HV, K, V, dtype=torch.float64)), r"state_pool: expected float32"),
-        (dict(state_pool=torch.zeros(P, HV, V, K).transpose(2, 3)), r"state_pool: expected a contiguous tensor"),
-        (dict(state_indices=torch.tensor([0.0, 1.0])), r"state_indices: expected int32/int64 \[2\]"),
-        (dict(q=torch.randn(N, H, 288), k=torch.randn(N, H, 288)), r"q/k: .* got K=288"),
+    cases = [  # a wrong dtype is a TypeError, as everywhere in hybridlm.ops; anything else a ValueError
+        (dict(v=torch.randn(N + 1, HV, V)), ValueError, r"v: expected \[N, HV, V\] with HV a multiple of H"),
+        (dict(g=torch.zeros(N, HV, 3)), ValueError, r"g: expected"),
+        (dict(beta=torch.zeros(N, HV + 1)), ValueError, r"beta: expected shape \(2, 2\)"),
+        (dict(state_pool=torch.zeros(P, HV, K, V, dtype=torch.float64)), TypeError,
+         r"state_pool: expected dtype torch.float32 \(the state's compute dtype\), got torch.float64"),
+        (dict(state_pool=torch.zeros(P, HV, V, K).transpose(2, 3)), ValueError,
+         r"state_pool: expected a contiguous tensor"),
+        (dict(state_indices=torch.tensor([0.0, 1.0])), TypeError,
+         r"state_indices: expected an int32/int64 tensor, got torch.float32"),
+        (dict(state_indices=torch.tensor([0, 1, 2])), ValueError, r"state_indices: expected shape \(2,\)"),
+        (dict(q=torch.randn(N, H, 288), k=torch.randn(N, H, 288)), ValueError, r"q/k: .* got K=288"),
     ]
-    for change, msg in cases:
-        with pytest.raises(ValueError, match=msg):
+    for change, kind, msg in cases:
+        with pytest.raises(kind, match=msg):
             call(**change)
 
 

@@ -34,6 +34,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..validate import Dims, check_state_pool
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
@@ -600,14 +601,10 @@ def _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, *, channel
         raise ValueError(f"g: expected {want} = {g_shape}, got {g.dtype} {tuple(g.shape)}")
     if tuple(beta.shape) != (N, HV):
         raise ValueError(f"beta: expected shape {(N, HV)} ([N, HV]), got {tuple(beta.shape)}")
-    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (HV, K, V):
-        raise ValueError(f"state_pool: expected float32 [P, {HV}, {K}, {V}], got {state_pool.dtype} "
-                         f"{tuple(state_pool.shape)}")
+    check_state_pool(state_pool, state_indices, initial_state=None, dims=Dims(B=N, T=1, H=H, HV=HV, K=K, V=V, N=N),
+                     dtype=torch.float32, device=q.device)
     if not state_pool.is_contiguous():
         raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
-    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
-        raise ValueError(f"state_indices: expected int32/int64 [{N}], got {state_indices.dtype} "
-                         f"{tuple(state_indices.shape)}")
     _check_device(q)
     return K
 
