@@ -268,6 +268,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def qk_norm_modules(qk_norm: str, num_heads: int, num_kv_heads: int, head_dim: int, *, eps: float, kind: str,
+                    impl: str) -> tuple[RMSNorm | None, RMSNorm | None]:
+    """The q and k RMSNorms of an attention layer: "head" over each head's channels, "full" over the whole
+    projection (OLMo), "none" neither."""
+    if qk_norm not in ("head", "full", "none"):
+        raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
+    if qk_norm == "none":
+        return None, None
+    full = qk_norm == "full"
+    return (RMSNorm(num_heads * head_dim if full else head_dim, eps, kind, impl=impl),
+            RMSNorm(num_kv_heads * head_dim if full else head_dim, eps, kind, impl=impl))
+
+
+def normed_heads(q: torch.Tensor, k: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, nH * hd], k [B, T, nKV * hd] (or already split into heads) -> q [B, T, nH, hd], k [B, T, nKV, hd]
+    through the layer's q/k norms (`qk_norm_modules`; the layer has qk_norm, q_norm, k_norm, nH, nKV, hd)."""
+    B, T = q.shape[:2]
+    if layer.qk_norm == "full":
+        q, k = layer.q_norm(q.reshape(B, T, -1)), layer.k_norm(k.reshape(B, T, -1))
+    q, k = q.reshape(B, T, layer.nH, layer.hd), k.reshape(B, T, layer.nKV, layer.hd)
+    if layer.qk_norm == "head":
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    return q, k
+
+
 class GatedAttention(nn.Module):
     """x: [B, T, D] -> [B, T, D]. impl: the model's, for the q/k RMSNorms (fused Triton norm when it resolves so)."""
 
@@ -278,8 +303,6 @@ class GatedAttention(nn.Module):
         super().__init__()
         if gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"gate: expected 'elementwise', 'headwise' or 'none', got {gate!r}")
-        if qk_norm not in ("head", "full", "none"):
-            raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
         self.nH, self.nKV, self.hd, self.gate, self.qk_norm = num_heads, num_kv_heads, head_dim, gate, qk_norm
         gate_width = {"elementwise": head_dim, "headwise": 1, "none": 0}[gate]
         self.gate_width = gate_width
@@ -288,12 +311,8 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(D, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(D, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, D, bias=bias)
-        if qk_norm == "head":
-            self.q_norm = RMSNorm(head_dim, norm_eps, norm_kind, impl=impl)
-            self.k_norm = RMSNorm(head_dim, norm_eps, norm_kind, impl=impl)
-        elif qk_norm == "full":
-            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, norm_kind, impl=impl)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, norm_kind, impl=impl)
+        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
+                                                   kind=norm_kind, impl=impl)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | Documents | None, position_ids: torch.Tensor,
@@ -307,12 +326,7 @@ class GatedAttention(nn.Module):
         if self.gate_width:
             q, gate = q.view(B, T, self.nH, self.hd + self.gate_width).split([self.hd, self.gate_width], dim=-1)
         k, v = self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q.reshape(B, T, -1)), self.k_norm(k)
-        q = q.reshape(B, T, self.nH, self.hd)
-        k = k.view(B, T, self.nKV, self.hd)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = normed_heads(q, k, self)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.nKV, self.hd).transpose(1, 2)
         if self.rotary is not None:
             cos, sin = self.rotary(position_ids)

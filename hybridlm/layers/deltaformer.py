@@ -14,9 +14,8 @@ from torch import nn
 
 from hybridlm.ops import deltaformer_attention
 
-from .attention import Rotary, apply_rotary
+from .attention import Rotary, apply_rotary, normed_heads, qk_norm_modules
 from .history import gate_dtype, run_over_history
-from .norm import RMSNorm
 
 
 class DeltaFormerAttention(nn.Module):
@@ -26,8 +25,6 @@ class DeltaFormerAttention(nn.Module):
                  qk_norm: str = "none", norm_kind: str = "zero_centered", norm_eps: float = 1e-6,
                  rotary_dim: int = 0, rope_theta: float | None = 10000.0, impl: str = "auto"):
         super().__init__()
-        if qk_norm not in ("head", "full", "none"):
-            raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
@@ -38,20 +35,13 @@ class DeltaFormerAttention(nn.Module):
         self.v_proj = nn.Linear(D, kv, bias=False)
         self.b_proj = nn.Linear(D, num_heads, bias=True)
         self.o_proj = nn.Linear(num_heads * head_dim, D, bias=False)
-        if qk_norm != "none":  # "head": over each head; "full": over the whole projection
-            full = qk_norm == "full"
-            self.q_norm = RMSNorm(num_heads * head_dim if full else head_dim, norm_eps, norm_kind, impl=impl)
-            self.k_norm = RMSNorm(kv if full else head_dim, norm_eps, norm_kind, impl=impl)
+        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
+                                                   kind=norm_kind, impl=impl)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def _parts(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
         B, T, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(B, T, self.nH, self.hd), k.view(B, T, self.nKV, self.hd)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = normed_heads(self.q_proj(x), self.k_proj(x), self)
         if self.rotary is not None:
             if position_ids is None:
                 raise ValueError("position_ids: DeltaFormer with RoPE needs position ids [B|1, T], got None")

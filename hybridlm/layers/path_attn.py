@@ -17,9 +17,9 @@ from torch import nn
 
 from hybridlm.ops import l2norm, path_attention
 
+from .attention import normed_heads, qk_norm_modules
 from .conv import ShortConv
 from .history import gate_dtype, run_over_history
-from .norm import RMSNorm
 
 
 class PaTHAttention(nn.Module):
@@ -29,8 +29,6 @@ class PaTHAttention(nn.Module):
                  forget_gate: bool = False, qk_norm: str = "none", norm_kind: str = "zero_centered",
                  norm_eps: float = 1e-6, w_rank: int = 32, conv_size: int = 3, impl: str = "auto"):
         super().__init__()
-        if qk_norm not in ("head", "full", "none"):
-            raise ValueError(f"qk_norm: expected 'head', 'full' or 'none', got {qk_norm!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
@@ -45,20 +43,13 @@ class PaTHAttention(nn.Module):
         self.bt_proj = nn.Linear(D, num_kv_heads, bias=True)
         self.g_proj = nn.Linear(D, num_heads, bias=True) if forget_gate else None
         self.o_proj = nn.Linear(num_heads * head_dim, D, bias=False)
-        if qk_norm != "none":  # "head": over each head; "full": over the whole projection
-            full = qk_norm == "full"
-            self.q_norm = RMSNorm(num_heads * head_dim if full else head_dim, norm_eps, norm_kind, impl=impl)
-            self.k_norm = RMSNorm(kv if full else head_dim, norm_eps, norm_kind, impl=impl)
+        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
+                                                   kind=norm_kind, impl=impl)
 
     def _parts(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """Per-token inputs of the op, before the w conv (which runs over the whole history)."""
         B, T, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(B, T, self.nH, self.hd), k.view(B, T, self.nKV, self.hd)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = normed_heads(self.q_proj(x), self.k_proj(x), self)
         beta = 2 * torch.sigmoid(gate_dtype(self.bt_proj(x)))
         g = None if self.g_proj is None else F.logsigmoid(gate_dtype(self.g_proj(x)))
         return dict(q=q, k=k, v=self.v_proj(x).view(B, T, self.nKV, self.hd), w=self.w_proj(x), beta=beta, g=g)
