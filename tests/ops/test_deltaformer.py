@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from float64_check import F64, rel
 
 from hybridlm.ops import deltaformer_attention
 
-F64 = torch.float64
 TOL = 1e-10
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def make(B, T, HQ, H, K, V, *, dtype=F64):

@@ -10,20 +10,13 @@ import itertools
 
 import pytest
 import torch
+from float64_check import F64, draw_seed, rel
 
 from hybridlm.ops import mesa_net
 
-F64 = torch.float64
 TOL = 1e-10
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def draw_seed() -> int:
-    """A seed from torch's global RNG (which the suite seeds afresh for every test and reports)."""
-    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def make_inputs(B, T, H, HV, K, V, *, n_states=None, dtype=F64):

@@ -10,19 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from float64_check import F64, draw_seed, rel
 
 from hybridlm.ops import delta_rule, gated_delta_rule, kda
-
-F64 = torch.float64
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def draw_seed() -> int:
-    """A seed from torch's global RNG (which the suite seeds afresh for every test and reports)."""
-    return int(torch.randint(0, 2**31 - 1, ()))
 
 LENGTHS = [70, 1, 33, 129]  # rows 5, 0, 3, 6 of an 8-row pool
 ROWS = [5, 0, 3, 6]
