@@ -433,23 +433,27 @@ def kernel_group(name: str) -> str:
 
 
 def profile_step(step: Callable, steps: int) -> dict:
-    """CUDA time per step of `steps` calls of step() under the profiler: by group and by kernel (ms)."""
+    """CUDA time per step of `steps` calls of step() under the profiler: by group and by kernel (ms), and the
+    kernels launched per step (memsets and copies included)."""
     _sync(torch.device("cuda"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
+    launches = 0
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
         us = e.cuda_time_total if us is None else us
         if us > 0:
             kernels[e.key] = kernels.get(e.key, 0.0) + us / 1e3 / steps
+            launches += e.count
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
         groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + ms
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:30])
-    return {"steps": steps, "total_ms": sum(kernels.values()), "groups_ms": groups, "top_kernels_ms": top}
+    return {"steps": steps, "total_ms": sum(kernels.values()), "launches": launches / steps, "groups_ms": groups,
+            "top_kernels_ms": top}
 
 
 def profile_table(rows: list[dict]) -> str:
@@ -465,6 +469,8 @@ def profile_table(rows: list[dict]) -> str:
     for g in groups + ["all kernels"]:
         vals = [p["total_ms"] if g == "all kernels" else p["groups_ms"].get(g, 0.0) for _, p in prof]
         lines.append(f"| {g} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    # a host-bound step shows here: many launches, each paying the host's cost of issuing it
+    lines.append("| kernels launched per step | " + " | ".join(f"{p.get('launches', 0):.0f}" for _, p in prof) + " |")
     for m, p in prof:
         lines += ["", f"{m}: top kernels (CUDA ms per step, {p['steps']} profiled steps)", "",
                   "| kernel | group | ms |", "|---|---|---|"]

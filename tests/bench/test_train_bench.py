@@ -259,14 +259,15 @@ def test_profile_groups_kernels_by_name(name, group):
 
 
 def test_profile_table_puts_models_side_by_side():
-    rows = [{"model": "ours", "profile": {"steps": 2, "total_ms": 10.0, "groups_ms": {"matmul": 6.0, "Triton": 4.0},
+    rows = [{"model": "ours", "profile": {"steps": 2, "total_ms": 10.0, "launches": 3400.0, "groups_ms": {"matmul": 6.0, "Triton": 4.0},
                                          "top_kernels_ms": {"gemm_a": 6.0, "_recur_fwd": 4.0}}},
-            {"model": "fla", "profile": {"steps": 2, "total_ms": 9.0, "groups_ms": {"matmul": 7.0, "loss": 2.0},
+            {"model": "fla", "profile": {"steps": 2, "total_ms": 9.0, "launches": 2500.0, "groups_ms": {"matmul": 7.0, "loss": 2.0},
                                         "top_kernels_ms": {"gemm_b": 7.0}}},
             {"model": "other", "error": "out of memory"}]
     table = bench.profile_table(rows)
     assert "| kernel group | ours ms/step | fla ms/step |" in table
     assert "| matmul | 6.0 | 7.0 |" in table and "| loss | 0.0 | 2.0 |" in table
     assert "| all kernels | 10.0 | 9.0 |" in table
+    assert "| kernels launched per step | 3400 | 2500 |" in table
     assert "| `_recur_fwd` | Triton | 4.00 |" in table
     assert bench.profile_table([{"model": "ours"}]) == ""
