@@ -259,9 +259,11 @@ def test_profile_groups_kernels_by_name(name, group):
 
 
 def test_profile_table_puts_models_side_by_side():
-    rows = [{"model": "ours", "profile": {"steps": 2, "total_ms": 10.0, "launches": 3400.0, "groups_ms": {"matmul": 6.0, "Triton": 4.0},
+    rows = [{"model": "ours", "profile": {"steps": 2, "total_ms": 10.0, "launches": 3400.0,
+                                         "groups_ms": {"matmul": 6.0, "Triton": 4.0},
                                          "top_kernels_ms": {"gemm_a": 6.0, "_recur_fwd": 4.0}}},
-            {"model": "fla", "profile": {"steps": 2, "total_ms": 9.0, "launches": 2500.0, "groups_ms": {"matmul": 7.0, "loss": 2.0},
+            {"model": "fla", "profile": {"steps": 2, "total_ms": 9.0, "launches": 2500.0,
+                                        "groups_ms": {"matmul": 7.0, "loss": 2.0},
                                         "top_kernels_ms": {"gemm_b": 7.0}}},
             {"model": "other", "error": "out of memory"}]
     table = bench.profile_table(rows)

@@ -91,10 +91,11 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     assert all(e <= BAR for e in errs.values()), msg
 
 
-@pytest.fixture(params=gdn_fwd.BV_CHOICES, ids=lambda bv: f"BV{bv}")
+@pytest.fixture(params=[("t", 64), ("split", 32), ("split", 64)], ids=lambda p: f"{p[0]}{p[1]}")
 def value_block(request, monkeypatch):
-    """Both value blocks the host may pick (it picks by head count, so small cases would only see 32)."""
-    monkeypatch.setattr(gdn_fwd, "_value_block", lambda heads, V, dev: request.param)
+    """Every chain and value block the host may pick (it picks by head count, so small cases would only see the
+    split chain at 32)."""
+    monkeypatch.setattr(gdn_fwd, "_plan", lambda heads, V, dev: request.param)
     return request.param
 
 
@@ -183,6 +184,14 @@ def _mma_clocks(m, n, k, bits, count=1):
     return count * (MMA_LATENCY + 2 * m * n * k / (FLOPS_16 if bits == 16 else FLOPS_TF32))
 
 
+def _chain_t_chunk_clocks(*, output=True):
+    """The same for `_gdn_chain_t_kernel` (all 16-bit, hi + lo operands): S^T K^T (2), R^T T^T (3), U^T K (2);
+    output K Q^T, S^T Q^T (2), V'^T P^T (3)."""
+    state = _mma_clocks(64, 64, 128, 16, 2) + _mma_clocks(64, 64, 64, 16, 3) + _mma_clocks(64, 128, 64, 16, 2)
+    out = _mma_clocks(64, 64, 128, 16) + _mma_clocks(64, 64, 128, 16, 2) + _mma_clocks(64, 64, 64, 16, 3)
+    return state + (out if output else 0.0)
+
+
 def _chain_chunk_clocks(BV, *, output=True):
     """Clocks of one chunk of `_gdn_chain_kernel`'s products (each waits for its result before the next issues):
     the state path K S (hi + lo), T R (tf32), K^T U (hi + lo); and, for the output, Q K^T, Q S (hi + lo), P V'."""
@@ -230,6 +239,9 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         if fla_gdn is not None:
             times["fla"] = bench(lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
         times["gluon (both launches)"] = bench(whole)
+        for plan in gdn_fwd.PLANS:
+            times[f"gluon, chain {plan}"] = bench(lambda plan=plan: gdn_fwd.gated_delta_rule_fwd(
+                q, k, v, g=g, beta=beta, use_qk_l2norm=True, plan=plan)[0])
         for name, ms in times.items():
             print(f"  {name}: {ms:.3f} ms", flush=True)
         print(f"  gluon rel vs ours: {rel:.1e}")
@@ -241,17 +253,20 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         mb = _bytes(q, k, v, g, beta, picked.Tbuf, solve=True)
         print(f"| T solve | {picked.programs[0]} | {ms:.3f} | {mb / 1e6:.0f} | {1e3 * mb / COPY_BW:.3f} | - | - | - |")
         solve_ms = ms
-        other = [bv for bv in gdn_fwd.BV_CHOICES if bv != picked.BV]
-        for bv, output in [(picked.BV, True), *[(b, True) for b in other], (picked.BV, False)]:
-            launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output)
+        runs = [(64, True, "t"), (64, False, "t"), (32, True, "split"), (64, True, "split"), (64, False, "split")]
+        for bv, output, plan in runs:
+            launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output,
+                                              plan=plan)
             launch.solve()
             ms = bench(launch.chain)
-            if (bv, output) == (picked.BV, True):
+            if (bv, output, plan) == (picked.BV, True, picked.plan):
                 chain_ms = ms
             mb = _bytes(q, k, v, g, beta, launch.Tbuf, solve=False) - (0 if output else v.numel() * v.element_size())
             waves = math.ceil(launch.programs[1] / sms)
-            per_chunk = _chain_chunk_clocks(bv, output=output) / CLOCK
-            name = f"chain BV{bv}" + (" (rule)" if bv == picked.BV else "") + ("" if output else ", no output")
+            clocks = _chain_t_chunk_clocks(output=output) if plan == "t" else _chain_chunk_clocks(bv, output=output)
+            per_chunk = clocks / CLOCK
+            name = f"chain {plan} BV{bv}" + (" (rule)" if (bv, plan) == (picked.BV, picked.plan) else "") \
+                + ("" if output else ", no output")
             print(f"| {name} | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {ms:.3f} | {mb / 1e6:.0f} "
                   f"| {1e3 * mb / COPY_BW:.3f} | {1e3 * waves * chunks * per_chunk:.3f} "
                   f"| {1e3 * ms / (waves * chunks):.2f} | {1e6 * per_chunk:.2f} |", flush=True)
