@@ -1,49 +1,43 @@
 """Gated DeltaNet forward for Hopper (sm_90) in Gluon: a parallel T solve, then one state chain per head.
 
-NOT used by `impl="auto"` or any dispatch: it is slower than our Triton forward. Forward ms on an H100 in one run
-(torch 2.11, Triton 3.6, fla-core 0.6.0; bf16, D 128, l2norm in the kernel; relative difference from our Triton
-forward 4.2e-3 in every plan):
-    shape               ours (Triton)   fla     this (split)   one launch (ws)   solve inline (prefetch / simple)
-    B4 T4096 H16        0.615           0.626   0.857          0.978             1.107 / 1.166
-    B1 T32768 H32       2.874           2.566   3.037          3.811             5.746 / 8.260
-The plans that lost are deleted (git history keeps them): "simple" (every product in tf32, synchronous loads),
-"prefetch" (the chain of this file with T solved inline) and "ws" (the one-launch form of this file: a worker
-partition solving T into a double buffer of mbarrier-guarded slots while the default partition runs the chain; its
-shared memory forces value block 32, so 2 waves at B4 T4096 H16, and the chain shares its multiprocessor).
+Not used by `impl="auto"` or any dispatch yet. Forward ms on an H100 in one run (torch 2.11, Triton 3.6, fla-core
+0.6.0; bf16, D 128, l2norm in the kernel; relative difference from our Triton forward 4e-3):
+    shape               ours (Triton)   fla     this: chain "t" / "split"   (the rule's pick first)
+    B4 T4096 H16        0.614           0.750   0.554 / 0.833
+    B1 T32768 H32       2.821           2.574   3.013 (split) / 3.700 (t)
+Plans that lost are deleted (git history keeps them): "simple" (every product in tf32, synchronous loads),
+"prefetch" (T solved inline in the chain) and "ws" (one launch: a worker partition solving T into mbarrier-guarded
+slots beside the chain; its shared memory forced value block 32 and the chain shared its multiprocessor).
 
 Roles:
 - `_gdn_solve_kernel`, one program per (chunk, sequence x value head), all chunks in parallel: with b the
   in-chunk cumulative log-decay (docs/math.md),
-      A = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}   -> Tbuf [chunks, HV, 64, 64] fp32
+      A = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}
   Kn Kn^T is one 16-bit product of the raw keys (exact); the l2 norms, beta and the decays enter as fp32 row and
   column scales. The four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward
   substitution (one warp a block); with Td that block-diagonal inverse and L the strictly block-lower part of A,
-  N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products.
-- `_gdn_chain_kernel`, one program per (value block, sequence x value head), walking its sequence in 64-token
-  chunks with the fp32 state [K, BV] in the registers of its one warpgroup; the next chunk's q, k, v and T are
-  copied asynchronously (cp.async, double buffer) while this one computes. Per chunk, gamma = e^b:
-      V' = T (beta * (V - gamma * Kn S))                 (T applied after the state correction: W, U never exist)
-      O  = gamma * Qn S + (Qn Kn^T * e^{b_i - b_j}, j <= i) V'
-      S  = e^{b_last} S + (Kn * e^{b_last - b})^T V'
-  Products with q or k take them raw in 16-bit (exact); the state and the scaled new values enter 16-bit products
-  split hi + lo (~2^-16 relative); T R and P V' are tf32 products.
-- tf32 warpgroup MMAs read both operands K-major, so a right operand in fp32 goes through a transposed NVMMA
-  shared layout.
+  N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products. For the "split" chain it
+  writes T in fp32; for "t" it writes T diag(beta) as 16-bit hi + lo and b.
+- `_gdn_chain_t_kernel` ("t", in chain_t.py), one program per (value block of 64, sequence x value head), walking its sequence
+  in 64-token chunks with the state kept transposed, S^T [64, K] fp32, in the registers of one warpgroup. Every
+  state-path product takes its left operand from registers (S^T, R^T, V'^T, U^T split into 16-bit hi + lo: wgmma's
+  A operand) against q, k, T and P^T in shared memory, so nothing of the state path round-trips through shared
+  memory; q, k, v and T of the next chunk arrive by TMA into a double buffer (mbarriers). Per chunk, gamma = e^b:
+      R^T  = V^T - (S^T K^T) diag(gamma rk)             V'^T = R^T (T diag(beta))^T
+      O^T  = (S^T Q^T) diag(gamma rq) + V'^T P^T        S^T  = e^{b_last} S^T + (V'^T diag(rk e^{b_last - b})) K
+  Thirteen 16-bit products a chunk. Registers bound it: a [64] per-token vector in the product layout holds 16
+  registers a thread, so the gates are read per chunk, not a chunk ahead, and scales are folded early.
+- `_gdn_chain_kernel` ("split"), value block 32 or 64: the first chain, the state [K, BV] as the accumulator and
+  every state-path operand stored to shared memory (fenced) before the next product; cp.async double buffer; tf32
+  for T R and P V'. It stays for few programs: "t" needs value blocks of 64 (one warpgroup's M), so at
+  B1 T32768 H32 it runs 64 programs on 132 multiprocessors where "split" runs 128 at 32 (`_plan`).
 
-Where the time goes: the chain holds one program per multiprocessor (shared memory) and runs its chunks as one
-serial chain of nine synchronous warpgroup MMAs with shared-memory round trips, fences and barriers between them,
-so latency rather than bytes or tensor-core throughput should bound it. `python tests/ops/test_gluon_gdn.py`
-prints each launch alone against its byte floor, and the chain's time per chunk against a model of its MMAs.
-Next step, read from that table: the one-launch design (T solved by a second partition) saves at most the solve
-launch and T's 16 KB per chunk and head, so while the chain alone is slower than our whole Triton forward, the
-chain comes first. If its time per chunk is far above the MMA model, cut what is not MMA (asynchronous MMAs with
-one wait per dependency, the state-path operands kept in registers as wgmma's A operand instead of stored and
-fenced, the output products overlapped with the state path); if near it, cut MMAs (one 16-bit product per hi + lo
-pair where accuracy allows, value block 128 over two warpgroups so Q K^T is not repeated per value block). Then a
-TMA producer warp and the solve as a partition of the same kernel.
-
-Not here (the host refuses the first two): K or V other than 128; fp32 inputs; the state pool form of chunked
-prefill.
+Where the time goes (`python tests/ops/test_gluon_gdn.py`: each launch against its byte floor, and each chain's
+time a chunk against a model of its MMAs): "t" runs its state path in 1.56 us a chunk (model 1.26) but 6.0 us
+with the output products (model 2.31): with output it still spills (ptxas -v: 140 bytes a thread). The next step
+is the output products in a second warpgroup (warp specialisation: the state warpgroup hands V'^T and S^T Q^T
+over in shared memory), which both frees the registers and overlaps the two paths; then the solve as a partition
+of the same kernel. K and V other than 128 and fp32 inputs are refused by the host.
 """
 
 from __future__ import annotations
@@ -55,23 +49,12 @@ import torch
 import triton
 
 from ..validate import Dims, check_state_pool
+from .chain_t import _descriptors
+from .parts import _IMPORT_ERROR, gl, gluon, gluon_available  # noqa: F401  (gluon_available: the public check)
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _IMPORT_ERROR = None
-except ImportError as e:  # pragma: no cover - depends on the installed Triton
-    gluon = gl = None
-    _IMPORT_ERROR = e
+if _IMPORT_ERROR is None:
+    from .chain_t import _gdn_chain_t_kernel
+    from .parts import _issue_rows, _mma, _row_norms, _split_store, async_copy, fence_async_shared
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks (shared memory: one program per multiprocessor either way); see _plan
@@ -82,23 +65,7 @@ SUPPORTED_K = (128,)
 SUPPORTED_V = (128,)
 
 
-def gluon_available() -> bool:
-    """True when the installed Triton has the Gluon API this kernel is written against (Triton 3.6's
-    `triton.experimental.gluon` with Hopper warpgroup MMA and NVMMA layouts)."""
-    if _IMPORT_ERROR is not None:
-        return False
-    needed = (gl, ("NVMMADistributedLayout", "NVMMASharedLayout", "SwizzledSharedLayout", "BlockedLayout",
-                   "SliceLayout", "allocate_shared_memory"))
-    return all(hasattr(needed[0], n) for n in needed[1])
-
-
 if _IMPORT_ERROR is None:
-
-    @gluon.jit
-    def _mma(a_smem, b_smem, acc, USE_ACC: gl.constexpr):
-        """acc (+)= a @ b with fp32 accumulation; fp32 operands run as tf32 (the compile option's default input
-        precision, which the host leaves as is); the caller has fenced its shared-memory stores."""
-        return warpgroup_mma(a_smem, b_smem, acc, use_acc=USE_ACC)
 
     @gluon.jit
     def _diag_inverse(a_smem, d3_smem, C: gl.constexpr):
@@ -164,34 +131,6 @@ if _IMPORT_ERROR is None:
         m_t.store(P1)
         fence_async_shared()
         return P1 - _mma(m_row, m_t, zc, False)
-
-    @gluon.jit
-    def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
-        """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, K]) into x_smem [C, K]; rows past
-        the sequence are zero-filled. One copy of the whole tile: copies into slices of one buffer would each be
-        fenced from the next by a barrier (the compiler sees writes to one allocation)."""
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        t = gl.arange(0, C, layout=gl.SliceLayout(1, LR))
-        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
-        x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K
-        p = gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0)
-        async_copy.async_copy_global_to_shared(x_smem, x_chunk + p, mask=gl.expand_dims(c0 + t < seq_len, 1))
-
-    @gluon.jit
-    def _row_norms(x_smem, nrm_smem, K: gl.constexpr, C: gl.constexpr):
-        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, in one pass (stores to
-        slices of one buffer would each wait on a barrier)."""
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        xr = x_smem.load(LR).to(gl.float32)
-        nrm_smem.store(gl.sum(xr * xr, axis=1))
-
-    @gluon.jit
-    def _split_store(x, hi_smem, lo_smem):
-        """x (fp32) as hi + lo in the 16-bit dtype of the buffers (~2^-16 relative): two 16-bit products then
-        carry an fp32 operand at better than tf32 accuracy."""
-        hi = x.to(hi_smem.dtype)
-        hi_smem.store(hi)
-        lo_smem.store((x - hi.to(gl.float32)).to(lo_smem.dtype))
 
     @gluon.jit
     def _gates(g, beta, bos, c0, seq_len, i_hv, HV, i_c, j_c):
@@ -437,183 +376,6 @@ if _IMPORT_ERROR is None:
             gl.store(ht + p_h, S)
 
 
-    @gluon.jit
-    def _split_operand(x, A_LAYOUT: gl.constexpr, dt: gl.constexpr):
-        """x (fp32 registers) as 16-bit hi + lo, each a register A operand of layout A_LAYOUT."""
-        hi = x.to(dt)
-        lo = (x - hi.to(gl.float32)).to(dt)
-        return gl.convert_layout(hi, A_LAYOUT), gl.convert_layout(lo, A_LAYOUT)
-
-    @gluon.jit
-    def _tma_chunk(q_desc, k_desc, v_desc, t_desc, bar, q_s, k_s, v_s, t_hi, t_lo, tok, qk_col, v_col, t_row,
-                   pred, C: gl.constexpr):
-        """One chunk's q, k, v rows and T (hi, lo) by TMA into one buffer set, completing on `bar`. Rows past the
-        sequence are the next sequence's (or zeros past the tensor): every product the chain keeps gives them
-        weight zero (beta and g are loaded masked, so their T rows are unit rows and their V' rows zero)."""
-        nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * t_desc.block_type.nbytes
-        mbarrier.expect(bar, nbytes, pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [tok, qk_col], bar, q_s, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [tok, qk_col], bar, k_s, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [tok, v_col], bar, v_s, pred=pred)
-        tma.async_copy_global_to_shared(t_desc, [t_row, 0], bar, t_hi, pred=pred)
-        tma.async_copy_global_to_shared(t_desc, [t_row + C, 0], bar, t_lo, pred=pred)
-
-    @gluon.jit
-    def _gdn_chain_t_kernel(
-        q_desc, k_desc, v_desc, t_desc, Bbuf, o, h0, ht, rows, cu, chunk_off, scale, H, HV,
-        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-        L2: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, OUTPUT: gl.constexpr, POOL: gl.constexpr,
-    ):
-        """The state chain with the state kept transposed, S^T [BV, K] in fp32 registers, so that every product on
-        the state path takes a register operand (S^T, R^T, V'^T, U^T as 16-bit hi + lo, wgmma's A) against q, k,
-        T and P in shared memory: S, R, V' and U never go through shared memory. Per chunk, with Kn, Qn the
-        normalised keys and queries (scale in Qn), gamma = e^b:
-            R^T  = (V^T - (S^T K^T) diag(gamma rk)) diag(beta)
-            V'^T = R^T T^T
-            O^T  = (S^T Q^T) diag(gamma rq) + V'^T P^T,   P^T[j, i] = kn_j . qn_i e^{b_i - b_j}  (i >= j)
-            S^T  = e^{b_last} S^T + (V'^T diag(rk e^{b_last - b})) K
-        q, k, v arrive by TMA (descriptors over [Ttot, H * K] and [Ttot, HV * V]), T from the solve as 16-bit
-        hi + lo rows (descriptor over Tbuf [chunks * HV * 2 * C, C]); BV == C == 64 (one warpgroup's M).
-        Other arguments as `_gdn_chain_kernel`."""
-        i_v = gl.program_id(0)
-        i_nh = gl.program_id(1)
-        i_n = i_nh // HV
-        i_hv = i_nh % HV
-        i_h = i_hv // (HV // H)
-        bos = gl.load(cu + i_n)
-        eos = gl.load(cu + i_n + 1)
-        seq_len = eos - bos
-        t_first = gl.load(chunk_off + i_n)
-        dt: gl.constexpr = o.dtype.element_ty
-
-        # accumulators: S^T [BV, K]; every other product [BV, C] or [C, C], both [64, 64]
-        MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
-        MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-        A_T: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MT, k_width=2)  # A of a [64, 64] result
-        A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)  # A of the [BV, K] update
-        TOK: gl.constexpr = gl.SliceLayout(0, MT)  # along the columns: tokens i
-        ROWJ: gl.constexpr = gl.SliceLayout(1, MT)  # along the rows of P^T: tokens j
-        LST: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-
-        SL_CC: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], dt)
-        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        q_st = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
-        k_st = gl.allocate_shared_memory(dt, [2, C, K], k_desc.layout)
-        v_st = gl.allocate_shared_memory(dt, [2, C, BV], v_desc.layout)
-        t_st = gl.allocate_shared_memory(dt, [4, C, C], t_desc.layout)  # T hi, lo of this chunk and the next
-        p_st = gl.allocate_shared_memory(dt, [2, C, C], SL_CC)  # P^T hi, lo
-        nq = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
-        nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
-        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar.index(0), count=1)
-        mbarrier.init(bar.index(1), count=1)
-
-        i_t = gl.arange(0, C, layout=TOK)
-        j_t = gl.arange(0, C, layout=ROWJ)
-        col0 = i_v * BV
-        qk_col = i_h * K
-        v_col = i_hv * V + col0
-
-        if POOL:
-            row = gl.load(rows + i_n).to(gl.int64)
-        else:
-            row = i_n.to(gl.int64)
-        r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MS))
-        c_k = gl.arange(0, K, layout=gl.SliceLayout(0, MS))
-        if HAS_H0:
-            St = gl.load(h0 + (row * HV + i_hv) * K * V + col0 + (gl.expand_dims(c_k, 0) * V + gl.expand_dims(r_v, 1)))
-        else:
-            St = gl.zeros([BV, K], gl.float32, MS)
-
-        _tma_chunk(q_desc, k_desc, v_desc, t_desc, bar.index(0), q_st.index(0), k_st.index(0), v_st.index(0),
-                   t_st.index(0), t_st.index(1), bos, qk_col, v_col, (t_first * HV + i_hv) * 2 * C, seq_len > 0, C)
-
-        for c0 in range(0, seq_len, C):
-            n = c0 // C
-            buf = n % 2
-            gl.thread_barrier()  # every read of the other buffer set (the chunk before) is done
-            nxt = c0 + C
-            _tma_chunk(q_desc, k_desc, v_desc, t_desc, bar.index(1 - buf), q_st.index(1 - buf), k_st.index(1 - buf),
-                       v_st.index(1 - buf), t_st.index(2 - 2 * buf), t_st.index(3 - 2 * buf), bos + nxt, qk_col,
-                       v_col, ((t_first + n + 1) * HV + i_hv) * 2 * C, nxt < seq_len, C)
-            # the in-chunk cumulative log-decay from the solve, read here, not a chunk ahead: each [C] vector in the
-            # product layout holds 16 registers a thread
-            b_base = Bbuf + ((t_first + n) * HV + i_hv).to(gl.int64) * C
-            b = gl.load(b_base + i_t)
-            b_last = gl.load(b_base + C - 1)
-            mbarrier.wait(bar.index(buf), (n // 2) % 2)
-            qb = q_st.index(buf)
-            kb = k_st.index(buf)
-            if L2:
-                _row_norms(qb, nq, K, C)
-                _row_norms(kb, nk, K, C)
-                rq = gl.rsqrt(nq.load(TOK) + 1e-6) * scale
-                rk = gl.rsqrt(nk.load(TOK) + 1e-6)
-            else:
-                rq = gl.full([C], 1.0, gl.float32, TOK) * scale
-                rk = gl.full([C], 1.0, gl.float32, TOK)
-            zt = gl.zeros([BV, C], gl.float32, MT)
-            kT = kb.permute((1, 0))
-            qT = qb.permute((1, 0))
-
-            # registers bound the order: each [C] vector in the product layout holds 16 registers a thread, so P^T
-            # (no state needed) is built and stored first and the per-token scales are folded as soon as they can be
-            if OUTPUT:
-                kq = warpgroup_mma(kb, qT, zt, use_acc=False)  # [j, i] = k_j . q_i
-                if L2:
-                    rk_j = gl.rsqrt(nk.load(ROWJ) + 1e-6)
-                else:
-                    rk_j = gl.full([C], 1.0, gl.float32, ROWJ)
-                causal = gl.expand_dims(j_t, 1) <= gl.expand_dims(i_t, 0)  # [j, i]: i >= j
-                decay = gl.exp(gl.where(causal, gl.expand_dims(b, 0) - gl.expand_dims(gl.convert_layout(b, ROWJ), 1),
-                                        float("-inf")))
-                _split_store(kq * decay * gl.expand_dims(rk_j, 1) * gl.expand_dims(rq, 0), p_st.index(0),
-                             p_st.index(1))
-                qs_scale = gl.exp(b) * rq
-            ks_scale = gl.exp(b) * rk
-            u_scale = gl.exp(b_last - b) * rk
-            s_hi = St.to(dt)
-            s_op = gl.convert_layout(s_hi, A_T)
-            ks = warpgroup_mma(s_op, kT, zt, use_acc=False)
-            if OUTPUT:
-                qs = warpgroup_mma(s_op, qT, zt, use_acc=False)
-            s_op = gl.convert_layout((St - s_hi.to(gl.float32)).to(dt), A_T)
-            ks = warpgroup_mma(s_op, kT, ks)
-            if OUTPUT:
-                qs = warpgroup_mma(s_op, qT, qs) * gl.expand_dims(qs_scale, 0)
-
-            # 1. V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)  (the solve folded beta into T)
-            vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
-            r_hi, r_lo = _split_operand(vt - ks * gl.expand_dims(ks_scale, 0), A_T, dt)
-            t_hi = t_st.index(2 * buf).permute((1, 0))
-            t_lo = t_st.index(2 * buf + 1).permute((1, 0))
-            Vn = warpgroup_mma(r_hi, t_lo, warpgroup_mma(r_lo, t_hi, warpgroup_mma(r_hi, t_hi, zt, use_acc=False)))
-
-            # 2. O^T = (S^T Q^T) diag(gamma rq) + V'^T P^T
-            if OUTPUT:
-                v_hi, v_lo = _split_operand(Vn, A_T, dt)
-                fence_async_shared()
-                out = warpgroup_mma(v_hi, p_st.index(0), qs)
-                out = warpgroup_mma(v_hi, p_st.index(1), warpgroup_mma(v_lo, p_st.index(0), out))
-                out_tc = gl.convert_layout(gl.permute(out.to(dt), (1, 0)), LST)  # [C, BV]
-                t_o = gl.arange(0, C, layout=gl.SliceLayout(1, LST))
-                c_o = gl.arange(0, BV, layout=gl.SliceLayout(0, LST))
-                o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
-                gl.store(o_chunk + gl.expand_dims(t_o * (HV * V), 1) + gl.expand_dims(c_o, 0), out_tc,
-                         mask=gl.expand_dims(c0 + t_o < seq_len, 1))
-
-            # 3. S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
-            u_hi, u_lo = _split_operand(Vn * gl.expand_dims(u_scale, 0), A_S, dt)
-            St = warpgroup_mma(u_lo, kb, warpgroup_mma(u_hi, kb, St * gl.exp(b_last)))
-
-        mbarrier.invalidate(bar.index(0))
-        mbarrier.invalidate(bar.index(1))
-        if STORE_HT:
-            # offsets written unlike the load's: identical ones would be shared with it and held, K * BV / 128
-            # 32-bit registers a thread, across the whole loop
-            ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
-            gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
-
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if q.dim() != 4 or k.shape != q.shape:
@@ -720,20 +482,6 @@ class Launches(NamedTuple):
     BV: int
     programs: tuple[int, int]  # (solve, chain)
     plan: str  # the chain: "t" (transposed) or "split"
-
-
-def _descriptors(q, k, v, Tbuf, BV: int) -> tuple:
-    """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v as [Ttot, HV * V] in
-    [CHUNK, BV] boxes, T (hi, lo) as [chunks * HV * 2 * CHUNK, CHUNK] rows."""
-    K, V = q.shape[-1], v.shape[-1]
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(x2, box):
-        return TensorDescriptor.from_tensor(x2, box, gl.NVMMASharedLayout.get_default_for(box, dt))
-
-    q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
-    return (desc(q2, [CHUNK, K]), desc(k2, [CHUNK, K]), desc(v.reshape(-1, v.shape[-2] * V), [CHUNK, BV]),
-            desc(Tbuf.reshape(-1, CHUNK), [CHUNK, CHUNK]))
 
 
 def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,

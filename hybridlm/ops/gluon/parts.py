@@ -1,0 +1,76 @@
+"""What the Gluon kernels share: the import of Triton's Gluon API (absent from older Tritons: `gluon_available`)
+and small device helpers (a warpgroup MMA, row copies and norms, fp32 values split into 16-bit hi + lo).
+"""
+
+from __future__ import annotations
+
+try:  # the names the kernel files import from here
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = None
+    _IMPORT_ERROR = e
+
+
+def gluon_available() -> bool:
+    """True when the installed Triton has the Gluon API this kernel is written against (Triton 3.6's
+    `triton.experimental.gluon` with Hopper warpgroup MMA and NVMMA layouts)."""
+    if _IMPORT_ERROR is not None:
+        return False
+    needed = (gl, ("NVMMADistributedLayout", "NVMMASharedLayout", "SwizzledSharedLayout", "BlockedLayout",
+                   "SliceLayout", "allocate_shared_memory"))
+    return all(hasattr(needed[0], n) for n in needed[1])
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _mma(a_smem, b_smem, acc, USE_ACC: gl.constexpr):
+        """acc (+)= a @ b with fp32 accumulation; fp32 operands run as tf32 (the compile option's default input
+        precision, which the host leaves as is); the caller has fenced its shared-memory stores."""
+        return warpgroup_mma(a_smem, b_smem, acc, use_acc=USE_ACC)
+
+    @gluon.jit
+    def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
+        """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, K]) into x_smem [C, K]; rows past
+        the sequence are zero-filled. One copy of the whole tile: copies into slices of one buffer would each be
+        fenced from the next by a barrier (the compiler sees writes to one allocation)."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        t = gl.arange(0, C, layout=gl.SliceLayout(1, LR))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
+        x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K
+        p = gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0)
+        async_copy.async_copy_global_to_shared(x_smem, x_chunk + p, mask=gl.expand_dims(c0 + t < seq_len, 1))
+
+    @gluon.jit
+    def _row_norms(x_smem, nrm_smem, K: gl.constexpr, C: gl.constexpr):
+        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, in one pass (stores to
+        slices of one buffer would each wait on a barrier)."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        xr = x_smem.load(LR).to(gl.float32)
+        nrm_smem.store(gl.sum(xr * xr, axis=1))
+
+    @gluon.jit
+    def _split_store(x, hi_smem, lo_smem):
+        """x (fp32) as hi + lo in the 16-bit dtype of the buffers (~2^-16 relative): two 16-bit products then
+        carry an fp32 operand at better than tf32 accuracy."""
+        hi = x.to(hi_smem.dtype)
+        hi_smem.store(hi)
+        lo_smem.store((x - hi.to(gl.float32)).to(lo_smem.dtype))
+
+    @gluon.jit
+    def _split_operand(x, A_LAYOUT: gl.constexpr, dt: gl.constexpr):
+        """x (fp32 registers) as 16-bit hi + lo, each a register A operand of layout A_LAYOUT."""
+        hi = x.to(dt)
+        lo = (x - hi.to(gl.float32)).to(dt)
+        return gl.convert_layout(hi, A_LAYOUT), gl.convert_layout(lo, A_LAYOUT)
