@@ -10,6 +10,7 @@
 #                  4096 tokens per GPU, 50 steps: a model whose per-block work is larger than FSDP's collectives
 #   two325r8 / one325r8: the same at 8 rows per GPU (at 4 rows one GPU's step is bound by the host, not the GPU);
 #                  two325 and one325r8 share the global batch: their final train losses must agree within 1e-2
+#   four325r8:     8 rows per GPU on 4 GPUs (only when RUNS names it; on a machine with 4 GPUs) against one325r8
 #   two325pb:      two325 with one FSDP unit per block (--fsdp-min-unit-params 0; only when RUNS names it)
 #   two325nr:      two325 with --no-reshard-after-forward (parameters kept gathered from forward to backward; only
 #                  when RUNS names it)
@@ -20,6 +21,7 @@
 #                                     loss check fails, 2 if a run fails; the scalings are printed, not judged)
 #   RUNS="two325 one325 two16 one32" bash scripts/gpu_fsdp2.sh   (only those runs, in that order: the loss check
 #                                     needs two16 and one32, a scaling any complete pair)
+#   STEPS325=30 RUNS="one325r8 four325r8" bash scripts/gpu_fsdp2.sh   (the 325M runs at 30 steps)
 set -u
 OUT=${OUT:-out}
 D="$OUT/fsdp2"
@@ -42,9 +44,10 @@ train() {  # NAME COMMAND...: one run into $D/NAME, its log in $D/NAME.log
   rm -rf "$D/$name/checkpoints"  # 30M params + optimizer state: not worth carrying back
 }
 
-C325=(--preset gpu-325m --max-steps 50 --seq-len 4096 --eval-every 0 --save-every 0 --eval-tokens 65536
+C325=(--preset gpu-325m --max-steps "${STEPS325:-50}" --seq-len 4096 --eval-every 0 --save-every 0 --eval-tokens 65536
       --sample-tokens 0 --no-progress)
 TWO=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m hybridlm.train)
+FOUR=("$PY" -m torch.distributed.run --standalone --nproc_per_node 4 -m hybridlm.train)
 ONE=("$PY" -m hybridlm.train)
 # throughput at 64 rows: a per-GPU batch that keeps the GPU busy (at 16 x 1024 a 30M model's step is ~35 ms, mostly
 # launch and synchronisation overhead that a second GPU cannot share); at 325M: FSDP's per-block work is not the step
@@ -61,10 +64,11 @@ for run in ${RUNS:-two16 one32 one16 two64 one64 two325 one325}; do
     two325pb) C30=("${COMMON[@]}"); COMMON=("${C325[@]}")
               train two325pb "${TWO[@]}" --batch-size 4 --fsdp-min-unit-params 0; COMMON=("${C30[@]}") ;;
     two325r8) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train two325r8 "${TWO[@]}" --batch-size 8; COMMON=("${C30[@]}") ;;
+    four325r8) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train four325r8 "${FOUR[@]}" --batch-size 8; COMMON=("${C30[@]}") ;;
     one325r8) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train one325r8 "${ONE[@]}" --batch-size 8; COMMON=("${C30[@]}") ;;
     one325) C30=("${COMMON[@]}"); COMMON=("${C325[@]}"); train one325 "${ONE[@]}" --batch-size 4; COMMON=("${C30[@]}") ;;
     *) echo "RUNS: unknown run $run (expected two16 one32 one16 two64 one64 two325 one325 two325r8 one325r8 two325pb"\
-            "two325nr)"; exit 2 ;;
+            "two325nr four325r8)"; exit 2 ;;
   esac
 done
 
@@ -75,7 +79,8 @@ d = sys.argv[1]
 runs = {"two16": "2 GPUs x 16 (FSDP2)", "one32": "1 GPU x 32", "one16": "1 GPU x 16",
         "two64": "2 GPUs x 64 (FSDP2)", "one64": "1 GPU x 64", "two325": "325M: 2 GPUs x 4 x 4096 (FSDP2)",
         "one325": "325M: 1 GPU x 4 x 4096", "two325r8": "325M: 2 GPUs x 8 x 4096 (FSDP2)",
-        "one325r8": "325M: 1 GPU x 8 x 4096", "two325pb": "325M: 2 GPUs x 4, one FSDP unit per block",
+        "one325r8": "325M: 1 GPU x 8 x 4096", "four325r8": "325M: 4 GPUs x 8 x 4096 (FSDP2)",
+        "two325pb": "325M: 2 GPUs x 4, one FSDP unit per block",
         "two325nr": "325M: 2 GPUs, --no-reshard-after-forward"}
 s = {}
 for name in runs:
@@ -109,7 +114,8 @@ def loss_diff(a, b):
 diff, diff325 = loss_diff("two16", "one32"), loss_diff("two325", "one325r8")
 scales = {"two16 / one16": ratio("two16", "one16"), "two64 / one64": ratio("two64", "one64"),
           "two325 / one325": ratio("two325", "one325"), "two325r8 / one325r8": ratio("two325r8", "one325r8"),
-          "two325pb / one325": ratio("two325pb", "one325"), "two325nr / one325": ratio("two325nr", "one325")}
+          "two325pb / one325": ratio("two325pb", "one325"), "two325nr / one325": ratio("two325nr", "one325"),
+          "four325r8 / one325r8": ratio("four325r8", "one325r8")}
 res.update(loss_abs_diff=diff, loss_abs_diff_325=diff325, scalings=scales, scaling_vs_one32=ratio("two16", "one32"))
 ok = all(d is None or d <= 1e-2 for d in (diff, diff325))  # the scalings are measurements, not a verdict
 lines += ["", "|loss(two16) - loss(one32)| = " + ("no verdict (a run is missing)" if diff is None else
