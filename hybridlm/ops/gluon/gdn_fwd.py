@@ -18,11 +18,12 @@ Roles:
   substitution (one warp a block); with Td that block-diagonal inverse and L the strictly block-lower part of A,
   N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products. For the "split" chain it
   writes T in fp32; for "t" it writes T diag(beta) as 16-bit hi + lo and b.
-- `_gdn_chain_t_kernel` ("t", in chain_t.py), one program per (value block of 64, sequence x value head),
-  walking its sequence in 64-token chunks with the state kept transposed, S^T [64, K] fp32, in the registers of
-  one warpgroup. Every state-path product takes its left operand from registers (S^T, R^T, V'^T, U^T split into 16-bit hi + lo: wgmma's
-  A operand) against q, k, T and P^T in shared memory, so nothing of the state path round-trips through shared
-  memory; q, k, v and T of the next chunk arrive by TMA into a double buffer (mbarriers). Per chunk, gamma = e^b:
+- `_gdn_chain_t_kernel` ("t", in chain_t.py), one program per (value block of 64, sequence x value head), walking
+  its sequence in 64-token chunks with the state kept transposed, S^T [64, K] fp32, in the registers of one
+  warpgroup. Every state-path product takes its left operand from registers (S^T, R^T, V'^T, U^T split into 16-bit
+  hi + lo: wgmma's A operand) against q, k, T and P^T in shared memory, so nothing of the state path round-trips
+  through shared memory; q, k, v and T of the next chunk arrive by TMA into a double buffer (mbarriers). Per chunk,
+  gamma = e^b:
       R^T  = V^T - (S^T K^T) diag(gamma rk)             V'^T = R^T (T diag(beta))^T
       O^T  = (S^T Q^T) diag(gamma rq) + V'^T P^T        S^T  = e^{b_last} S^T + (V'^T diag(rk e^{b_last - b})) K
   Thirteen 16-bit products a chunk. Registers bound it: a [64] per-token vector in the product layout holds 16
