@@ -14,29 +14,19 @@ from torch import nn
 
 from hybridlm.ops import deltaformer_attention
 
-from .attention import Rotary, apply_rotary, normed_heads, qk_norm_modules
-from .history import gate_dtype, run_over_history
+from .attention import Rotary, apply_rotary, normed_heads
+from .history import HistoryHeads, gate_dtype, run_over_history
 
 
-class DeltaFormerAttention(nn.Module):
+class DeltaFormerAttention(HistoryHeads):
     """x: [B, T, D] -> [B, T, D]."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qk_norm: str = "none", norm_kind: str = "zero_centered", norm_eps: float = 1e-6,
                  rotary_dim: int = 0, rope_theta: float | None = 10000.0, impl: str = "auto"):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
-        self.impl = impl if impl in ("naive", "chunk") else "auto"  # no Triton kernel: "triton" means the default
-        D, kv = hidden_size, num_kv_heads * head_dim
-        self.q_proj = nn.Linear(D, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(D, kv, bias=False)
-        self.v_proj = nn.Linear(D, kv, bias=False)
-        self.b_proj = nn.Linear(D, num_heads, bias=True)
-        self.o_proj = nn.Linear(num_heads * head_dim, D, bias=False)
-        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
-                                                   kind=norm_kind, impl=impl)
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, qk_norm=qk_norm, norm_kind=norm_kind,
+                         norm_eps=norm_eps, impl=impl)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=True)
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def _parts(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:

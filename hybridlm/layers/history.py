@@ -11,8 +11,30 @@ causal with key padding (packed documents with padding) are refused with a one-l
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .attention import Documents
+from .attention import Documents, qk_norm_modules
+
+
+class HistoryHeads(nn.Module):
+    """What the whole-history attention layers share: grouped heads (num_heads a multiple of num_kv_heads), the q, k,
+    v and o projections without bias, the optional q/k norms (`qk_norm_modules`) and `impl` ("naive" or "chunk",
+    else "auto": these ops have no Triton kernel, so "triton" means the default)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qk_norm: str,
+                 norm_kind: str, norm_eps: float, impl: str):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
+        self.impl = impl if impl in ("naive", "chunk") else "auto"
+        kv = num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, kv, bias=False)
+        self.v_proj = nn.Linear(hidden_size, kv, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
+                                                   kind=norm_kind, impl=impl)
 
 
 def gate_dtype(x: torch.Tensor) -> torch.Tensor:

@@ -17,34 +17,25 @@ from torch import nn
 
 from hybridlm.ops import l2norm, path_attention
 
-from .attention import normed_heads, qk_norm_modules
+from .attention import normed_heads
 from .conv import ShortConv
-from .history import gate_dtype, run_over_history
+from .history import HistoryHeads, gate_dtype, run_over_history
 
 
-class PaTHAttention(nn.Module):
+class PaTHAttention(HistoryHeads):
     """x: [B, T, D] -> [B, T, D]."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  forget_gate: bool = False, qk_norm: str = "none", norm_kind: str = "zero_centered",
                  norm_eps: float = 1e-6, w_rank: int = 32, conv_size: int = 3, impl: str = "auto"):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.nH, self.nKV, self.hd, self.qk_norm = num_heads, num_kv_heads, head_dim, qk_norm
-        self.impl = impl if impl in ("naive", "chunk") else "auto"  # no Triton kernel: "triton" means the default
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, qk_norm=qk_norm, norm_kind=norm_kind,
+                         norm_eps=norm_eps, impl=impl)
         D, kv = hidden_size, num_kv_heads * head_dim
-        self.q_proj = nn.Linear(D, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(D, kv, bias=False)
-        self.v_proj = nn.Linear(D, kv, bias=False)
         self.w_proj = (nn.Sequential(nn.Linear(D, w_rank, bias=False), nn.Linear(w_rank, kv, bias=False))
                        if w_rank else nn.Linear(D, kv, bias=False))
         self.w_conv = ShortConv(kv, conv_size, activation="silu", impl=impl)
         self.bt_proj = nn.Linear(D, num_kv_heads, bias=True)
         self.g_proj = nn.Linear(D, num_heads, bias=True) if forget_gate else None
-        self.o_proj = nn.Linear(num_heads * head_dim, D, bias=False)
-        self.q_norm, self.k_norm = qk_norm_modules(qk_norm, num_heads, num_kv_heads, head_dim, eps=norm_eps,
-                                                   kind=norm_kind, impl=impl)
 
     def _parts(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """Per-token inputs of the op, before the w conv (which runs over the whole history)."""
