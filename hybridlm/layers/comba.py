@@ -23,6 +23,7 @@ from torch import nn
 from hybridlm.ops import comba, glue, l2norm
 
 from .conv import ShortConv
+from .gdn import decay_parameters
 from .norm import GatedRMSNorm
 
 
@@ -46,11 +47,7 @@ class Comba(nn.Module):
         self.b_proj = nn.Linear(D, num_value_heads, bias=False)
         self.decay = nn.Parameter(torch.ones(num_key_heads))  # inner decay d = sigmoid(decay): 0.73 at init
         self.D = nn.Parameter(torch.full((num_key_heads,), float(correction_factor)))  # output correction
-        # A in [1, 16] and dt in [1e-3, 1e-1] at init, as GatedDeltaNet
-        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(1, 16).log())
-        dt = torch.exp(torch.rand(num_value_heads) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
-                       + torch.log(torch.tensor(1e-3)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.A_log, self.dt_bias = decay_parameters(num_value_heads)  # as GatedDeltaNet
         self.g_proj = nn.Linear(D, self.value_dim, bias=False)
         self.o_norm = GatedRMSNorm(value_head_dim, eps=norm_eps, activation="sigmoid", fp32_output=True)
         self.o_proj = nn.Linear(self.value_dim, D, bias=False)

@@ -25,6 +25,15 @@ from .norm import GatedRMSNorm
 LAYOUTS = ("fused", "split", "olmo")
 
 
+def decay_parameters(num_value_heads: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """(A_log, dt_bias) [HV] of g = -exp(A_log) * softplus(a + dt_bias): A in [1, 16] and dt in [1e-3, 1e-1] at init
+    (the Mamba-2 / GDN defaults; checkpoints overwrite both), dt_bias the inverse softplus of dt."""
+    A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(1, 16).log())
+    dt = torch.exp(torch.rand(num_value_heads) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
+                   + torch.log(torch.tensor(1e-3)))
+    return A_log, nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, *, conv_kernel: int = 4, layout: str = "split", beta_scale: float = 1.0,
@@ -57,11 +66,7 @@ class GatedDeltaNet(nn.Module):
             self.b_proj = nn.Linear(D, num_value_heads, bias=False)
             self.g_proj = nn.Linear(D, value_dim, bias=False)
         self.conv1d = ShortConv(2 * key_dim + value_dim, conv_kernel, activation="silu")
-        # A in [1, 16] and dt in [1e-3, 1e-1] at init (Mamba-2 / GDN defaults); checkpoints overwrite both.
-        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(1, 16).log())
-        dt = torch.exp(torch.rand(num_value_heads) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
-                       + torch.log(torch.tensor(1e-3)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.A_log, self.dt_bias = decay_parameters(num_value_heads)
         norm = GatedRMSNorm(value_head_dim, eps=norm_eps, activation="silu")
         out = nn.Linear(value_dim, D, bias=False)
         if layout == "olmo":
