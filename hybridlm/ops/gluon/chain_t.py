@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .parts import _IMPORT_ERROR, _row_norms, _split_operand, _split_store, gl, gluon
+from .parts import _IMPORT_ERROR, _chain_program, _row_norms, _split_operand, _split_store, gl, gluon
 
 if _IMPORT_ERROR is None:
     from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -47,15 +47,7 @@ if _IMPORT_ERROR is None:
         q, k, v arrive by TMA (descriptors over [Ttot, H * K] and [Ttot, HV * V]), T from the solve as 16-bit
         hi + lo rows (descriptor over Tbuf [chunks * HV * 2 * C, C]); BV == C == 64 (one warpgroup's M).
         Other arguments as `_gdn_chain_kernel`."""
-        i_v = gl.program_id(0)
-        i_nh = gl.program_id(1)
-        i_n = i_nh // HV
-        i_hv = i_nh % HV
-        i_h = i_hv // (HV // H)
-        bos = gl.load(cu + i_n)
-        eos = gl.load(cu + i_n + 1)
-        seq_len = eos - bos
-        t_first = gl.load(chunk_off + i_n)
+        i_v, i_n, i_hv, i_h, bos, seq_len, t_first, row = _chain_program(cu, chunk_off, rows, H, HV, POOL)
         dt: gl.constexpr = o.dtype.element_ty
 
         # accumulators: S^T [BV, K]; every other product [BV, C] or [C, C], both [64, 64]
@@ -86,10 +78,6 @@ if _IMPORT_ERROR is None:
         qk_col = i_h * K
         v_col = i_hv * V + col0
 
-        if POOL:
-            row = gl.load(rows + i_n).to(gl.int64)
-        else:
-            row = i_n.to(gl.int64)
         r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MS))
         c_k = gl.arange(0, K, layout=gl.SliceLayout(0, MS))
         if HAS_H0:

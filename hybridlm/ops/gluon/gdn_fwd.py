@@ -55,7 +55,7 @@ from .parts import _IMPORT_ERROR, gl, gluon, gluon_available  # noqa: F401  (glu
 
 if _IMPORT_ERROR is None:
     from .chain_t import _gdn_chain_t_kernel
-    from .parts import _issue_rows, _mma, _row_norms, _split_store, async_copy, fence_async_shared
+    from .parts import _chain_program, _issue_rows, _mma, _row_norms, _split_store, async_copy, fence_async_shared
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks (shared memory: one program per multiprocessor either way); see _plan
@@ -229,15 +229,8 @@ if _IMPORT_ERROR is None:
         OUTPUT False skips the output products and o (only for timing the state path). POOL: h0 and ht are one
         state pool [P, HV, K, V] and sequence n reads and writes its row rows[n] (int32 [N]); each program touches
         only its own [K, BV] slice of that row, read first and written last, so the update in place is safe."""
-        i_v = gl.program_id(0)
-        i_nh = gl.program_id(1)
-        i_n = i_nh // HV
-        i_hv = i_nh % HV
-        i_h = i_hv // (HV // H)
-        bos = gl.load(cu + i_n)
-        eos = gl.load(cu + i_n + 1)
-        seq_len = eos - bos
-        t_first = gl.load(chunk_off + i_n).to(gl.int64)
+        i_v, i_n, i_hv, i_h, bos, seq_len, t_first, row = _chain_program(cu, chunk_off, rows, H, HV, POOL)
+        t_first = t_first.to(gl.int64)
         dt: gl.constexpr = q.dtype.element_ty
 
         MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 8])
@@ -279,10 +272,6 @@ if _IMPORT_ERROR is None:
             + gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, LT)), 0)
         col0 = i_v * BV
 
-        if POOL:
-            row = gl.load(rows + i_n).to(gl.int64)
-        else:
-            row = i_n.to(gl.int64)
         if HAS_H0:
             p_h = (row * HV + i_hv) * K * V + gl.expand_dims(r_k, 1) * V + col0 + gl.expand_dims(c_v, 0)
             S = gl.load(h0 + p_h)

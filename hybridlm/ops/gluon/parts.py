@@ -74,3 +74,20 @@ if _IMPORT_ERROR is None:
         hi = x.to(dt)
         lo = (x - hi.to(gl.float32)).to(dt)
         return gl.convert_layout(hi, A_LAYOUT), gl.convert_layout(lo, A_LAYOUT)
+
+    @gluon.jit
+    def _chain_program(cu, chunk_off, rows, H, HV, POOL: gl.constexpr):
+        """What a chain program (grid: value blocks, sequences x value heads) works on: (value block, sequence,
+        value head, key head, first token, length, first chunk (int32), state row (int64): the pool row rows[n]
+        when POOL, else n)."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        bos = gl.load(cu + i_n)
+        seq_len = gl.load(cu + i_n + 1) - bos
+        if POOL:
+            row = gl.load(rows + i_n).to(gl.int64)
+        else:
+            row = i_n.to(gl.int64)
+        return i_v, i_n, i_hv, i_hv // (HV // H), bos, seq_len, gl.load(chunk_off + i_n), row
