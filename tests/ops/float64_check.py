@@ -1,4 +1,5 @@
-"""What the float64 equality tests of the ops share: the relative error they bound and the seed they draw.
+"""What the float64 equality tests of the ops share: the relative error they bound, the seed they draw, and the
+naive-against-chunk comparison with gradients; also the outputs-and-gradients call of the GPU comparisons.
 
 Imported by the test modules beside it (tests/ops is on sys.path under pytest's default import mode).
 """
@@ -18,3 +19,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def draw_seed() -> int:
     """A seed from torch's global RNG (which the suite seeds afresh for every test and reports)."""
     return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def check_chunk_equals_naive(run, x: dict, names, cot: torch.Tensor, tol: float, **kw) -> torch.Tensor:
+    """run({**x, leaves}, impl=..., **kw) with impl "naive" and "chunk", the inputs `names` of x as leaves: the
+    outputs and the gradients of (o * cot).sum() agree within `tol` (rel, per tensor). Returns chunk's output."""
+    results = {}
+    for impl in ("naive", "chunk"):
+        leaves = {n: x[n].clone().requires_grad_(True) for n in names}
+        o = run({**x, **leaves}, impl=impl, **kw)
+        results[impl] = (o, torch.autograd.grad((o * cot).sum(), [leaves[n] for n in names],
+                                                allow_unused=True, materialize_grads=True))
+    (o_ref, g_ref), (o, gr) = results["naive"], results["chunk"]
+    assert rel(o, o_ref) <= tol, rel(o, o_ref)
+    for n, a, b in zip(names, gr, g_ref):
+        assert rel(a, b) <= tol, (n, rel(a, b))
+    return o
+
+
+def outputs_and_grads(fn, x: dict[str, torch.Tensor], do: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"o": fn(**x), "d<name>": gradient of (o * do).sum() for every input}, each input a fresh leaf."""
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    o = fn(**leaves)
+    got = torch.autograd.grad((o.to(do.dtype) * do).sum(), list(leaves.values()))
+    return {"o": o.detach(), **{"d" + n: gr for n, gr in zip(leaves, got)}}

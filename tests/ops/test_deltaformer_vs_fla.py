@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from float64_check import outputs_and_grads
 
 from hybridlm.ops import deltaformer_attention
 
@@ -25,13 +26,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 B, T, H, K, V = 2, 300, 4, 64, 64
 CU = [0, 77, 300, 301, 600]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error / max |reference|
-
-
-def grads(fn, x: dict[str, torch.Tensor], do: torch.Tensor) -> dict[str, torch.Tensor]:
-    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    o = fn(**leaves)
-    got = torch.autograd.grad((o.to(do.dtype) * do).sum(), list(leaves.values()))
-    return {"o": o.detach(), **{"d" + n: gr for n, gr in zip(leaves, got)}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -58,10 +52,11 @@ def test_deltaformer_vs_fla(dtype, varlen):
                        for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
         return o.transpose(1, 2)
 
-    ref = grads(lambda **a: ours(**a, impl="naive"), {n: z.double() for n, z in x.items()}, do.double())
-    mine = grads(ours, x, do)
+    ref = outputs_and_grads(lambda **a: ours(**a, impl="naive"), {n: z.double() for n, z in x.items()},
+                            do.double())
+    mine = outputs_and_grads(ours, x, do)
     try:
-        theirs = grads(fla, x, do)
+        theirs = outputs_and_grads(fla, x, do)
     except Exception as e:  # noqa: BLE001 (fla's limits are reported, ours is still checked)
         theirs, why = {}, f"{type(e).__name__}: {e}".splitlines()[0][:80]
     for name, want in ref.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from float64_check import F64, rel
+from float64_check import F64, check_chunk_equals_naive, rel
 
 from hybridlm.ops import path_attention
 
@@ -61,17 +61,8 @@ def test_chunk_equals_naive_fp64_with_gradients(T, chunk_size, ratio, gate):
         x["g"] = None
     names = [n for n in ("q", "k", "v", "w", "g", "beta") if x[n] is not None]
     cot = torch.randn(2, T, 2 * ratio, 12, dtype=F64)
-    results = {}
-    for impl in ("naive", "chunk"):
-        leaves = {n: x[n].clone().requires_grad_(True) for n in names}
-        o = run({**x, **leaves}, impl=impl, chunk_size=chunk_size)
-        results[impl] = (o, torch.autograd.grad((o * cot).sum(), [leaves[n] for n in names],
-                                                      allow_unused=True, materialize_grads=True))
-    (o_ref, g_ref), (o, gr) = results["naive"], results["chunk"]
+    o = check_chunk_equals_naive(run, x, names, cot, TOL, chunk_size=chunk_size)
     assert o.dtype == F64 and o.shape == (2, T, 2 * ratio, 12)
-    assert rel(o, o_ref) <= TOL, rel(o, o_ref)
-    for n, a, b in zip(names, gr, g_ref):
-        assert rel(a, b) <= TOL, (n, rel(a, b))
 
 
 def test_varlen_equals_separate_sequences():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from float64_check import outputs_and_grads
 
 from hybridlm.ops import path_attention
 
@@ -31,13 +32,6 @@ def inputs(b: int, t: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str
     return dict(q=r(b, t, H, K).to(dtype), k=r(b, t, H, K).to(dtype), v=r(b, t, H, V).to(dtype),
                 w=F.normalize(r(b, t, H, K), dim=-1), beta=2 * torch.rand(b, t, H, generator=gen, device="cuda"),
                 g=F.logsigmoid(3 + r(b, t, H)))
-
-
-def grads(fn, x: dict[str, torch.Tensor], do: torch.Tensor) -> dict[str, torch.Tensor]:
-    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
-    o = fn(**leaves)
-    got = torch.autograd.grad((o.to(do.dtype) * do).sum(), list(leaves.values()))
-    return {"o": o.detach(), **{"d" + n: gr for n, gr in zip(leaves, got)}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -58,10 +52,11 @@ def test_path_attention_vs_fla(dtype, varlen):
         return parallel_path_attn(q, k, v, w, beta, g / scale, scale=scale,
                                   cu_seqlens=None if cu is None else cu.long())[0]
 
-    ref = grads(lambda **a: ours(**a, impl="naive"), {n: t.double() for n, t in x.items()}, do.double())
-    mine = grads(ours, x, do)
+    ref = outputs_and_grads(lambda **a: ours(**a, impl="naive"), {n: t.double() for n, t in x.items()},
+                            do.double())
+    mine = outputs_and_grads(ours, x, do)
     try:
-        theirs = grads(fla, x, do)
+        theirs = outputs_and_grads(fla, x, do)
     except Exception as e:  # noqa: BLE001 (fla's limits are reported, ours is still checked)
         theirs, why = {}, f"{type(e).__name__}: {e}".splitlines()[0][:80]
     for name, want in ref.items():
