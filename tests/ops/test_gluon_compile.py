@@ -83,6 +83,8 @@ CASES = [
     ("_gdn_chain_t_kernel", "bf16", 64, True, True, True, False, True),
     ("_gdn_chain_t_kernel", "fp16", 64, False, False, True, False, True),
     ("_gdn_chain_t_kernel", "bf16", 64, True, True, False, True, True),
+    ("_gdn_chain_ws_kernel", "bf16", 64, True, True, True, False, True),
+    ("_gdn_chain_ws_kernel", "fp16", 64, False, False, True, True, True),
 ]
 
 

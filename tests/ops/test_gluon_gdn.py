@@ -91,7 +91,7 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     assert all(e <= BAR for e in errs.values()), msg
 
 
-@pytest.fixture(params=[("t", 64), ("split", 32), ("split", 64)], ids=lambda p: f"{p[0]}{p[1]}")
+@pytest.fixture(params=[("t", 64), ("ws", 64), ("split", 32), ("split", 64)], ids=lambda p: f"{p[0]}{p[1]}")
 def value_block(request, monkeypatch):
     """Every chain and value block the host may pick (it picks by head count, so small cases would only see the
     split chain at 32)."""
@@ -253,7 +253,8 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         mb = _bytes(q, k, v, g, beta, picked.Tbuf, solve=True)
         print(f"| T solve | {picked.programs[0]} | {ms:.3f} | {mb / 1e6:.0f} | {1e3 * mb / COPY_BW:.3f} | - | - | - |")
         solve_ms = ms
-        runs = [(64, True, "t"), (64, False, "t"), (32, True, "split"), (64, True, "split"), (64, False, "split")]
+        runs = [(64, True, "ws"), (64, True, "t"), (64, False, "t"), (32, True, "split"), (64, True, "split"),
+                (64, False, "split")]
         for bv, output, plan in runs:
             launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output,
                                               plan=plan)
@@ -263,7 +264,8 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
                 chain_ms = ms
             mb = _bytes(q, k, v, g, beta, launch.Tbuf, solve=False) - (0 if output else v.numel() * v.element_size())
             waves = math.ceil(launch.programs[1] / sms)
-            clocks = _chain_t_chunk_clocks(output=output) if plan == "t" else _chain_chunk_clocks(bv, output=output)
+            clocks = (_chain_chunk_clocks(bv, output=output) if plan == "split"
+                      else _chain_t_chunk_clocks(output=output and plan == "t"))  # ws: its output overlaps
             per_chunk = clocks / CLOCK
             name = f"chain {plan} BV{bv}" + (" (rule)" if (bv, plan) == (picked.BV, picked.plan) else "") \
                 + ("" if output else ", no output")

@@ -55,11 +55,12 @@ from .parts import _IMPORT_ERROR, gl, gluon, gluon_available  # noqa: F401  (glu
 
 if _IMPORT_ERROR is None:
     from .chain_t import _gdn_chain_t_kernel
+    from .chain_ws import _gdn_chain_ws_kernel
     from .parts import _chain_program, _issue_rows, _mma, _row_norms, _split_store, async_copy, fence_async_shared
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV_CHOICES = (64, 32)  # value blocks (shared memory: one program per multiprocessor either way); see _plan
-PLANS = ("t", "split")  # the transposed chain and the first one; see _plan
+PLANS = ("t", "split", "ws")  # the transposed chain, the first one, "t" with its output in a 2nd warpgroup
 NUM_WARPS = 4  # one warpgroup
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 SUPPORTED_K = (128,)
@@ -516,9 +517,9 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     if plan not in PLANS:
         raise ValueError(f"plan: expected one of {PLANS}, got {plan!r}")
     BV = (picked_bv if plan == picked else 64) if bv is None else bv
-    if BV not in BV_CHOICES or (plan == "t" and BV != 64):
-        raise ValueError(f"bv: expected one of {BV_CHOICES} (64 with plan 't'), got {BV}")
-    t16 = plan == "t"
+    if BV not in BV_CHOICES or (plan != "split" and BV != 64):
+        raise ValueError(f"bv: expected one of {BV_CHOICES} (64 with plans 't' and 'ws'), got {BV}")
+    t16 = plan != "split"
     if t16:  # T diag(beta) as 16-bit hi + lo, and the in-chunk cumulative log-decays
         Tbuf = torch.empty(max(total, 1), HV, 2, CHUNK, CHUNK, dtype=q.dtype, device=dev)
     else:
@@ -537,6 +538,11 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
                                           num_warps=NUM_WARPS)
 
     def chain():
+        if plan == "ws":
+            _gdn_chain_ws_kernel[chain_grid](*descs, Bbuf, o, *states, rows, cu, chunk_off, float(scale), H, HV,
+                                             K=K, V=V, BV=BV, C=CHUNK, L2=l2, HAS_H0=h0 is not None,
+                                             STORE_HT=ht is not None, POOL=pool, num_warps=NUM_WARPS)
+            return
         if t16:
             _gdn_chain_t_kernel[chain_grid](*descs, Bbuf, o, *states, rows, cu, chunk_off, float(scale), H, HV,
                                             K=K, V=V, BV=BV, C=CHUNK, L2=l2, HAS_H0=h0 is not None,
