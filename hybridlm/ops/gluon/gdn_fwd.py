@@ -368,6 +368,21 @@ if _IMPORT_ERROR is None:
 
 
 
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when `gated_delta_rule_fwd` takes inputs like q [B, T, H, K] and v [B, T, HV, V] on this machine, else
+    why not, in a few words (the dispatch logs it once and falls back to the Triton kernels)."""
+    if not gluon_available():
+        return f"Triton {triton.__version__} has no Gluon API"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs a device of compute capability 9.0 (Hopper)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bfloat16 and float16 only)"
+    K, V = q.shape[-1], v.shape[-1]
+    if K not in SUPPORTED_K or V not in SUPPORTED_V:
+        return f"head dims K={K} V={V} (K in {SUPPORTED_K}, V in {SUPPORTED_V})"
+    return None
+
+
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k: expected equal shapes [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
