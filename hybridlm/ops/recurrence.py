@@ -3,8 +3,12 @@
 Non-standard here:
 - Gates are keyword-only and always in the order `g` (log-decay, <= 0) then `beta` (write strength).
 - `impl` is explicit: "naive" (token loop), "chunk" (WY/UT in PyTorch), "triton" (GPU kernels, registered by
-  `hybridlm.ops.triton` when it imports), "auto" (triton on CUDA when a kernel exists for the op, else chunk). The
-  choice "auto" makes is logged once per (op, device type, impl), never changed silently afterwards.
+  `hybridlm.ops.triton` when it imports), "gluon" (gated_delta_rule only: the Hopper forward of
+  `hybridlm.ops.gluon.gdn_fwd`, no autograd), "auto" (for gated_delta_rule the Gluon forward when no gradient is
+  needed and it takes the inputs: sm_90, bf16/fp16, K = V = 128; else triton on CUDA when a kernel exists for the
+  op and takes the inputs; else chunk). Training keeps the Triton forward and backward: the Gluon forward does not
+  write what the Triton backward reads. The choice "auto" makes is logged once per (op, device type, impl, reason
+  a faster path was not taken), never changed silently afterwards.
 - Compute dtype is float64 for float64 inputs and float32 otherwise; the state is kept in that dtype and the
   caller's initial_state must already be in it (no silent cast). The output comes back in the input dtype.
 - Values are not range-checked (g <= 0, beta in (0, 2)): that would need a device sync on every call.
@@ -22,7 +26,7 @@ from .chunk import recurrence_chunk
 from .naive import recurrence_naive
 from .norm import l2norm
 from .offsets import host_offsets
-from .validate import Dims, check_recurrence_inputs, check_state_pool
+from .validate import IMPLS, Dims, check_recurrence_inputs, check_state_pool
 
 log = logging.getLogger("hybridlm.ops")
 
@@ -31,13 +35,58 @@ TRITON_KERNELS: dict[str, Callable] = {}
 # op name -> (q, v) -> None when the kernel takes these inputs, else the reason it does not (impl="auto" then
 # falls back to "chunk" and logs why once; an explicit impl="triton" raises the kernel's own error instead)
 TRITON_SUPPORTS: dict[str, Callable] = {}
+# ops with a forward-only Gluon kernel (impl="gluon"; "auto" takes it where no gradient is needed)
+GLUON_OPS = ("gated_delta_rule",)
 _LOGGED: set[tuple] = set()
 
 
+def _gdn_fwd():
+    """hybridlm.ops.gluon.gdn_fwd, or None when it does not import (no triton). Imported on first use, not with
+    this module: it pulls in Triton, which CPU-only installs may lack."""
+    try:
+        from .gluon import gdn_fwd
+    except ImportError:
+        return None
+    return gdn_fwd
+
+
+def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when the Gluon GDN forward takes inputs like q and v on this machine, else why not in a few words."""
+    mod = _gdn_fwd()
+    return "triton does not import" if mod is None else mod.unsupported_reason(q, v)
+
+
+def gluon_choice(device_type: str, needs_grad: bool, reason: str | None) -> tuple[bool, str | None]:
+    """impl="auto"'s rule for the Gluon forward: (take it, why not for the log). It runs on CUDA only and has no
+    backward, so off CUDA or with gradients needed the usual choice stands with nothing to log (that is expected,
+    not a fallback); otherwise `reason` (gluon_unsupported_reason) decides and is logged when not None."""
+    if device_type != "cuda" or needs_grad:
+        return False, None
+    return reason is None, reason
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
 def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | None = None,
-                 v: torch.Tensor | None = None) -> str:
+                 v: torch.Tensor | None = None, *, needs_grad: bool = True) -> str:
     """Turn impl="auto" into a concrete choice and refuse impossible explicit ones. With q and v given, "auto"
-    uses the Triton kernel only for inputs it supports (head dims, dtype) and logs the fallback once."""
+    uses the Triton kernel only for inputs it supports (head dims, dtype) and logs the fallback once.
+    needs_grad: whether gradients will flow through this call. The default keeps callers that do not say off the
+    forward-only Gluon kernel; the ops pass what their inputs need."""
+    if impl == "gluon":
+        if op not in GLUON_OPS:
+            others = tuple(i for i in IMPLS if i != "gluon")
+            raise ValueError(f"impl: expected one of {others} for {op} ('gluon' runs {', '.join(GLUON_OPS)} only), "
+                             "got 'gluon'")
+        if needs_grad:
+            raise RuntimeError(f"impl: 'gluon' was asked for {op}, but it is forward only and these inputs need "
+                               "gradients (use impl='triton' or 'auto' for training, or run under torch.no_grad)")
+        why = None if q is None else gluon_unsupported_reason(q, v)
+        if why is not None:
+            raise RuntimeError(f"impl: 'gluon' was asked for {op}, but the Gluon forward does not take these inputs "
+                               f"here: {why}")
     if impl == "triton" and op not in TRITON_KERNELS:
         raise RuntimeError(
             f"impl: 'triton' was asked for {op}, but no Triton kernel is registered for it "
@@ -45,16 +94,27 @@ def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | Non
         )
     if impl == "auto":
         impl = "triton" if (device.type == "cuda" and op in TRITON_KERNELS) else "chunk"
-        why = None
+        whys = []
         if impl == "triton" and q is not None and op in TRITON_SUPPORTS:
             why = TRITON_SUPPORTS[op](q, v)
             if why is not None:
                 impl = "chunk"
+                whys.append(f"Triton kernel not used: {why}")
+        # under torch.compile the Triton kernels trace as custom ops with fake kernels; the Gluon launch is plain
+        # Python, so compiled code keeps the Triton path
+        if op in GLUON_OPS and q is not None and not torch.compiler.is_compiling():
+            reason = gluon_unsupported_reason(q, v) if device.type == "cuda" and not needs_grad else None
+            take, why = gluon_choice(device.type, needs_grad, reason)
+            if take:
+                impl, whys = "gluon", []
+            elif why is not None:
+                whys.insert(0, f"Gluon forward not used: {why}")
+        why = "; ".join(whys) or None
         key = (op, device.type, impl, why)
         if key not in _LOGGED:
             _LOGGED.add(key)
             log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", op, impl, device.type,
-                     f" (Triton kernel not used: {why})" if why else "")
+                     f" ({why})" if why else "")
     return impl
 
 
@@ -82,8 +142,7 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shared body of the five ops for the PyTorch paths (naive, chunk)."""
     cd = _compute_dtype(q)
-    if initial_state is not None and initial_state.dtype != cd:
-        raise TypeError(f"initial_state: expected dtype {cd} for {q.dtype} inputs, got {initial_state.dtype}")
+    _check_state_dtype(q, initial_state)
     H, HV, K, V, N = dims.H, dims.HV, dims.K, dims.V, dims.N
     out_dtype = q.dtype
     scale = K**-0.5 if scale is None else float(scale)
@@ -135,14 +194,21 @@ def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, ini
         q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, impl=impl,
     )
+    impl = resolve_impl(op, impl, q.device, q, v, needs_grad=_needs_grad(q, k, v, g, beta, initial_state))
     if state_pool is None and state_indices is None:
         return _dispatch_checked(op, delta, dims, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl, recompute=recompute)
-    # a pool of states (chunked prefill in a server): sequence n starts from row state_indices[n] and its final
-    # state is written back there; one gather before, one scatter after, any impl
     check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims, dtype=_compute_dtype(q),
                      device=q.device)
+    if impl == "gluon" and dims.T > 0 and state_pool.is_contiguous():
+        # the Gluon forward reads and writes the pool's rows itself: no gather, no scatter
+        return _gdn_fwd().gated_delta_rule_fwd(
+            q, k, v, g=g, beta=beta, scale=scale, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices,
+        )
+    # a pool of states (chunked prefill in a server): sequence n starts from row state_indices[n] and its final
+    # state is written back there; one gather before, one scatter after, any impl
     rows = state_indices.long()  # index_copy_ takes int64 rows only
     h0 = state_pool.index_select(0, rows)
     o, final = _dispatch_checked(op, delta, dims, q, k, v, g=g, beta=beta, scale=scale, initial_state=h0,
@@ -152,14 +218,19 @@ def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, ini
     return o, (final if output_final_state else None)
 
 
+def _check_state_dtype(q: torch.Tensor, initial_state: torch.Tensor | None) -> None:
+    cd = _compute_dtype(q)
+    if initial_state is not None and initial_state.dtype != cd:
+        raise TypeError(f"initial_state: expected dtype {cd} for {q.dtype} inputs, got {initial_state.dtype}")
+
+
 def _dispatch_checked(op: str, delta: bool, dims: Dims, q, k, v, *, g, beta, scale, initial_state,
                       output_final_state, cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute):
+    """The op on checked inputs with a resolved impl (not "auto")."""
     out_dtype = q.dtype
-    impl = resolve_impl(op, impl, q.device, q, v)
     if dims.T == 0:  # nothing to run: empty output, state passed through
+        _check_state_dtype(q, initial_state)
         cd = _compute_dtype(q)
-        if initial_state is not None and initial_state.dtype != cd:
-            raise TypeError(f"initial_state: expected dtype {cd} for {q.dtype} inputs, got {initial_state.dtype}")
         final = initial_state if initial_state is not None else q.new_zeros(dims.N, dims.HV, dims.K, dims.V, dtype=cd)
         return v.new_zeros(dims.B, 0, dims.HV, dims.V, dtype=out_dtype), (final if output_final_state else None)
     if impl == "triton":
@@ -167,6 +238,12 @@ def _dispatch_checked(op: str, delta: bool, dims: Dims, q, k, v, *, g, beta, sca
             q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
             recompute=recompute,
+        )
+    if impl == "gluon":  # forward only (resolve_impl refused gradients); recompute has nothing to keep
+        _check_state_dtype(q, initial_state)
+        return _gdn_fwd().gated_delta_rule_fwd(
+            q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
         )
 
     def run(q, k, v, g, beta, initial_state):
@@ -192,7 +269,8 @@ _COMMON_DOC = """
     state_pool, state_indices: instead of initial_state, a pool [P, HV, K, V] (compute dtype) and int rows [N]:
     sequence n starts from state_pool[state_indices[n]] and its final state is written back there in place
     (chunked prefill and continuation in a server; rows distinct and in range, not checked).
-    impl: "auto" | "naive" | "chunk" | "triton".
+    impl: "auto" | "naive" | "chunk" | "triton" | "gluon" (gated_delta_rule only: the sm_90 forward, no autograd;
+    "auto" takes it when no gradient is needed and it takes the inputs, see the module docstring).
     recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
     activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch
     paths run under torch.utils.checkpoint). Outputs and gradients are the same.

@@ -15,7 +15,7 @@ from .offsets import host_offsets
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_SIZES = (16, 32, 64, 128)
-IMPLS = ("auto", "naive", "chunk", "triton")
+IMPLS = ("auto", "naive", "chunk", "triton", "gluon")  # "gluon": gated_delta_rule only (recurrence.resolve_impl)
 
 
 def check_float(name: str, x: torch.Tensor) -> None:

@@ -227,6 +227,91 @@ def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, mo
     assert len(msgs) == 3 and "float64" in msgs[2]
 
 
+def test_gluon_choice_rule():
+    """impl="auto"'s rule for the forward-only Gluon kernel: CUDA, no gradients, and no reason against the inputs;
+    only that last refusal is worth a log line."""
+    import hybridlm.ops.recurrence as rec
+
+    assert rec.gluon_choice("cuda", False, None) == (True, None)
+    assert rec.gluon_choice("cuda", False, "dtype torch.float32") == (False, "dtype torch.float32")
+    assert rec.gluon_choice("cuda", True, None) == (False, None)
+    assert rec.gluon_choice("cuda", True, "dtype torch.float32") == (False, None)
+    assert rec.gluon_choice("cpu", False, None) == (False, None)
+
+
+def test_auto_picks_gluon_only_without_gradients(caplog, monkeypatch):
+    """resolve_impl on a CUDA device type (CPU tensors: it only looks at the device type), with the Gluon forward's
+    verdict monkeypatched: "gluon" without gradients, "triton" with them (nothing logged about Gluon: training is
+    expected to take the Triton forward and backward), and "triton" with the reason logged once when the Gluon
+    forward refuses the inputs."""
+    import hybridlm.ops.recurrence as rec
+    import hybridlm.ops.triton  # noqa: F401  (the Triton kernels are the fallback under test)
+
+    cuda = torch.device("cuda")
+    q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 1, 128)
+    verdict = {"why": None}
+    monkeypatch.setattr(rec, "gluon_unsupported_reason", lambda q, v: verdict["why"])
+    monkeypatch.setattr(rec, "_LOGGED", set())
+    with caplog.at_level("INFO", logger="hybridlm.ops"):
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=False) == "gluon"
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=True) == "triton"
+        assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v) == "triton"  # callers that do not say
+        assert rec.resolve_impl("kda", "auto", cuda, q, v, needs_grad=False) == "triton"  # no Gluon kernel
+        verdict["why"] = "dtype torch.float32 (bfloat16 and float16 only)"
+        for _ in range(2):
+            assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=False) == "triton"
+    msgs = [r.getMessage() for r in caplog.records if "gated_delta_rule" in r.getMessage()]
+    assert msgs == [
+        "hybridlm.ops.gated_delta_rule: impl='auto' picked 'gluon' on cuda",
+        "hybridlm.ops.gated_delta_rule: impl='auto' picked 'triton' on cuda",
+        "hybridlm.ops.gated_delta_rule: impl='auto' picked 'triton' on cuda (Gluon forward not used: dtype "
+        "torch.float32 (bfloat16 and float16 only))",
+    ]
+
+
+def test_auto_picks_chunk_on_cpu_with_or_without_gradients():
+    import hybridlm.ops.recurrence as rec
+
+    cpu = torch.device("cpu")
+    q, v = torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16)
+    assert rec.resolve_impl("gated_delta_rule", "auto", cpu) == "chunk"
+    for needs_grad in (False, True):
+        assert rec.resolve_impl("gated_delta_rule", "auto", cpu, q, v, needs_grad=needs_grad) == "chunk"
+
+
+def test_gluon_impl_refuses_cpu_with_the_reason():
+    """impl="gluon" where the Gluon forward cannot run raises one line carrying its reason; inputs that require grad
+    under torch.no_grad need no gradient, so the reason is what stops them too."""
+    from hybridlm.ops.recurrence import gluon_unsupported_reason
+
+    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 128, 128, dtype=torch.bfloat16)
+    why = gluon_unsupported_reason(q, v)
+    assert why is not None
+    with torch.no_grad(), pytest.raises(RuntimeError) as e:
+        gated_delta_rule(q.requires_grad_(), k, v, g=g, beta=beta, impl="gluon")
+    assert "\n" not in str(e.value) and why in str(e.value) and "'gluon'" in str(e.value)
+
+
+def test_gluon_impl_refuses_gradients():
+    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="forward only") as e:
+        gated_delta_rule(q, k, v, g=g.requires_grad_(), beta=beta, impl="gluon")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["kda", "delta_rule", "gated_linear_attention", "linear_attention"])
+def test_gluon_impl_is_gated_delta_rule_only(name):
+    fn = {"kda": kda, "delta_rule": delta_rule, "gated_linear_attention": gated_linear_attention,
+          "linear_attention": linear_attention}[name]
+    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 16, 16, channel_g=name == "kda")
+    kw = {"kda": dict(g=g, beta=beta), "delta_rule": dict(beta=beta), "gated_linear_attention": dict(g=g),
+          "linear_attention": {}}[name]
+    with pytest.raises(ValueError) as e:
+        fn(q, k, v, impl="gluon", **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("impl: expected one of") and name in msg and msg.endswith("got 'gluon'")
+
+
 # float32 chunk (C = 128) against the float64 recurrence at log-decays down to -30 a step. The bars sit ~5x above
 # the worst of 100 seeds (o, state, dq/dk/dv/dbeta <= 2e-7; dg 1.4e-6; dh0 9e-7), which is float32's own level: the
 # float32 token loop is off by ~1.5e-7 too. Forming e^{b_i - b_j} from two cumulative sums instead put o off by
