@@ -9,7 +9,10 @@ Non-standard here:
   the short conv restarts, attention gets a `Documents` (attention inside each document, no dense mask), and
   default positions restart.
 - Default positions are 0..T-1 even with left padding (transformers' forward does the same).
-- `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops.
+- `impl` ("auto" | "naive" | "chunk" | "triton") is passed explicitly to the linear ops. "auto" runs GDN's Gluon
+  forward (sm_90, bf16/fp16, head dims 128) wherever no gradient is needed, e.g. prefill under torch.no_grad (a
+  cached one-token step keeps the Triton decode kernel); "gluon" is an op-level impl only (the layers' conv, norm
+  and gate glue have no Gluon kernel).
 - `targets` (next-token ids, -100 where none) turn the head into the chunked linear + cross-entropy
   (`hybridlm.ops.linear_ce`): the output has the loss sum and no logits, so training never holds [B, T, vocab].
 - Attention gets an explicit mask only when something needs one (padding, a cache, packed documents with
