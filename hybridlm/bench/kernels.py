@@ -161,14 +161,16 @@ def _gpu_times(res: dict, who: str, f, fb, args) -> None:
 
 
 def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
-    """On sm_90 with Gluon: res["gluon_fwd_ms"] of the Gluon GDN forward (hybridlm.ops.gluon.gdn_fwd, not behind
-    impl="auto") and res["gluon_vs_ours_rel"], its relative difference from our Triton forward; an error is
-    recorded as res["gluon_error"]."""
+    """On sm_90 with Gluon: res["gluon_fwd_ms"] of the Gluon GDN forward through the public op
+    (gated_delta_rule(..., impl="gluon") under torch.no_grad, what impl="auto" runs for inference there, host checks
+    included) and res["gluon_vs_ours_rel"], its relative difference from our Triton forward; an error is recorded as
+    res["gluon_error"]."""
+    from hybridlm.ops import gated_delta_rule
     from hybridlm.ops.gluon import gdn_fwd
 
     if not gdn_fwd.gluon_available() or torch.cuda.get_device_capability() != (9, 0):
         return
-    f = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
+    f = lambda: gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, impl="gluon")[0]  # noqa: E731
     try:
         with torch.no_grad():
             res["gluon_fwd_ms"] = _bench(f, args.rep)
@@ -467,7 +469,8 @@ def _table(info, rows):
                          f" | - | - | {gbs:.0f} ({100 * gbs / cg:.0f}% of copy) |")
     fused = [r for r in rows if any(key.startswith("gluon_") for key in r)]
     if fused:
-        lines += ["", "Gluon GDN forward (sm_90; hybridlm.ops.gluon.gdn_fwd, not behind impl=\"auto\"):", "",
+        lines += ["", "Gluon GDN forward (sm_90; hybridlm.ops.gluon.gdn_fwd, what impl=\"auto\" runs for inference "
+                  "there; timed as gated_delta_rule(..., impl=\"gluon\") under torch.no_grad):", "",
                   "| shape | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|"]
         for r in fused:
             ms = r.get("gluon_fwd_ms")
