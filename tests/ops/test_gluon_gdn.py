@@ -2,15 +2,15 @@
 
 GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
 inputs each run, the seed in every failure message; outputs are NaN-poisoned by the wrapper (gdn_fwd.POISON), so an
-element the kernel never writes fails. Cases: T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
+element the kernel never writes fails. Cases: T = 1, 63, 65, 128, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; both value blocks (32, 64); chunked prefill through a state pool (up to 16 sequences of 4096 tokens in
+fp16; chunked prefill through a state pool (up to 16 sequences of 4096 tokens in
 2048-token chunks) against whole sequences. Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
 kernels' 16-bit checks: 5e-3 for o and the final state.
 
-Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16 and B1 T32768 H32 D128 bf16
-(inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon forward, then
+Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16, B8 T2048 H32 and B1 T32768 H32
+D128 bf16 (inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon forward, then
 each Gluon launch alone against its floors (see `_stage_rows`).
 """
 
@@ -91,21 +91,13 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     assert all(e <= BAR for e in errs.values()), msg
 
 
-@pytest.fixture(params=[("t", 64), ("ws", 64), ("split", 32), ("split", 64)], ids=lambda p: f"{p[0]}{p[1]}")
-def value_block(request, monkeypatch):
-    """Every chain and value block the host may pick (it picks by head count, so small cases would only see the
-    split chain at 32)."""
-    monkeypatch.setattr(gdn_fwd, "_plan", lambda heads, V, dev: request.param)
-    return request.param
-
-
-@pytest.mark.parametrize("T", [1, 63, 65, 1000])
-def test_lengths(T, value_block):
+@pytest.mark.parametrize("T", [1, 63, 65, 128, 1000])
+def test_lengths(T):
     _case(B=2, T=T, H=2, HV=4)
 
 
 @pytest.mark.parametrize("decay", ["mild", "strong", "cliff"])
-def test_varlen(decay, value_block):
+def test_varlen(decay):
     _case(lens=[1, 15, 100, 700], H=2, HV=2, decay=decay)
 
 
@@ -124,7 +116,7 @@ def test_no_initial_state_prenormalised_fp16():
 
 
 @pytest.mark.parametrize("n_seq,length,chunk", [(4, 300, 128), (16, 4096, 2048)], ids=["small", "server"])
-def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk, value_block):
+def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk):
     """Sequences prefilled chunk by chunk through a state pool (each call reads every sequence's pool row and the
     kernel writes the final state back there) against one float64 call per whole sequence; rows no sequence owns
     stay as they were. "server": 16 sequences of 4096 tokens in 2048-token chunks."""
@@ -175,47 +167,25 @@ def test_bad_input_is_one_line():
 
 COPY_BW = 3.0e12  # bytes/s: an H100's measured device-to-device copy bandwidth, the byte floors' rate
 CLOCK = 1.83e9  # Hz: the clock at which an H100 SXM's 989 dense 16-bit TFLOPS are 4096 flops a clock per SM
-FLOPS_16, FLOPS_TF32 = 4096, 2048  # dense flops a clock per multiprocessor, 16-bit and tf32 operands
+FLOPS_16 = 4096  # dense 16-bit flops a clock per multiprocessor
 MMA_LATENCY = 128  # clocks from issuing one warpgroup MMA to its result (an estimate), paid by each synchronous one
 
 
-def _mma_clocks(m, n, k, bits, count=1):
-    """Clocks of `count` synchronous warpgroup MMAs [m, k] @ [k, n], one after another on one multiprocessor."""
-    return count * (MMA_LATENCY + 2 * m * n * k / (FLOPS_16 if bits == 16 else FLOPS_TF32))
+def _mma_clocks(m, n, k, count=1):
+    """Clocks of `count` synchronous 16-bit warpgroup MMAs [m, k] @ [k, n], one after another on one SM."""
+    return count * (MMA_LATENCY + 2 * m * n * k / FLOPS_16)
 
 
-def _chain_t_chunk_clocks(*, output=True):
-    """The same for `_gdn_chain_t_kernel` (all 16-bit, hi + lo operands): S^T K^T (2), R^T T^T (3), U^T K (2);
-    output K Q^T, S^T Q^T (2), V'^T P^T (3)."""
-    state = _mma_clocks(64, 64, 128, 16, 2) + _mma_clocks(64, 64, 64, 16, 3) + _mma_clocks(64, 128, 64, 16, 2)
-    out = _mma_clocks(64, 64, 128, 16) + _mma_clocks(64, 64, 128, 16, 2) + _mma_clocks(64, 64, 64, 16, 3)
-    return state + (out if output else 0.0)
-
-
-def _chain_chunk_clocks(BV, *, output=True):
-    """Clocks of one chunk of `_gdn_chain_kernel`'s products (each waits for its result before the next issues):
-    the state path K S (hi + lo), T R (tf32), K^T U (hi + lo); and, for the output, Q K^T, Q S (hi + lo), P V'."""
-    state = _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32) + _mma_clocks(128, BV, 64, 16, 2)
-    out = _mma_clocks(64, 64, 128, 16) + _mma_clocks(64, BV, 128, 16, 2) + _mma_clocks(64, BV, 64, 32)
-    return state + (out if output else 0.0)
-
-
-def _bytes(q, k, v, g, beta, Tbuf, *, solve):
-    """Bytes a launch must move, each tensor counted once (re-reads of k and T by the value blocks and of q, k by
-    the GVA heads are left to the L2): the solve reads k, g, beta and writes T; the chain reads q, k, v, g, beta,
-    T and writes o (v's size)."""
-    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
-    if solve:
-        return nb(k) + nb(g) + nb(beta) + nb(Tbuf)
-    return nb(q) + nb(k) + 2 * nb(v) + nb(g) + nb(beta) + nb(Tbuf)
+def _state_path_clocks():
+    """The chain's serial path a chunk, its products back to back (hi + lo operands): S^T K^T (2), R^T T^T (3),
+    U^T K (2). The output products run in the other warpgroup, beside it."""
+    return _mma_clocks(64, 64, 128, 2) + _mma_clocks(64, 64, 64, 3) + _mma_clocks(64, 128, 64, 2)
 
 
 def _stage_rows(B, T, H, D, gen, fla_gdn):
     """Print the forward ms of ours (Triton), fla and the Gluon forward at one shape (bf16, l2norm in the kernel),
-    then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW, and for the
-    chain a serial floor = waves x chunks x clocks of one chunk's MMAs back to back (`_chain_chunk_clocks`) / CLOCK,
-    a wave being one program per multiprocessor (shared memory). us/chunk = ms / (waves x chunks) beside the
-    model's per-chunk clocks says how much of a chunk is not MMA."""
+    then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW (each tensor
+    counted once), and for the chain a serial floor = chunks x the state path's MMA clocks / CLOCK (one wave)."""
     import triton.testing
     from torch.nn.functional import logsigmoid
 
@@ -228,53 +198,42 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     chunks = math.ceil(T / gdn_fwd.CHUNK)
-    shape = f"B{B} T{T} H{H} D{D}"
-    print(f"\n{shape} bf16 forward, {torch.cuda.get_device_name()}, {sms} SMs", flush=True)
+    nb = lambda x: x.numel() * x.element_size()  # noqa: E731
+    print(f"\nB{B} T{T} H{H} D{D} bf16 forward, {torch.cuda.get_device_name()}, {sms} SMs", flush=True)
     with torch.no_grad():
         ref = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0].float()
-        whole = lambda: gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]  # noqa: E731
-        rel = ((whole().float() - ref).norm() / ref.norm()).item()
+        launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+
+        def both():
+            launch.solve()
+            launch.chain()
+
+        both()
+        rel = ((launch.o.float() - ref).norm() / ref.norm()).item()
         times = {"ours (Triton)": bench(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
                                                                        use_qk_l2norm=True)[0])}
         if fla_gdn is not None:
             times["fla"] = bench(lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
-        times["gluon (both launches)"] = bench(whole)
-        for plan in gdn_fwd.PLANS:
-            times[f"gluon, chain {plan}"] = bench(lambda plan=plan: gdn_fwd.gated_delta_rule_fwd(
-                q, k, v, g=g, beta=beta, use_qk_l2norm=True, plan=plan)[0])
+        times["gluon (both launches)"] = bench(lambda: gdn_fwd.gated_delta_rule_fwd(
+            q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0])
         for name, ms in times.items():
             print(f"  {name}: {ms:.3f} ms", flush=True)
         print(f"  gluon rel vs ours: {rel:.1e}")
-        print("| stage | programs | ms | MB | byte floor ms | serial floor ms | us/chunk | model us/chunk |\n"
-              "|---|---|---|---|---|---|---|---|")
-        picked = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
-        picked.solve()
-        ms = bench(picked.solve)
-        mb = _bytes(q, k, v, g, beta, picked.Tbuf, solve=True)
-        print(f"| T solve | {picked.programs[0]} | {ms:.3f} | {mb / 1e6:.0f} | {1e3 * mb / COPY_BW:.3f} | - | - | - |")
-        solve_ms = ms
-        runs = [(64, True, "ws"), (64, True, "t"), (64, False, "t"), (32, True, "split"), (64, True, "split"),
-                (64, False, "split")]
-        for bv, output, plan in runs:
-            launch = gdn_fwd.forward_launches(q, k, v, g=g, beta=beta, use_qk_l2norm=True, bv=bv, output=output,
-                                              plan=plan)
-            launch.solve()
-            ms = bench(launch.chain)
-            if (bv, output, plan) == (picked.BV, True, picked.plan):
-                chain_ms = ms
-            mb = _bytes(q, k, v, g, beta, launch.Tbuf, solve=False) - (0 if output else v.numel() * v.element_size())
-            waves = math.ceil(launch.programs[1] / sms)
-            clocks = (_chain_chunk_clocks(bv, output=output) if plan == "split"
-                      else _chain_t_chunk_clocks(output=output and plan == "t"))  # ws: its output overlaps
-            per_chunk = clocks / CLOCK
-            name = f"chain {plan} BV{bv}" + (" (rule)" if (bv, plan) == (picked.BV, picked.plan) else "") \
-                + ("" if output else ", no output")
-            print(f"| {name} | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {ms:.3f} | {mb / 1e6:.0f} "
-                  f"| {1e3 * mb / COPY_BW:.3f} | {1e3 * waves * chunks * per_chunk:.3f} "
-                  f"| {1e3 * ms / (waves * chunks):.2f} | {1e6 * per_chunk:.2f} |", flush=True)
-            del launch
+        Tbuf, Gbuf = launch.buffers
+        solve_mb = nb(q) + nb(k) + nb(g) + nb(beta) + nb(Tbuf) + nb(Gbuf)
+        chain_mb = nb(q) + nb(k) + 2 * nb(v) + nb(Tbuf) + nb(Gbuf)
+        solve_ms, chain_ms = bench(launch.solve), bench(launch.chain)
+        waves = math.ceil(launch.programs[1] / sms)
+        serial = 1e3 * waves * chunks * _state_path_clocks() / CLOCK
+        print("| stage | programs | ms | MB | byte floor ms | serial floor ms | us/chunk |")
+        print("|---|---|---|---|---|---|---|")
+        print(f"| T solve | {launch.programs[0]} | {solve_ms:.3f} | {solve_mb / 1e6:.0f} "
+              f"| {1e3 * solve_mb / COPY_BW:.3f} | - | - |")
+        print(f"| chain | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {chain_ms:.3f} "
+              f"| {chain_mb / 1e6:.0f} | {1e3 * chain_mb / COPY_BW:.3f} | {serial:.3f} "
+              f"| {1e3 * chain_ms / (waves * chunks):.2f} |")
         gap = times["gluon (both launches)"] - solve_ms - chain_ms
-        print(f"| host prep and gaps (both launches - solve - chain) | - | {gap:.3f} | - | - | - | - | - |")
+        print(f"| host prep and gaps (both launches - solve - chain) | - | {gap:.3f} | - | - | - | - |", flush=True)
 
 
 def _stage_table():
@@ -282,10 +241,10 @@ def _stage_table():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     except ImportError:
         fla_gdn = None
-    print(f"byte floor: bytes / {COPY_BW / 1e12:.1f} TB/s; model: {MMA_LATENCY} clocks a synchronous MMA + its flops "
-          f"at {FLOPS_16} (16-bit) / {FLOPS_TF32} (tf32) a clock per SM, {CLOCK / 1e9:.2f} GHz")
+    print(f"byte floor: bytes / {COPY_BW / 1e12:.1f} TB/s; serial floor: {MMA_LATENCY} clocks a synchronous MMA + its "
+          f"flops at {FLOPS_16} a clock per SM, {CLOCK / 1e9:.2f} GHz, {_state_path_clocks():.0f} clocks a chunk")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for B, T, H, D in ((4, 4096, 16, 128), (1, 32768, 32, 128)):
+    for B, T, H, D in ((4, 4096, 16, 128), (8, 2048, 32, 128), (1, 32768, 32, 128)):
         _stage_rows(B, T, H, D, gen, fla_gdn)
 
 

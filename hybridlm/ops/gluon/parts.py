@@ -1,5 +1,6 @@
 """What the Gluon kernels share: the import of Triton's Gluon API (absent from older Tritons: `gluon_available`)
-and small device helpers (a warpgroup MMA, row copies and norms, fp32 values split into 16-bit hi + lo).
+and small device helpers (a warpgroup MMA, row copies and norms, fp32 values split into 16-bit hi + lo, what a
+chain program works on).
 """
 
 from __future__ import annotations
@@ -59,14 +60,6 @@ if _IMPORT_ERROR is None:
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         xr = x_smem.load(LR).to(gl.float32)
         nrm_smem.store(gl.sum(xr * xr, axis=1))
-
-    @gluon.jit
-    def _split_store(x, hi_smem, lo_smem):
-        """x (fp32) as hi + lo in the 16-bit dtype of the buffers (~2^-16 relative): two 16-bit products then
-        carry an fp32 operand at better than tf32 accuracy."""
-        hi = x.to(hi_smem.dtype)
-        hi_smem.store(hi)
-        lo_smem.store((x - hi.to(gl.float32)).to(lo_smem.dtype))
 
     @gluon.jit
     def _split_operand(x, A_LAYOUT: gl.constexpr, dt: gl.constexpr):

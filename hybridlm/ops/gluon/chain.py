@@ -1,0 +1,243 @@
+"""The state chain of the Gluon GDN forward: one program per (value block of 64, sequence x value head) walks its
+sequence in 64-token chunks, in two warpgroups (`gl.warp_specialize`).
+
+Non-standard here:
+- The state is kept transposed, S^T [64, K] fp32, in the registers of the state warpgroup, so every state-path
+  product takes its left operand from registers (S^T, R^T, V'^T and U^T split into 16-bit hi + lo: wgmma's A
+  operand) against k and T in shared memory; nothing of the state path goes through shared memory.
+- The output products run in a second warpgroup: the state path alone needs ~250 registers a thread, so one
+  warpgroup doing both spilled. The state warpgroup hands each chunk's S^T (before its update) and V'^T over in
+  shared memory as hi + lo.
+- q, k, v, T and the gate rows of the solve (`solve.GATE_ROWS`: every per-token scale, already multiplied out)
+  arrive by TMA into two slots; whole output chunks leave by TMA, a sequence's last partial chunk by masked stores.
+
+Per chunk, with Kn, Qn the normalised keys and queries (scale in Qn) and gamma = e^b:
+    R^T  = V^T - (S^T K^T) diag(gamma rk)              V'^T = R^T (T diag(beta))^T
+    S^T  = e^{b_last} S^T + (V'^T diag(rk e^{b_last - b})) K
+    O    = diag(gamma rq) (Q S) + P V',   P[i, j] = q_i . k_j rq_i rk_j e^{b_i - b_j}  (i >= j)
+Barriers, two of each (chunk n uses slot n % 2):
+- ld[s]: the TMA of a chunk's inputs landed; both warpgroups wait on it.
+- hand[s]: the state warpgroup stored S^T and V'^T of the chunk (fenced for the async proxy).
+- done[s]: the output warpgroup is done with the chunk's inputs and hand-over; the state warpgroup waits on it
+  before it loads chunk n + 2 into the slot or hands chunk n + 2 over (a fresh barrier's phase 1 passes at once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .parts import _IMPORT_ERROR, _chain_program, _split_operand, gl, gluon
+
+if _IMPORT_ERROR is None:
+    from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma
+
+CHUNK = 64
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, bar, q_s, k_s, v_s, t_hi, t_lo, g_s, tok, qk_col, v_col,
+                   slot, pred, C: gl.constexpr, R: gl.constexpr):
+        """One chunk's q, k, v rows, T (hi, lo) and gate rows by TMA into one slot, completing on `bar`. Rows past
+        the sequence are the next sequence's (or zeros past the tensor): every product the chain keeps gives them
+        weight zero (the solve wrote zero gates for them)."""
+        nbytes: gl.constexpr = (2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                + 2 * t_desc.block_type.nbytes + g_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [tok, qk_col], bar, q_s, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [tok, qk_col], bar, k_s, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [tok, v_col], bar, v_s, pred=pred)
+        tma.async_copy_global_to_shared(t_desc, [slot * 2 * C, 0], bar, t_hi, pred=pred)
+        tma.async_copy_global_to_shared(t_desc, [slot * 2 * C + C, 0], bar, t_lo, pred=pred)
+        tma.async_copy_global_to_shared(g_desc, [slot * R, 0], bar, g_s, pred=pred)
+
+    @gluon.jit
+    def _gate_cols(g_s, r: gl.constexpr, LAYOUT: gl.constexpr):
+        """Gate row r of a chunk ([R, C] in shared memory) as a [C] vector along the columns of LAYOUT (every thread
+        reads the values it holds; max over the one row is the value itself)."""
+        return gl.max(g_s.slice(r, 1).load(LAYOUT), axis=0)
+
+    @gluon.jit
+    def _gate_rows(g_s, r: gl.constexpr, LAYOUT: gl.constexpr):
+        """The same along the rows of LAYOUT (a permuted view of the row reads the wrong elements: converted)."""
+        return gl.convert_layout(_gate_cols(g_s, r, LAYOUT), gl.SliceLayout(1, LAYOUT))
+
+    @gluon.jit
+    def _chain_state(q_desc, k_desc, v_desc, t_desc, g_desc, h0, ht, row, bos, seq_len, t_first, i_hv, HV, qk_col,
+                     v_col, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
+                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+                     HAS_H0: gl.constexpr, STORE_HT: gl.constexpr):
+        """Default partition: loads, the state path, and the hand-over of S^T and V'^T a chunk."""
+        dt: gl.constexpr = q_st.dtype
+        MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+        MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        A_T: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MT, k_width=2)
+        A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
+        r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MS))
+        c_k = gl.arange(0, K, layout=gl.SliceLayout(0, MS))
+        if HAS_H0:
+            St = gl.load(h0 + (row * HV + i_hv) * K * V + col0 + (gl.expand_dims(c_k, 0) * V + gl.expand_dims(r_v, 1)))
+        else:
+            St = gl.zeros([BV, K], gl.float32, MS)
+        _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(0), q_st.index(0), k_st.index(0), v_st.index(0),
+                   t_st.index(0), t_st.index(1), g_st.index(0), bos, qk_col, v_col, t_first * HV + i_hv,
+                   seq_len > 0, C, R)
+        for c0 in range(0, seq_len, C):
+            n = c0 // C
+            buf = n % 2
+            nxt = c0 + C
+            gl.thread_barrier()  # every warp of this partition is past its reads of slot 1 - buf (chunk n - 1)
+            # slot 1 - buf is free once the output partition is done with chunk n - 1
+            mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=nxt < seq_len)
+            _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(1 - buf), q_st.index(1 - buf),
+                       k_st.index(1 - buf), v_st.index(1 - buf), t_st.index(2 - 2 * buf), t_st.index(3 - 2 * buf),
+                       g_st.index(1 - buf), bos + nxt, qk_col, v_col, (t_first + n + 1) * HV + i_hv, nxt < seq_len,
+                       C, R)
+            mbarrier.wait(ld.index(buf), (n // 2) & 1)
+            kb = k_st.index(buf)
+            gb = g_st.index(buf)
+            zt = gl.zeros([BV, C], gl.float32, MT)
+
+            # S^T as hi + lo: the register operands of S^T K^T, and the output partition's copy of the state
+            s_hi = St.to(dt)
+            s_lo = (St - s_hi.to(gl.float32)).to(dt)
+            hs.index(2 * buf).store(s_hi)
+            hs.index(2 * buf + 1).store(s_lo)
+            kT = kb.permute((1, 0))
+            ks = warpgroup_mma(gl.convert_layout(s_hi, A_T), kT, zt, use_acc=False)
+            ks = warpgroup_mma(gl.convert_layout(s_lo, A_T), kT, ks)
+
+            # V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)
+            vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
+            r_hi, r_lo = _split_operand(vt - ks * gl.expand_dims(_gate_cols(gb, 1, MT), 0), A_T, dt)
+            t_hi = t_st.index(2 * buf).permute((1, 0))
+            t_lo = t_st.index(2 * buf + 1).permute((1, 0))
+            Vn = warpgroup_mma(r_hi, t_lo, warpgroup_mma(r_lo, t_hi, warpgroup_mma(r_hi, t_hi, zt, use_acc=False)))
+            v_hi = Vn.to(dt)
+            hv.index(2 * buf).store(v_hi)
+            hv.index(2 * buf + 1).store((Vn - v_hi.to(gl.float32)).to(dt))
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's stores fenced before the one arrival
+            mbarrier.arrive(hand.index(buf), count=1)
+
+            # S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
+            u_hi, u_lo = _split_operand(Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0), A_S, dt)
+            decay = gl.max(_gate_cols(gb, 6, MT), axis=0)  # e^{b_last}, in every column of row 6
+            St = warpgroup_mma(u_lo, kb, warpgroup_mma(u_hi, kb, St * decay))
+        if STORE_HT:
+            ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
+            gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
+
+    @gluon.jit
+    def _chain_output(o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld, hand,
+                      done, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr):
+        """Worker partition: O = diag(gamma rq) (Q S) + P V' of every chunk, from the state partition's hand-over."""
+        dt: gl.constexpr = q_st.dtype
+        MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
+        LST: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        i_r = gl.arange(0, C, layout=gl.SliceLayout(1, MO))  # tokens i (queries)
+        j_c = gl.arange(0, C, layout=gl.SliceLayout(0, MO))  # tokens j (keys)
+        causal = gl.expand_dims(i_r, 1) >= gl.expand_dims(j_c, 0)
+        for c0 in range(0, seq_len, C):
+            n = c0 // C
+            buf = n % 2
+            mbarrier.wait(ld.index(buf), (n // 2) & 1)
+            qb = q_st.index(buf)
+            gb = g_st.index(buf)
+            zo = gl.zeros([C, BV], gl.float32, MO)
+            qk = warpgroup_mma(qb, k_st.index(buf).permute((1, 0)), zo, use_acc=False)  # [i, j] = q_i . k_j
+            b_i = _gate_rows(gb, 0, MO)
+            b_j = _gate_cols(gb, 0, MO)
+            decay = gl.exp(gl.where(causal, gl.expand_dims(b_i, 1) - gl.expand_dims(b_j, 0), float("-inf")))
+            scales = gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
+            p_hi, p_lo = _split_operand(qk * decay * scales, A_O, dt)
+            mbarrier.wait(hand.index(buf), (n // 2) & 1)
+            s_hi = hs.index(2 * buf).permute((1, 0))  # [K, BV]
+            s_lo = hs.index(2 * buf + 1).permute((1, 0))
+            out = warpgroup_mma(qb, s_lo, warpgroup_mma(qb, s_hi, zo, use_acc=False))
+            out = out * gl.expand_dims(_gate_rows(gb, 3, MO), 1)
+            v_hi = hv.index(2 * buf).permute((1, 0))  # [C, BV]
+            v_lo = hv.index(2 * buf + 1).permute((1, 0))
+            out = warpgroup_mma(p_hi, v_lo, warpgroup_mma(p_lo, v_hi, warpgroup_mma(p_hi, v_hi, out)))
+            gl.thread_barrier()  # every warp is past its reads of the slot and the hand-over
+            mbarrier.arrive(done.index(buf), count=1)
+
+            tma.store_wait(0)  # the previous chunk's store has read o_st
+            gl.thread_barrier()
+            o_st.store(out.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part of o_st written before the one TMA store
+            if c0 + C <= seq_len:
+                tma.async_copy_shared_to_global(o_desc, [bos + c0, v_col], o_st)
+            else:  # a whole-chunk store would write into the next sequence's rows
+                t_o = gl.arange(0, C, layout=gl.SliceLayout(1, LST))
+                c_o = gl.arange(0, BV, layout=gl.SliceLayout(0, LST))
+                o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
+                gl.store(o_chunk + gl.expand_dims(t_o * (HV * V), 1) + gl.expand_dims(c_o, 0), o_st.load(LST),
+                         mask=gl.expand_dims(c0 + t_o < seq_len, 1))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gdn_chain_kernel(
+        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, rows, cu, chunk_off, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, POOL: gl.constexpr,
+    ):
+        """Grid (V / BV, sequences x HV); launched with 4 warps, the output partition adds 4 more. Descriptors
+        (`_descriptors`): q, k over [Ttot, H * K]; v, o over [Ttot, HV * V]; T over the solve's Tbuf as
+        [slots * 2 * C, C] (hi, lo); gates over Gbuf as [slots * R, C]. o: [Ttot, HV, V] (the masked stores);
+        h0, ht: [N, HV, K, V] fp32; cu, chunk_off: [N + 1] int32. POOL: h0 and ht are one state pool
+        [P, HV, K, V] and sequence n reads and writes its row rows[n] (int32 [N]); each program touches only its
+        own [K, BV] slice of that row, read first and written last, so the update in place is safe."""
+        i_v, i_n, i_hv, i_h, bos, seq_len, t_first, row = _chain_program(cu, chunk_off, rows, H, HV, POOL)
+        dt: gl.constexpr = o.dtype.element_ty
+        col0 = i_v * BV
+        v_col = i_hv * V + col0
+
+        SL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
+        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], dt)
+        q_st = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
+        k_st = gl.allocate_shared_memory(dt, [2, C, K], k_desc.layout)
+        v_st = gl.allocate_shared_memory(dt, [2, C, BV], v_desc.layout)
+        t_st = gl.allocate_shared_memory(dt, [4, C, C], t_desc.layout)  # T hi, lo of two chunks
+        g_st = gl.allocate_shared_memory(gl.float32, [2, R, C], g_desc.layout)
+        hs = gl.allocate_shared_memory(dt, [4, BV, K], SL_S)  # S^T hi, lo of two chunks
+        hv = gl.allocate_shared_memory(dt, [4, BV, C], SL_V)  # V'^T hi, lo of two chunks
+        o_st = gl.allocate_shared_memory(dt, [C, BV], o_desc.layout)
+        ld = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        hand = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ld.index(s), count=1)
+            mbarrier.init(hand.index(s), count=1)
+            mbarrier.init(done.index(s), count=1)
+        gl.warp_specialize([
+            (_chain_state, (q_desc, k_desc, v_desc, t_desc, g_desc, h0, ht, row, bos, seq_len, t_first, i_hv, HV,
+                            i_h * K, v_col, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
+                            K, V, BV, C, R, HAS_H0, STORE_HT)),
+            (_chain_output, (o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld,
+                             hand, done, K, V, BV, C)),
+        ], [4], [168])
+        for s in gl.static_range(2):
+            mbarrier.invalidate(ld.index(s))
+            mbarrier.invalidate(hand.index(s))
+            mbarrier.invalidate(done.index(s))
+
+
+def _descriptors(q, k, v, o, Tbuf, Gbuf, BV: int) -> tuple:
+    """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v and o as [Ttot, HV * V] in
+    [CHUNK, BV] boxes, T (hi, lo) as [slots * 2 * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
+    K, V = q.shape[-1], v.shape[-1]
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(x2, box, layout=None):
+        return TensorDescriptor.from_tensor(x2, box, layout or gl.NVMMASharedLayout.get_default_for(box, dt))
+
+    q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
+    v2, o2 = v.reshape(-1, v.shape[-2] * V), o.reshape(-1, o.shape[-2] * V)
+    plain32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (desc(q2, [CHUNK, K]), desc(k2, [CHUNK, K]), desc(v2, [CHUNK, BV]),
+            desc(Tbuf.reshape(-1, CHUNK), [CHUNK, CHUNK]), desc(Gbuf.reshape(-1, CHUNK), [Gbuf.shape[-2], CHUNK],
+                                                               plain32),
+            desc(o2, [CHUNK, BV]))

@@ -1,0 +1,189 @@
+"""The T solve of the Gluon GDN forward: one program per (chunk, sequence x value head), all chunks in parallel.
+
+With b the in-chunk cumulative log-decay (docs/math.md),
+    A = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}
+Kn Kn^T is one 16-bit product of the raw keys (exact); the l2 norms, beta and the decays enter as fp32 row and column
+scales. The four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward substitution
+(one warp a block); with Td that block-diagonal inverse and L the strictly block-lower part of A, N = Td L is
+nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products.
+
+Non-standard: besides T diag(beta) (16-bit hi + lo, the chain's register-operand products read it) the solve writes
+every per-token scale the chain needs, already multiplied out (`GATE_ROWS`), so the chain reads them with its chunk
+by TMA and computes no norm and no exponential of a vector on its serial path.
+"""
+
+from __future__ import annotations
+
+from .parts import _IMPORT_ERROR, _issue_rows, _row_norms, gl, gluon
+
+if _IMPORT_ERROR is None:
+    from .parts import _mma, async_copy, fence_async_shared
+
+# rows of a chunk's gate block [GATE_ROWS, C] fp32 (rk, rq: the l2-norm factors, rq with the scale; b as above):
+#   0 b     1 e^b rk     2 e^{b_last - b} rk     3 e^b rq     4 rq     5 rk     6 e^{b_last} (every column)
+GATE_ROWS = 8  # a TMA box side is a power of two; row 7 is never read
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _diag_inverse(a_smem, d3_smem, C: gl.constexpr):
+        """Td = (I + D)^{-1} for the four diagonal [16, 16] blocks D of the strictly lower A in `a_smem` (plain
+        [C, C] fp32), by forward substitution in fp32: row s of every block at once, 15 steps. Returns Td as
+        [4, 16, 16] (block, row, column) in a layout with one warp per block, so every reduction stays in a warp."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        for blk in gl.static_range(4):
+            d = a_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).load(L16)
+            d3_smem.slice(16 * blk, 16, dim=0).store(gl.permute(d, (1, 0)))  # Dt[blk, j, i] = A_blk[i, j]
+        gl.thread_barrier()
+        Dt = d3_smem.reshape([4, 16, 16]).load(L3)
+        ax1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        ax2 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        r3 = gl.expand_dims(gl.expand_dims(ax1, 0), 2)  # [1, 16, 1]
+        c3 = gl.expand_dims(gl.expand_dims(ax2, 0), 1)  # [1, 1, 16]
+        zero = gl.zeros([4, 16, 16], gl.float32, L3)
+        eye = gl.where(r3 == c3, 1.0, 0.0) + zero
+        Td = eye
+        for s in gl.static_range(1, 16):
+            a = gl.sum(gl.where(c3 == s, Dt, 0.0), axis=2)  # [4, 16 (j)]: A[s, j] of every block
+            row = gl.sum(gl.expand_dims(a, 2) * Td, axis=1)  # [4, 16 (c)]: sum_j A[s, j] Td[j, c]
+            Td = gl.where(r3 == s, eye - gl.expand_dims(row, 1), Td)
+        return Td
+
+    @gluon.jit
+    def _block_diag(Td, d3_smem, plain_smem, C: gl.constexpr, LAYOUT: gl.constexpr):
+        """The [C, C] block-diagonal matrix of the four [16, 16] blocks Td, through plain shared memory."""
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        d3_smem.reshape([4, 16, 16]).store(Td)
+        plain_smem.store(gl.zeros([C, C], gl.float32, LAYOUT))
+        gl.thread_barrier()  # every zero written before any block lands on it (write after write)
+        for blk in gl.static_range(4):
+            blk_val = d3_smem.slice(16 * blk, 16, dim=0).load(L16)
+            plain_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).store(blk_val)
+        gl.thread_barrier()
+        return plain_smem.load(LAYOUT)
+
+    @gluon.jit
+    def _t_matrix(A, plain, d3, m_row, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+        """T = (I + A)^{-1} = (I - N)(I + N^2) Td for the strictly lower A [C, C] (fp32, layout MC): Td the exact
+        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products
+        through two [C, C] fp32 staging buffers, m_row (left operands) and m_t (right ones, transposed); plain and
+        d3 are the solve's."""
+        zc = gl.zeros([C, C], gl.float32, MC)
+        plain.store(A)
+        Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
+        m_row.store(Td)
+        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
+        m_t.store(gl.where(block_lower, A, 0.0))
+        fence_async_shared()
+        N = _mma(m_row, m_t, zc, False)
+        m_row.store(N)
+        m_t.store(N)
+        fence_async_shared()
+        N2 = _mma(m_row, m_t, zc, False)
+        m_row.store(N2)
+        m_t.store(Td)
+        fence_async_shared()
+        P1 = _mma(m_row, m_t, Td, True)  # (I + N^2) Td
+        m_row.store(N)
+        m_t.store(P1)
+        fence_async_shared()
+        return P1 - _mma(m_row, m_t, zc, False)
+
+    @gluon.jit
+    def _q_norms(q, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr):
+        """Squared norms of rows c0.. c0 + C of one head of q ([Ttot, H, K]) straight from global memory (zero past
+        the sequence), as a [C] vector of layout LAYOUT."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        t = gl.arange(0, C, layout=gl.SliceLayout(1, LR))
+        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
+        x_chunk = q + ((bos + c0).to(gl.int64) * H + i_h) * K
+        x = gl.load(x_chunk + gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0),
+                    mask=gl.expand_dims(c0 + t < seq_len, 1), other=0.0).to(gl.float32)
+        return gl.convert_layout(gl.sum(x * x, axis=1), LAYOUT)
+
+    @gluon.jit
+    def _gdn_solve_kernel(
+        q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, scale, H, HV,
+        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
+    ):
+        """T diag(beta) and the gate rows of every chunk, in parallel: grid (most chunks of a sequence, sequences x
+        HV). Chunk c of sequence n and value head hv is slot (chunk_off[n] + c) * HV + hv: Tbuf [slots, 2, C, C]
+        (hi, lo in q's dtype), Gbuf [slots, R, C] fp32 (R = GATE_ROWS). q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens
+        past the sequence get g = beta = 0 (unit rows of T, zero weight in the chain)."""
+        i_c0 = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        bos = gl.load(cu + i_n)
+        seq_len = gl.load(cu + i_n + 1) - bos
+        c0 = i_c0 * C
+        if c0 < seq_len:
+            dt: gl.constexpr = k.dtype.element_ty
+            MC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, C, 8])
+            MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, C, 16])
+            ROW_C: gl.constexpr = gl.SliceLayout(1, MC)
+            COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+            SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+            SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
+                                                      transposed=True)
+            SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
+            PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
+            m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
+            m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+            plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+            d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
+            nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
+            i_c = gl.arange(0, C, layout=ROW_C)
+            j_c = gl.arange(0, C, layout=COL_C)
+
+            _issue_rows(k, k_st, bos, c0, seq_len, i_h, H, K, C)
+            async_copy.commit_group()
+            g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
+                          other=0.0).to(gl.float32)
+            bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=c0 + i_c < seq_len,
+                         other=0.0).to(gl.float32)
+            if L2:
+                rq = gl.rsqrt(_q_norms(q, bos, c0, seq_len, i_h, H, K, C, ROW_C) + 1e-6) * scale
+            else:
+                rq = gl.full([C], 1.0, gl.float32, ROW_C) * scale
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            if L2:
+                _row_norms(k_st, nk, K, C)
+                rk_r = gl.rsqrt(nk.load(ROW_C) + 1e-6)
+                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
+            else:
+                rk_r = gl.full([C], 1.0, gl.float32, ROW_C)
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
+            b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
+            b_c = gl.convert_layout(b_r, COL_C)
+            b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
+            fence_async_shared()
+            kk = gl.convert_layout(_mma(k_st, k_st.permute((1, 0)), gl.zeros([C, C], gl.float32, MC16), False), MC)
+            lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
+            diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
+            A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
+                * gl.expand_dims(rk_c, 0)
+            T = _t_matrix(A, plain, d3, m_row, m_t1, i_c, j_c, C, MC)
+            slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
+            T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
+            p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
+            t_hi = T.to(Tbuf.dtype.element_ty)
+            gl.store(Tbuf + slot * 2 * C * C + p_t, t_hi)
+            gl.store(Tbuf + slot * 2 * C * C + C * C + p_t, (T - t_hi.to(gl.float32)).to(Tbuf.dtype.element_ty))
+            gam = gl.exp(b_r)
+            rows = Gbuf + slot * R * C + i_c
+            gl.store(rows, b_r)
+            gl.store(rows + C, gam * rk_r)
+            gl.store(rows + 2 * C, gl.exp(b_last - b_r) * rk_r)
+            gl.store(rows + 3 * C, gam * rq)
+            gl.store(rows + 4 * C, rq)
+            gl.store(rows + 5 * C, rk_r)
+            gl.store(rows + 6 * C, gl.full([C], 1.0, gl.float32, ROW_C) * gl.exp(b_last))
