@@ -1,0 +1,122 @@
+"""`gated_delta_rule(impl="auto")` on an H100: the Gluon forward where no gradient is needed, the Triton kernels
+where one is, and a state pool handed to the Gluon forward as it is (no gather, no scatter).
+
+GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
+inputs each run, the seed in every failure message. Bar: 5e-3 relative (||a - b|| / ||b||), the 16-bit bar of the
+kernels' own checks, for the Gluon output against the Triton one and for a prefill in two chunks through the pool
+against one whole call.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import hybridlm.ops.recurrence as rec
+from hybridlm.ops import gated_delta_rule
+
+pytest.importorskip("triton")
+from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
+
+BAR = 5e-3
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of compute capability 9.0 (Hopper)"),
+    pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API"),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _inputs(B, T, H, HV, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q, k, v = r(B, T, H, 128).bfloat16(), r(B, T, H, 128).bfloat16(), r(B, T, HV, 128).bfloat16()
+    g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)
+    beta = torch.sigmoid(r(B, T, HV)).bfloat16()
+    return q, k, v, g, beta
+
+
+@pytest.fixture
+def picks(caplog, monkeypatch):
+    """The impls impl="auto" logged for gated_delta_rule in this test (every choice logs: _LOGGED starts empty)."""
+    monkeypatch.setattr(rec, "_LOGGED", set())
+    caplog.set_level("INFO", logger="hybridlm.ops")
+    return lambda: [r.getMessage().split("picked ")[1].split("'")[1] for r in caplog.records
+                    if r.getMessage().startswith("hybridlm.ops.gated_delta_rule: impl='auto' picked")]
+
+
+def test_auto_runs_gluon_without_gradients_and_matches_triton(picks):
+    seed = torch.seed() % 2**31
+    q, k, v, g, beta = _inputs(2, 1000, 2, 4, seed)
+    h0 = torch.randn(2, 4, 128, 128, device="cuda")
+    kw = dict(g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    with torch.no_grad():
+        o, ht = gated_delta_rule(q, k, v, **kw)
+        o_t, ht_t = gated_delta_rule(q, k, v, impl="triton", **kw)
+    assert picks() == ["gluon"], (seed, picks())
+    errs = {"o": _rel(o, o_t), "final_state": _rel(ht, ht_t)}
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    assert all(e <= BAR for e in errs.values()), (seed, errs)
+
+
+def test_auto_keeps_triton_when_gradients_are_needed(picks):
+    seed = torch.seed() % 2**31
+    q, k, v, g, beta = (x.requires_grad_() for x in _inputs(1, 200, 2, 2, seed))
+    o, _ = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)
+    o.float().sum().backward()
+    assert picks() == ["triton"], (seed, picks())
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v, g, beta)), seed
+
+
+def test_pool_prefill_in_two_chunks_through_gluon_matches_one_call(picks, monkeypatch):
+    """Three sequences in rows 4, 0, 2 of a pool of 5, each prefilled in two chunks (varlen calls); the pool is
+    handed to the Gluon forward itself (recorded), and the outputs and final rows match one whole call from the same
+    rows. Rows 1 and 3 stay as they were."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens, cuts = [300, 130, 65], [128, 64, 1]
+    q, k, v, g, beta = _inputs(1, sum(lens), 2, 4, seed)
+    pool = torch.randn(5, 4, 128, 128, device="cuda", generator=gen)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    start = pool.clone()
+    seen = []
+    fwd = gdn_fwd.gated_delta_rule_fwd
+    monkeypatch.setattr(gdn_fwd, "gated_delta_rule_fwd",
+                        lambda *a, **kw: seen.append(kw.get("state_pool") is pool) or fwd(*a, **kw))
+
+    def offsets(ls):
+        return torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device="cuda")
+
+    bounds = offsets(lens).tolist()
+    firsts = [list(range(s, s + c)) for s, c in zip(bounds, cuts)]
+    seconds = [list(range(s + c, e)) for s, c, e in zip(bounds, cuts, bounds[1:])]
+    o_whole = torch.empty_like(v)
+    with torch.no_grad():
+        o_ref, ht_ref = gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=start[rows.long()],
+                                         output_final_state=True, cu_seqlens=offsets(lens), use_qk_l2norm=True)
+        for parts in (firsts, seconds):
+            idx = torch.tensor(sum(parts, []), device="cuda")
+            sub = [x[:, idx] for x in (q, k, v, g, beta)]
+            o, ht = gated_delta_rule(*sub[:3], g=sub[3], beta=sub[4], state_pool=pool, state_indices=rows,
+                                     output_final_state=True, cu_seqlens=offsets([len(p) for p in parts]),
+                                     use_qk_l2norm=True)
+            o_whole[:, idx] = o
+    assert set(picks()) == {"gluon"} and seen == [False, True, True], (seed, picks(), seen)
+    errs = {"o": _rel(o_whole, o_ref), "final_state": _rel(pool[rows.long()], ht_ref),
+            "returned_state": _rel(ht, ht_ref)}
+    assert all(e <= BAR for e in errs.values()), (seed, errs)
+    assert torch.equal(pool[[1, 3]], start[[1, 3]]), seed
