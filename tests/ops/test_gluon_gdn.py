@@ -10,8 +10,8 @@ fp16; chunked prefill through a state pool (up to 16 sequences of 4096 tokens in
 kernels' 16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16, B8 T2048 H32 and B1 T32768 H32
-D128 bf16 (inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon forward, then
-each Gluon launch alone against its floors (see `_stage_rows`).
+D128 bf16 (inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon
+forward, then each Gluon launch alone against its floors (see `_stage_rows`).
 """
 
 from __future__ import annotations

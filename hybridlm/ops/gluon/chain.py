@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from .parts import _IMPORT_ERROR, _chain_program, _split_operand, gl, gluon
+from .parts import _IMPORT_ERROR, _chain_program, _mma2, _mma2_shared, _mma3, _split_operand, gl, gluon
 
 if _IMPORT_ERROR is None:
-    from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma
+    from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 CHUNK = 64
 
@@ -104,15 +104,14 @@ if _IMPORT_ERROR is None:
             hs.index(2 * buf).store(s_hi)
             hs.index(2 * buf + 1).store(s_lo)
             kT = kb.permute((1, 0))
-            ks = warpgroup_mma(gl.convert_layout(s_hi, A_T), kT, zt, use_acc=False)
-            ks = warpgroup_mma(gl.convert_layout(s_lo, A_T), kT, ks)
+            ks = _mma2(gl.convert_layout(s_hi, A_T), kT, gl.convert_layout(s_lo, A_T), kT, zt, False)
 
             # V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)
             vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
             r_hi, r_lo = _split_operand(vt - ks * gl.expand_dims(_gate_cols(gb, 1, MT), 0), A_T, dt)
             t_hi = t_st.index(2 * buf).permute((1, 0))
             t_lo = t_st.index(2 * buf + 1).permute((1, 0))
-            Vn = warpgroup_mma(r_hi, t_lo, warpgroup_mma(r_lo, t_hi, warpgroup_mma(r_hi, t_hi, zt, use_acc=False)))
+            Vn = _mma3(r_hi, t_hi, r_lo, t_hi, r_hi, t_lo, zt, False)
             v_hi = Vn.to(dt)
             hv.index(2 * buf).store(v_hi)
             hv.index(2 * buf + 1).store((Vn - v_hi.to(gl.float32)).to(dt))
@@ -123,7 +122,7 @@ if _IMPORT_ERROR is None:
             # S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
             u_hi, u_lo = _split_operand(Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0), A_S, dt)
             decay = gl.max(_gate_cols(gb, 6, MT), axis=0)  # e^{b_last}, in every column of row 6
-            St = warpgroup_mma(u_lo, kb, warpgroup_mma(u_hi, kb, St * decay))
+            St = _mma2(u_hi, kb, u_lo, kb, St * decay, True)
         if STORE_HT:
             ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
             gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
@@ -146,20 +145,21 @@ if _IMPORT_ERROR is None:
             qb = q_st.index(buf)
             gb = g_st.index(buf)
             zo = gl.zeros([C, BV], gl.float32, MO)
-            qk = warpgroup_mma(qb, k_st.index(buf).permute((1, 0)), zo, use_acc=False)  # [i, j] = q_i . k_j
+            # [i, j] = q_i . k_j, issued before the masks and scales it is multiplied by are computed
+            qk = warpgroup_mma(qb, k_st.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             b_i = _gate_rows(gb, 0, MO)
             b_j = _gate_cols(gb, 0, MO)
             decay = gl.exp(gl.where(causal, gl.expand_dims(b_i, 1) - gl.expand_dims(b_j, 0), float("-inf")))
-            scales = gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
-            p_hi, p_lo = _split_operand(qk * decay * scales, A_O, dt)
+            decay = decay * gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
+            p_hi, p_lo = _split_operand(warpgroup_mma_wait(0, deps=[qk]) * decay, A_O, dt)
             mbarrier.wait(hand.index(buf), (n // 2) & 1)
             s_hi = hs.index(2 * buf).permute((1, 0))  # [K, BV]
             s_lo = hs.index(2 * buf + 1).permute((1, 0))
-            out = warpgroup_mma(qb, s_lo, warpgroup_mma(qb, s_hi, zo, use_acc=False))
+            out = _mma2_shared(qb, s_hi, s_lo, zo, False)
             out = out * gl.expand_dims(_gate_rows(gb, 3, MO), 1)
             v_hi = hv.index(2 * buf).permute((1, 0))  # [C, BV]
             v_lo = hv.index(2 * buf + 1).permute((1, 0))
-            out = warpgroup_mma(p_hi, v_lo, warpgroup_mma(p_lo, v_hi, warpgroup_mma(p_hi, v_hi, out)))
+            out = _mma3(p_hi, v_hi, p_lo, v_hi, p_hi, v_lo, out, True)
             gl.thread_barrier()  # every warp is past its reads of the slot and the hand-over
             mbarrier.arrive(done.index(buf), count=1)
 

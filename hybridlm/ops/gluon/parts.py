@@ -14,6 +14,7 @@ try:  # the names the kernel files import from here
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
@@ -40,6 +41,29 @@ if _IMPORT_ERROR is None:
         """acc (+)= a @ b with fp32 accumulation; fp32 operands run as tf32 (the compile option's default input
         precision, which the host leaves as is); the caller has fenced its shared-memory stores."""
         return warpgroup_mma(a_smem, b_smem, acc, use_acc=USE_ACC)
+
+    @gluon.jit
+    def _mma2(a1, b1, a2, b2, acc, USE_ACC: gl.constexpr):
+        """acc (+)= a1 @ b1 + a2 @ b2: both issued before one wait (a chained pair pays one round trip, not two).
+        a1, a2 are register operands, kept alive until the products are done; b1, b2 in shared memory."""
+        acc = warpgroup_mma(a1, b1, acc, use_acc=USE_ACC, is_async=True)
+        acc = warpgroup_mma(a2, b2, acc, is_async=True)
+        return warpgroup_mma_wait(0, deps=[acc, a1, a2])[0]
+
+    @gluon.jit
+    def _mma3(a1, b1, a2, b2, a3, b3, acc, USE_ACC: gl.constexpr):
+        """acc (+)= a1 @ b1 + a2 @ b2 + a3 @ b3, as `_mma2`."""
+        acc = warpgroup_mma(a1, b1, acc, use_acc=USE_ACC, is_async=True)
+        acc = warpgroup_mma(a2, b2, acc, is_async=True)
+        acc = warpgroup_mma(a3, b3, acc, is_async=True)
+        return warpgroup_mma_wait(0, deps=[acc, a1, a2, a3])[0]
+
+    @gluon.jit
+    def _mma2_shared(a, b1, b2, acc, USE_ACC: gl.constexpr):
+        """acc (+)= a @ b1 + a @ b2 with every operand in shared memory, as `_mma2`."""
+        acc = warpgroup_mma(a, b1, acc, use_acc=USE_ACC, is_async=True)
+        acc = warpgroup_mma(a, b2, acc, is_async=True)
+        return warpgroup_mma_wait(0, deps=[acc])
 
     @gluon.jit
     def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
