@@ -5,10 +5,10 @@ Non-standard here:
 - `impl` is explicit: "naive" (token loop), "chunk" (WY/UT in PyTorch), "triton" (GPU kernels, registered by
   `hybridlm.ops.triton` when it imports), "gluon" (gated_delta_rule only: the Hopper forward of
   `hybridlm.ops.gluon.gdn_fwd`, no autograd), "auto" (for gated_delta_rule the Gluon forward when no gradient is
-  needed and it takes the inputs: sm_90, bf16/fp16, K = V = 128; else triton on CUDA when a kernel exists for the
-  op and takes the inputs; else chunk). Training keeps the Triton forward and backward: the Gluon forward does not
-  write what the Triton backward reads. The choice "auto" makes is logged once per (op, device type, impl, reason
-  a faster path was not taken), never changed silently afterwards.
+  needed and it takes the inputs: sm_90, bf16/fp16, K 64 or 128, V 64 to 256; else triton on CUDA when a kernel
+  exists for the op and takes the inputs; else chunk). Training keeps the Triton forward and backward: the Gluon
+  forward does not write what the Triton backward reads. The choice "auto" makes is logged once per (op, device
+  type, impl, reason a faster path was not taken), never changed silently afterwards.
 - Compute dtype is float64 for float64 inputs and float32 otherwise; the state is kept in that dtype and the
   caller's initial_state must already be in it (no silent cast). The output comes back in the input dtype.
 - Values are not range-checked (g <= 0, beta in (0, 2)): that would need a device sync on every call.

@@ -3,7 +3,8 @@
 Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drift and shared-memory overflow in CI.
 Each kernel is compiled through `triton.compile` with a CUDA `GPUTarget` of capability 90, its arguments typed as
 the host wrapper passes them (16-byte aligned pointers, as torch allocations are): the solve with and without
-l2norm, the chain in bf16 with both states, in fp16 without them, and with its states in a pool.
+l2norm, the chain in bf16 with both states, in fp16 without them, and with its states in a pool; K 128, and 64 in
+fp16.
 About 10 s a compile on one core.
 """
 
@@ -50,11 +51,11 @@ DESCS = {"q_desc": [64, 128], "k_desc": [64, 128], "v_desc": [64, 64], "t_desc":
          "g_desc": [8, 64]}
 
 
-def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True, pool: bool = False):
+def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True, pool: bool = False, K: int = 128):
     """Compile one kernel of the Gluon forward for sm_90: pointers typed by name (q, k, v, beta, o and T in the
     input dtype; g, the states and the gate rows in fp32)."""
     fn = getattr(gdn_fwd, name)
-    consts = dict(K=128, V=128, BV=gdn_fwd.BV, C=gdn_fwd.CHUNK, R=gdn_fwd.GATE_ROWS, L2=l2, HAS_H0=state,
+    consts = dict(K=K, V=128, BV=gdn_fwd.BV, C=gdn_fwd.CHUNK, R=gdn_fwd.GATE_ROWS, L2=l2, HAS_H0=state,
                   STORE_HT=state, POOL=pool)
     sig, ptrs = {}, []
     for n in fn.arg_names:
@@ -65,7 +66,8 @@ def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True
         elif n in FP32S:
             sig[n] = "fp32"
         elif n in DESCS:
-            sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, DESCS[n])
+            box = [DESCS[n][0], K] if n in ("q_desc", "k_desc") else DESCS[n]
+            sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, box)
         else:
             sig[n] = "*" + ("fp32" if n in FP32_PTRS else "i32" if n in INT_PTRS else dtype)
             ptrs.append(n)
@@ -76,17 +78,17 @@ def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True
 
 
 CASES = [
-    ("_gdn_solve_kernel", "bf16", True, False, False),
-    ("_gdn_solve_kernel", "fp16", False, False, False),
-    ("_gdn_chain_kernel", "bf16", True, True, False),
-    ("_gdn_chain_kernel", "fp16", True, False, False),
-    ("_gdn_chain_kernel", "bf16", True, True, True),  # states read from / written to a pool's rows
+    ("_gdn_solve_kernel", "bf16", True, False, False, 128),
+    ("_gdn_solve_kernel", "fp16", False, False, False, 64),
+    ("_gdn_chain_kernel", "bf16", True, True, False, 128),
+    ("_gdn_chain_kernel", "fp16", True, False, False, 64),
+    ("_gdn_chain_kernel", "bf16", True, True, True, 128),  # states read from / written to a pool's rows
 ]
 
 
-@pytest.mark.parametrize("name,dtype,l2,state,pool", CASES)
-def test_kernel_compiles_for_sm90(name, dtype, l2, state, pool):
-    k = compile_kernel(name, dtype, l2=l2, state=state, pool=pool)
+@pytest.mark.parametrize("name,dtype,l2,state,pool,K", CASES)
+def test_kernel_compiles_for_sm90(name, dtype, l2, state, pool, K):
+    k = compile_kernel(name, dtype, l2=l2, state=state, pool=pool, K=K)
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert "ttng.warp_group_dot" in k.asm["ttgir"], "expected warpgroup MMA ops in the TTGIR"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"

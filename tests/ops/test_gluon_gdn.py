@@ -5,9 +5,9 @@ inputs each run, the seed in every failure message; outputs are NaN-poisoned by 
 element the kernel never writes fails. Cases: T = 1, 63, 65, 128, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
-fp16; chunked prefill through a state pool (up to 16 sequences of 4096 tokens in
-2048-token chunks) against whole sequences. Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton
-kernels' 16-bit checks: 5e-3 for o and the final state.
+fp16; head dims K 64 and 128 with V 64 to 256; chunked prefill through a state pool (up to 16 sequences of 4096
+tokens in 2048-token chunks) against whole sequences. Bar (relative RMS vs float64 on the same rounded inputs), as
+for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16, B8 T2048 H32 and B1 T32768 H32
 D128 bf16 (inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon
@@ -64,10 +64,10 @@ def _gates(gen, B, T, HV, decay):
     return -bound * torch.rand(B, T, HV, device=dev, generator=gen)
 
 
-def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dtype=torch.bfloat16):
+def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dtype=torch.bfloat16, K=128, V=128):
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev, K, V = "cuda", 128, 128
+    dev = "cuda"
     if lens is not None:
         B, T = 1, sum(lens)
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
@@ -86,7 +86,8 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
                                output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2, impl="chunk")
     errs = {"o": _rel(o, o2), "final_state": _rel(ht, ht2)}
-    msg = f"seed {seed}: B={B} T={T} H={H} HV={HV} lens={lens} decay={decay} h0={h0} l2={l2} {dtype}: {errs}"
+    msg = (f"seed {seed}: B={B} T={T} H={H} HV={HV} K={K} V={V} lens={lens} decay={decay} h0={h0} l2={l2} {dtype}: "
+           f"{errs}")
     assert o.dtype == dtype and ht.dtype == torch.float32, msg
     assert all(e <= BAR for e in errs.values()), msg
 
@@ -99,6 +100,11 @@ def test_lengths(T):
 @pytest.mark.parametrize("decay", ["mild", "strong", "cliff"])
 def test_varlen(decay):
     _case(lens=[1, 15, 100, 700], H=2, HV=2, decay=decay)
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (64, 256), (128, 64), (128, 256)])
+def test_head_dims(K, V):
+    _case(B=2, T=200, H=2, HV=4, K=K, V=V, decay="cliff")
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
@@ -156,8 +162,8 @@ def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk):
 
 
 def test_bad_input_is_one_line():
-    q = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros(1, 8, 2, 192, device="cuda", dtype=torch.bfloat16)
     g = torch.zeros(1, 8, 2, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
         gdn_fwd.gated_delta_rule_fwd(q, q, v, g=g, beta=g)

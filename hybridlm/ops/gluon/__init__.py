@@ -1,5 +1,5 @@
-"""Gluon kernels for Hopper (sm_90): warpgroup MMA, TMA and mbarriers written out by hand, below what the Triton
-language exposes. Not registered with any dispatch yet (faster than our Triton forward at some shapes, slower at
-others: gdn_fwd's docstring); call them directly: `gdn_fwd.gated_delta_rule_fwd` (the Gated DeltaNet forward, no
-autograd) and `gdn_fwd.gluon_available()` (whether the installed Triton has the Gluon API they are written against).
+"""Gluon kernels for Hopper (sm_90): warpgroup MMA, TMA, mbarriers and warp specialisation written out by hand,
+below what the Triton language exposes. `gdn_fwd.gated_delta_rule_fwd` is the Gated DeltaNet forward (no autograd)
+that `hybridlm.ops.gated_delta_rule` runs as impl="gluon", and impl="auto" where no gradient is needed and
+`gdn_fwd.unsupported_reason` finds nothing against the inputs.
 """

@@ -1,12 +1,12 @@
 """Gated DeltaNet forward for Hopper (sm_90) in Gluon: a parallel T solve, then one state chain per head and value
-block. What `impl="auto"` runs for inference on sm_90 (bf16/fp16, K = V = 128); training keeps the Triton forward,
-whose chunk states the Triton backward reads.
+block. What `impl="auto"` runs for inference on sm_90 (bf16/fp16, K 64 or 128, V 64 to 256); training keeps the
+Triton forward, whose chunk states the Triton backward reads.
 
 Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T diag(beta) as 16-bit hi + lo, and the
 per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
 the state in registers for the whole sequence, the output products in a second warpgroup). The math of each is in
 its file's docstring; measured times and what was tried are in docs/kernels.md ("Fused forward in Gluon").
-K and V other than 128 and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
+Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
 kernels).
 """
 
@@ -31,8 +31,10 @@ CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV = 64  # value block of a chain program: one warpgroup's M (the transposed state's rows)
 NUM_WARPS = 4  # one warpgroup (the chain's output partition adds another)
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
-SUPPORTED_K = (128,)
-SUPPORTED_V = (128,)
+# the state S^T [64, K] fp32 lives in registers (K = 256 would need twice what a thread has); V only sets the number
+# of value blocks
+SUPPORTED_K = (64, 128)
+SUPPORTED_V = (64, 128, 256)
 
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
