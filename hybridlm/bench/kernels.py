@@ -176,6 +176,7 @@ def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
             res["gluon_fwd_ms"] = _bench(f, args.rep)
             a, b = f().float(), ours_f().float()
         res["gluon_vs_ours_rel"] = ((a - b).norm() / b.norm()).item()
+        _gpu_times(res, "gluon", f, None, args)
     except Exception as e:  # noqa: BLE001
         res["gluon_error"] = repr(e)[:200]
 
@@ -471,15 +472,19 @@ def _table(info, rows):
     if fused:
         lines += ["", "Gluon GDN forward (sm_90; hybridlm.ops.gluon.gdn_fwd, what impl=\"auto\" runs for inference "
                   "there; timed as gated_delta_rule(..., impl=\"gluon\") under torch.no_grad):", "",
-                  "| shape | ms | ours/it | fla/it | rel vs ours |", "|---|---|---|---|---|"]
+                  "| shape | ms | ours/it | fla/it | GPU ms | ours/it GPU | fla/it GPU | rel vs ours |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in fused:
             ms = r.get("gluon_fwd_ms")
             if ms is None:
-                lines.append(f"| {r['shape']} | failed: {r.get('gluon_error', '-')} | | | |")
+                lines.append(f"| {r['shape']} | failed: {r.get('gluon_error', '-')} | | | | | | |")
                 continue
-            fl = r.get("fla_fwd_ms")
-            lines.append(f"| {r['shape']} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | "
-                         f"{_fmt(None if fl is None else fl / ms, '.2f')} | {r['gluon_vs_ours_rel']:.1e} |")
+            fl, gm = r.get("fla_fwd_ms"), r.get("gluon_fwd_gpu_ms")
+            og, fg = r.get("ours_fwd_gpu_ms"), r.get("fla_fwd_gpu_ms")
+            ratio = lambda x, y: None if x is None or y is None else x / y  # noqa: E731
+            lines.append(f"| {r['shape']} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | {_fmt(ratio(fl, ms), '.2f')} "
+                         f"| {_fmt(gm)} | {_fmt(ratio(og, gm), '.2f')} | {_fmt(ratio(fg, gm), '.2f')} "
+                         f"| {r['gluon_vs_ours_rel']:.1e} |")
     gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
     if gpu:
         lines += ["", "Summed CUDA time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",

@@ -24,6 +24,8 @@ Barriers, two of each (chunk n uses slot n % 2):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .parts import _IMPORT_ERROR, _chain_program, _mma2, _mma2_shared, _mma3, _split_operand, gl, gluon
@@ -225,19 +227,24 @@ if _IMPORT_ERROR is None:
             mbarrier.invalidate(done.index(s))
 
 
+@functools.lru_cache(maxsize=32)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a [rows, cols] TMA box: the widest swizzle for 16-bit tiles, none for the fp32
+    gate rows (read row by row). Cached: building it is a good part of a call's host time."""
+    if dtype == torch.float32:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptors(q, k, v, o, Tbuf, Gbuf, BV: int) -> tuple:
     """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v and o as [Ttot, HV * V] in
     [CHUNK, BV] boxes, T (hi, lo) as [slots * 2 * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
     K, V = q.shape[-1], v.shape[-1]
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
-    def desc(x2, box, layout=None):
-        return TensorDescriptor.from_tensor(x2, box, layout or gl.NVMMASharedLayout.get_default_for(box, dt))
+    def desc(x2, rows, cols):
+        return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
 
     q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
     v2, o2 = v.reshape(-1, v.shape[-2] * V), o.reshape(-1, o.shape[-2] * V)
-    plain32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return (desc(q2, [CHUNK, K]), desc(k2, [CHUNK, K]), desc(v2, [CHUNK, BV]),
-            desc(Tbuf.reshape(-1, CHUNK), [CHUNK, CHUNK]), desc(Gbuf.reshape(-1, CHUNK), [Gbuf.shape[-2], CHUNK],
-                                                               plain32),
-            desc(o2, [CHUNK, BV]))
+    return (desc(q2, CHUNK, K), desc(k2, CHUNK, K), desc(v2, CHUNK, BV), desc(Tbuf.reshape(-1, CHUNK), CHUNK, CHUNK),
+            desc(Gbuf.reshape(-1, CHUNK), Gbuf.shape[-2], CHUNK), desc(o2, CHUNK, BV))

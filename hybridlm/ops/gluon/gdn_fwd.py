@@ -12,6 +12,7 @@ kernels).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -96,6 +97,14 @@ def _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens) -> b
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def _equal_offsets(B: int, T: int, most: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and chunk offsets [B + 1] (int32) of B sequences of T tokens, `most` chunks each; cached, so a call at a
+    shape seen before launches no kernel for them (the kernels only read them)."""
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=dev)
+    return cu, torch.arange(0, (B + 1) * most, most, dtype=torch.int32, device=dev)
+
+
 def gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,9 +166,8 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     scale = K**-0.5 if scale is None else scale
     dev = q.device
     if cu_seqlens is None:  # equal lengths: the chunk offsets follow without reading anything back
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=dev)
         most = -(-T // CHUNK)
-        chunk_off = torch.arange(0, (B + 1) * most, most, dtype=torch.int32, device=dev)
+        cu, chunk_off = _equal_offsets(B, T, most, dev)
         total = B * most
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32)
