@@ -1,5 +1,6 @@
 """What the float64 equality tests of the ops share: the relative error they bound, the seed they draw, and the
-naive-against-chunk comparison with gradients; also the outputs-and-gradients call of the GPU comparisons.
+naive-against-chunk comparison with gradients; also the outputs-and-gradients call of the GPU comparisons and the
+marks of the Gluon kernels' GPU tests.
 
 Imported by the test modules beside it (tests/ops is on sys.path under pytest's default import mode).
 """
@@ -14,6 +15,25 @@ F64 = torch.float64
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (b == 0 gives ||a|| / 1e-300: any difference fails)."""
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def rel_f64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """`rel` in float64 of a 16-bit or fp32 result against a reference; inf when a holds a NaN or an inf."""
+    a = a.double()
+    return rel(a, b.double()) if torch.isfinite(a).all() else float("inf")
+
+
+def gluon_gpu_marks() -> list:
+    """Marks of a test of the Gluon kernels on the GPU: `gpu`, skipped without a device of compute capability 9.0
+    or without the Gluon API the kernels are written against."""
+    import pytest
+
+    from hybridlm.ops.gluon import gdn_fwd
+
+    sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(not sm90, reason="needs a CUDA device of compute capability 9.0 (Hopper)"),
+            pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API")]
 
 
 def draw_seed() -> int:

@@ -18,27 +18,14 @@ import hybridlm.ops.recurrence as rec
 from hybridlm.ops import gated_delta_rule
 
 pytest.importorskip("triton")
+from float64_check import gluon_gpu_marks, rel_f64  # noqa: E402
+
 from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
 
 BAR = 5e-3
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of compute capability 9.0 (Hopper)"),
-    pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API"),
-]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+pytestmark = gluon_gpu_marks()
 
 
 def _inputs(B, T, H, HV, seed):
@@ -68,7 +55,7 @@ def test_auto_runs_gluon_without_gradients_and_matches_triton(picks):
         o, ht = gated_delta_rule(q, k, v, **kw)
         o_t, ht_t = gated_delta_rule(q, k, v, impl="triton", **kw)
     assert picks() == ["gluon"], (seed, picks())
-    errs = {"o": _rel(o, o_t), "final_state": _rel(ht, ht_t)}
+    errs = {"o": rel_f64(o, o_t), "final_state": rel_f64(ht, ht_t)}
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     assert all(e <= BAR for e in errs.values()), (seed, errs)
 
@@ -116,7 +103,7 @@ def test_pool_prefill_in_two_chunks_through_gluon_matches_one_call(picks, monkey
                                      use_qk_l2norm=True)
             o_whole[:, idx] = o
     assert set(picks()) == {"gluon"} and seen == [False, True, True], (seed, picks(), seen)
-    errs = {"o": _rel(o_whole, o_ref), "final_state": _rel(pool[rows.long()], ht_ref),
-            "returned_state": _rel(ht, ht_ref)}
+    errs = {"o": rel_f64(o_whole, o_ref), "final_state": rel_f64(pool[rows.long()], ht_ref),
+            "returned_state": rel_f64(ht, ht_ref)}
     assert all(e <= BAR for e in errs.values()), (seed, errs)
     assert torch.equal(pool[[1, 3]], start[[1, 3]]), seed

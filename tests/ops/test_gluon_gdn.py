@@ -25,33 +25,20 @@ import torch
 from hybridlm.ops import gated_delta_rule
 
 pytest.importorskip("triton")
+from float64_check import gluon_gpu_marks, rel_f64  # noqa: E402
+
 from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
 
 BAR = 5e-3
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of compute capability 9.0 (Hopper)"),
-    pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API"),
-]
+pytestmark = gluon_gpu_marks()
 
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     """Outputs start as NaN in every case."""
     monkeypatch.setattr(gdn_fwd, "POISON", True)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def _gates(gen, B, T, HV, decay):
@@ -85,7 +72,7 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     d = lambda x: None if x is None else x.double()
     o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
                                output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2, impl="chunk")
-    errs = {"o": _rel(o, o2), "final_state": _rel(ht, ht2)}
+    errs = {"o": rel_f64(o, o2), "final_state": rel_f64(ht, ht2)}
     msg = (f"seed {seed}: B={B} T={T} H={H} HV={HV} K={K} V={V} lens={lens} decay={decay} h0={h0} l2={l2} {dtype}: "
            f"{errs}")
     assert o.dtype == dtype and ht.dtype == torch.float32, msg
@@ -153,7 +140,7 @@ def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk):
     d = lambda x: x.double()  # noqa: E731
     o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(pool0[rows]),
                                output_final_state=True, cu_seqlens=cu_all, use_qk_l2norm=True, impl="chunk")
-    errs = {"o": _rel(o, o2), "pool rows": _rel(pool[rows], ht2)}
+    errs = {"o": rel_f64(o, o2), "pool rows": rel_f64(pool[rows], ht2)}
     others = torch.ones(2 * n_seq, dtype=torch.bool, device=dev)
     others[rows] = False
     msg = f"seed {seed}: {n_seq} sequences up to {length} tokens in chunks of {chunk}: {errs}"
