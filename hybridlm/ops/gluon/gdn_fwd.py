@@ -40,16 +40,20 @@ SUPPORTED_V = (64, 128, 256)
 
 def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when `gated_delta_rule_fwd` takes inputs like q [B, T, H, K] and v [B, T, HV, V] on this machine, else
-    why not, in a few words (the dispatch logs it once and falls back to the Triton kernels)."""
+    why not, in one line naming what was expected (the dispatch logs it once and falls back to the Triton kernels;
+    `gated_delta_rule_fwd` raises it)."""
     if not gluon_available():
-        return f"Triton {triton.__version__} has no Gluon API"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "needs a device of compute capability 9.0 (Hopper)"
+        return f"triton: expected the Gluon API of Triton 3.6, got Triton {triton.__version__}"
+    if not q.is_cuda:
+        return f"q: expected a CUDA tensor, got device {q.device}"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return f"q: expected a device of compute capability (9, 0) (Hopper), got {cap}"
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (bfloat16 and float16 only)"
+        return f"q: expected dtype bfloat16 or float16, got {q.dtype}"
     K, V = q.shape[-1], v.shape[-1]
     if K not in SUPPORTED_K or V not in SUPPORTED_V:
-        return f"head dims K={K} V={V} (K in {SUPPORTED_K}, V in {SUPPORTED_V})"
+        return f"q, v: expected head dims K in {SUPPORTED_K} and V in {SUPPORTED_V}, got K={K} V={V}"
     return None
 
 
@@ -62,19 +66,15 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     HV, V = v.shape[2:]
     if HV % H:
         raise ValueError(f"v: expected its heads HV a multiple of q's H = {H}, got HV = {HV}")
-    if K not in SUPPORTED_K or V not in SUPPORTED_V:
-        raise ValueError(f"q, v: expected head dims K in {SUPPORTED_K} and V in {SUPPORTED_V}, got K={K} V={V}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v: expected one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    why = unsupported_reason(q, v)
+    if why is not None:
+        raise ValueError(why)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, x in (("g", g), ("beta", beta)):
         if x is None or tuple(x.shape) != (B, T, HV):
             raise ValueError(f"{name}: expected [B, T, HV] = [{B}, {T}, {HV}], got "
                              f"{None if x is None else tuple(x.shape)}")
-    if not q.is_cuda:
-        raise ValueError(f"q: expected a CUDA tensor, got device {q.device}")
-    cap = torch.cuda.get_device_capability(q.device)
-    if cap != (9, 0):
-        raise ValueError(f"q: expected a device of compute capability (9, 0) (Hopper), got {cap}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens: expected B = 1 (sequences packed along T), got B = {B}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -157,8 +157,6 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
                      cu_seqlens=None, use_qk_l2norm=False, state_pool=None, state_indices=None) -> Launches:
     """Check the inputs of `gated_delta_rule_fwd` (same arguments), allocate o, ht and the solve's buffers and bind
     the two launches without running them."""
-    if not gluon_available():
-        raise ValueError(f"triton: expected the Gluon API of Triton 3.6, got Triton {triton.__version__}")
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
     B, T, H, K = q.shape
