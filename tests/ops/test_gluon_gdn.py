@@ -170,9 +170,9 @@ def _mma_clocks(m, n, k, count=1):
 
 
 def _state_path_clocks():
-    """The chain's serial path a chunk, its products back to back (hi + lo operands): S^T K^T (2), R^T T^T (3),
-    U^T K (2). The output products run in the other warpgroup, beside it."""
-    return _mma_clocks(64, 64, 128, 2) + _mma_clocks(64, 64, 64, 3) + _mma_clocks(64, 128, 64, 2)
+    """The chain's serial path a chunk, its products back to back: S^T K^T, R^T T^T, U^T K. The output products
+    run in the other warpgroup, beside it."""
+    return _mma_clocks(64, 64, 128) + _mma_clocks(64, 64, 64) + _mma_clocks(64, 128, 64)
 
 
 def _stage_rows(B, T, H, D, gen, fla_gdn):

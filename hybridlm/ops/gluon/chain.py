@@ -3,11 +3,11 @@ sequence in 64-token chunks, in two warpgroups (`gl.warp_specialize`).
 
 Non-standard here:
 - The state is kept transposed, S^T [64, K] fp32, in the registers of the state warpgroup, so every state-path
-  product takes its left operand from registers (S^T, R^T, V'^T and U^T split into 16-bit hi + lo: wgmma's A
-  operand) against k and T in shared memory; nothing of the state path goes through shared memory.
-- The output products run in a second warpgroup: the state path alone needs ~250 registers a thread, so one
-  warpgroup doing both spilled. The state warpgroup hands each chunk's S^T (before its update) and V'^T over in
-  shared memory as hi + lo.
+  product takes its left operand from registers (S^T, R^T and U^T rounded to 16 bits: wgmma's A operand) against
+  k and T in shared memory; nothing of the state path goes through shared memory. Operands are 16-bit and every
+  product accumulates in fp32, as in the Triton kernels' 16-bit path; the state stays fp32 between chunks.
+- The output products run in a second warpgroup: the state path alone needs most of a thread's registers. The
+  state warpgroup hands each chunk's S^T (before its update) and V'^T over in shared memory (16-bit).
 - q, k, v, T and the gate rows of the solve (`solve.GATE_ROWS`: every per-token scale, already multiplied out)
   arrive by TMA into two slots; whole output chunks leave by TMA, a sequence's last partial chunk by masked stores.
 
@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from .parts import _IMPORT_ERROR, _chain_program, _mma2, _mma2_shared, _mma3, _split_operand, gl, gluon
+from .parts import _IMPORT_ERROR, _chain_program, gl, gluon
 
 if _IMPORT_ERROR is None:
     from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -38,19 +38,18 @@ CHUNK = 64
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, bar, q_s, k_s, v_s, t_hi, t_lo, g_s, tok, qk_col, v_col,
-                   slot, pred, C: gl.constexpr, R: gl.constexpr):
-        """One chunk's q, k, v rows, T (hi, lo) and gate rows by TMA into one slot, completing on `bar`. Rows past
+    def _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, bar, q_s, k_s, v_s, t_s, g_s, tok, qk_col, v_col, slot,
+                   pred, C: gl.constexpr, R: gl.constexpr):
+        """One chunk's q, k, v rows, T and gate rows by TMA into one slot, completing on `bar`. Rows past
         the sequence are the next sequence's (or zeros past the tensor): every product the chain keeps gives them
         weight zero (the solve wrote zero gates for them)."""
         nbytes: gl.constexpr = (2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                + 2 * t_desc.block_type.nbytes + g_desc.block_type.nbytes)
+                                + t_desc.block_type.nbytes + g_desc.block_type.nbytes)
         mbarrier.expect(bar, nbytes, pred=pred)
         tma.async_copy_global_to_shared(q_desc, [tok, qk_col], bar, q_s, pred=pred)
         tma.async_copy_global_to_shared(k_desc, [tok, qk_col], bar, k_s, pred=pred)
         tma.async_copy_global_to_shared(v_desc, [tok, v_col], bar, v_s, pred=pred)
-        tma.async_copy_global_to_shared(t_desc, [slot * 2 * C, 0], bar, t_hi, pred=pred)
-        tma.async_copy_global_to_shared(t_desc, [slot * 2 * C + C, 0], bar, t_lo, pred=pred)
+        tma.async_copy_global_to_shared(t_desc, [slot * C, 0], bar, t_s, pred=pred)
         tma.async_copy_global_to_shared(g_desc, [slot * R, 0], bar, g_s, pred=pred)
 
     @gluon.jit
@@ -82,7 +81,7 @@ if _IMPORT_ERROR is None:
         else:
             St = gl.zeros([BV, K], gl.float32, MS)
         _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(0), q_st.index(0), k_st.index(0), v_st.index(0),
-                   t_st.index(0), t_st.index(1), g_st.index(0), bos, qk_col, v_col, t_first * HV + i_hv,
+                   t_st.index(0), g_st.index(0), bos, qk_col, v_col, t_first * HV + i_hv,
                    seq_len > 0, C, R)
         for c0 in range(0, seq_len, C):
             n = c0 // C
@@ -92,39 +91,34 @@ if _IMPORT_ERROR is None:
             # slot 1 - buf is free once the output partition is done with chunk n - 1
             mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=nxt < seq_len)
             _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(1 - buf), q_st.index(1 - buf),
-                       k_st.index(1 - buf), v_st.index(1 - buf), t_st.index(2 - 2 * buf), t_st.index(3 - 2 * buf),
-                       g_st.index(1 - buf), bos + nxt, qk_col, v_col, (t_first + n + 1) * HV + i_hv, nxt < seq_len,
-                       C, R)
+                       k_st.index(1 - buf), v_st.index(1 - buf), t_st.index(1 - buf), g_st.index(1 - buf), bos + nxt,
+                       qk_col, v_col, (t_first + n + 1) * HV + i_hv, nxt < seq_len, C, R)
             mbarrier.wait(ld.index(buf), (n // 2) & 1)
             kb = k_st.index(buf)
             gb = g_st.index(buf)
             zt = gl.zeros([BV, C], gl.float32, MT)
 
-            # S^T as hi + lo: the register operands of S^T K^T, and the output partition's copy of the state
-            s_hi = St.to(dt)
-            s_lo = (St - s_hi.to(gl.float32)).to(dt)
-            hs.index(2 * buf).store(s_hi)
-            hs.index(2 * buf + 1).store(s_lo)
-            kT = kb.permute((1, 0))
-            ks = _mma2(gl.convert_layout(s_hi, A_T), kT, gl.convert_layout(s_lo, A_T), kT, zt, False)
+            # S^T K^T from S^T in 16 bits, which is also the output partition's copy of the state
+            s16 = St.to(dt)
+            s_op = gl.convert_layout(s16, A_T)
+            ks = warpgroup_mma(s_op, kb.permute((1, 0)), zt, use_acc=False, is_async=True)
+            hs.index(buf).store(s16)
 
             # V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)
             vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
-            r_hi, r_lo = _split_operand(vt - ks * gl.expand_dims(_gate_cols(gb, 1, MT), 0), A_T, dt)
-            t_hi = t_st.index(2 * buf).permute((1, 0))
-            t_lo = t_st.index(2 * buf + 1).permute((1, 0))
-            Vn = _mma3(r_hi, t_hi, r_lo, t_hi, r_hi, t_lo, zt, False)
-            v_hi = Vn.to(dt)
-            hv.index(2 * buf).store(v_hi)
-            hv.index(2 * buf + 1).store((Vn - v_hi.to(gl.float32)).to(dt))
+            gk = gl.expand_dims(_gate_cols(gb, 1, MT), 0)
+            ks, s_op = warpgroup_mma_wait(0, deps=[ks, s_op])
+            r_op = gl.convert_layout((vt - ks * gk).to(dt), A_T)
+            Vn = warpgroup_mma(r_op, t_st.index(buf).permute((1, 0)), zt, use_acc=False)
+            hv.index(buf).store(Vn.to(dt))
             fence_async_shared()
             gl.thread_barrier()  # every thread's stores fenced before the one arrival
             mbarrier.arrive(hand.index(buf), count=1)
 
             # S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
-            u_hi, u_lo = _split_operand(Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0), A_S, dt)
+            u_op = gl.convert_layout((Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0)).to(dt), A_S)
             decay = gl.max(_gate_cols(gb, 6, MT), axis=0)  # e^{b_last}, in every column of row 6
-            St = _mma2(u_hi, kb, u_lo, kb, St * decay, True)
+            St = warpgroup_mma(u_op, kb, St * decay, use_acc=True)
         if STORE_HT:
             ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
             gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
@@ -153,15 +147,13 @@ if _IMPORT_ERROR is None:
             b_j = _gate_cols(gb, 0, MO)
             decay = gl.exp(gl.where(causal, gl.expand_dims(b_i, 1) - gl.expand_dims(b_j, 0), float("-inf")))
             decay = decay * gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
-            p_hi, p_lo = _split_operand(warpgroup_mma_wait(0, deps=[qk]) * decay, A_O, dt)
+            p_op = gl.convert_layout((warpgroup_mma_wait(0, deps=[qk]) * decay).to(dt), A_O)
             mbarrier.wait(hand.index(buf), (n // 2) & 1)
-            s_hi = hs.index(2 * buf).permute((1, 0))  # [K, BV]
-            s_lo = hs.index(2 * buf + 1).permute((1, 0))
-            out = _mma2_shared(qb, s_hi, s_lo, zo, False)
-            out = out * gl.expand_dims(_gate_rows(gb, 3, MO), 1)
-            v_hi = hv.index(2 * buf).permute((1, 0))  # [C, BV]
-            v_lo = hv.index(2 * buf + 1).permute((1, 0))
-            out = _mma3(p_hi, v_hi, p_lo, v_hi, p_hi, v_lo, out, True)
+            # Q S and P V' in two accumulators, both in flight at once (Q S is scaled by rows before the sum)
+            qs = warpgroup_mma(qb, hs.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
+            pv = warpgroup_mma(p_op, hv.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
+            qs, pv, p_op = warpgroup_mma_wait(0, deps=[qs, pv, p_op])
+            out = qs * gl.expand_dims(_gate_rows(gb, 3, MO), 1) + pv
             gl.thread_barrier()  # every warp is past its reads of the slot and the hand-over
             mbarrier.arrive(done.index(buf), count=1)
 
@@ -188,7 +180,7 @@ if _IMPORT_ERROR is None:
     ):
         """Grid (V / BV, sequences x HV); launched with 4 warps, the output partition adds 4 more. Descriptors
         (`_descriptors`): q, k over [Ttot, H * K]; v, o over [Ttot, HV * V]; T over the solve's Tbuf as
-        [slots * 2 * C, C] (hi, lo); gates over Gbuf as [slots * R, C]. o: [Ttot, HV, V] (the masked stores);
+        [slots * C, C]; gates over Gbuf as [slots * R, C]. o: [Ttot, HV, V] (the masked stores);
         h0, ht: [N, HV, K, V] fp32; cu, chunk_off: [N + 1] int32. POOL: h0 and ht are one state pool
         [P, HV, K, V] and sequence n reads and writes its row rows[n] (int32 [N]); each program touches only its
         own [K, BV] slice of that row, read first and written last, so the update in place is safe."""
@@ -202,10 +194,10 @@ if _IMPORT_ERROR is None:
         q_st = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
         k_st = gl.allocate_shared_memory(dt, [2, C, K], k_desc.layout)
         v_st = gl.allocate_shared_memory(dt, [2, C, BV], v_desc.layout)
-        t_st = gl.allocate_shared_memory(dt, [4, C, C], t_desc.layout)  # T hi, lo of two chunks
+        t_st = gl.allocate_shared_memory(dt, [2, C, C], t_desc.layout)
         g_st = gl.allocate_shared_memory(gl.float32, [2, R, C], g_desc.layout)
-        hs = gl.allocate_shared_memory(dt, [4, BV, K], SL_S)  # S^T hi, lo of two chunks
-        hv = gl.allocate_shared_memory(dt, [4, BV, C], SL_V)  # V'^T hi, lo of two chunks
+        hs = gl.allocate_shared_memory(dt, [2, BV, K], SL_S)  # S^T of two chunks
+        hv = gl.allocate_shared_memory(dt, [2, BV, C], SL_V)  # V'^T of two chunks
         o_st = gl.allocate_shared_memory(dt, [C, BV], o_desc.layout)
         ld = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         hand = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -238,7 +230,7 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 def _descriptors(q, k, v, o, Tbuf, Gbuf, BV: int) -> tuple:
     """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v and o as [Ttot, HV * V] in
-    [CHUNK, BV] boxes, T (hi, lo) as [slots * 2 * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
+    [CHUNK, BV] boxes, T as [slots * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
     K, V = q.shape[-1], v.shape[-1]
 
     def desc(x2, rows, cols):

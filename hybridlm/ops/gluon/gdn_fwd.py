@@ -2,8 +2,8 @@
 block. What `impl="auto"` runs for inference on sm_90 (bf16/fp16, K 64 or 128, V 64 to 256); training keeps the
 Triton forward, whose chunk states the Triton backward reads.
 
-Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T diag(beta) as 16-bit hi + lo, and the
-per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
+Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T diag(beta) in the inputs' 16-bit dtype,
+and the per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
 the state in registers for the whole sequence, the output products in a second warpgroup). The math of each is in
 its file's docstring; measured times and what was tried are in docs/kernels.md ("Fused forward in Gluon").
 Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
@@ -149,7 +149,7 @@ class Launches(NamedTuple):
     chain: Callable[[], None]
     o: torch.Tensor
     ht: torch.Tensor | None
-    buffers: tuple[torch.Tensor, torch.Tensor]  # (T hi + lo, gate rows): what the solve writes and the chain reads
+    buffers: tuple[torch.Tensor, torch.Tensor]  # (T, gate rows): what the solve writes and the chain reads
     programs: tuple[int, int]  # (solve, chain)
 
 
@@ -186,7 +186,7 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
         h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
         rows = cu  # never read: POOL is compiled out
     slots = max(total, 1) * HV
-    Tbuf = torch.empty(slots, 2, CHUNK, CHUNK, dtype=q.dtype, device=dev)
+    Tbuf = torch.empty(slots, CHUNK, CHUNK, dtype=q.dtype, device=dev)
     Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
     dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
     states = (h0 if h0 is not None else dummy, ht if ht is not None else dummy)

@@ -1,6 +1,5 @@
 """What the Gluon kernels share: the import of Triton's Gluon API (absent from older Tritons: `gluon_available`)
-and small device helpers (a warpgroup MMA, row copies and norms, fp32 values split into 16-bit hi + lo, what a
-chain program works on).
+and small device helpers (a warpgroup MMA, row copies and norms, what a chain program works on).
 """
 
 from __future__ import annotations
@@ -43,29 +42,6 @@ if _IMPORT_ERROR is None:
         return warpgroup_mma(a_smem, b_smem, acc, use_acc=USE_ACC)
 
     @gluon.jit
-    def _mma2(a1, b1, a2, b2, acc, USE_ACC: gl.constexpr):
-        """acc (+)= a1 @ b1 + a2 @ b2: both issued before one wait (a chained pair pays one round trip, not two).
-        a1, a2 are register operands, kept alive until the products are done; b1, b2 in shared memory."""
-        acc = warpgroup_mma(a1, b1, acc, use_acc=USE_ACC, is_async=True)
-        acc = warpgroup_mma(a2, b2, acc, is_async=True)
-        return warpgroup_mma_wait(0, deps=[acc, a1, a2])[0]
-
-    @gluon.jit
-    def _mma3(a1, b1, a2, b2, a3, b3, acc, USE_ACC: gl.constexpr):
-        """acc (+)= a1 @ b1 + a2 @ b2 + a3 @ b3, as `_mma2`."""
-        acc = warpgroup_mma(a1, b1, acc, use_acc=USE_ACC, is_async=True)
-        acc = warpgroup_mma(a2, b2, acc, is_async=True)
-        acc = warpgroup_mma(a3, b3, acc, is_async=True)
-        return warpgroup_mma_wait(0, deps=[acc, a1, a2, a3])[0]
-
-    @gluon.jit
-    def _mma2_shared(a, b1, b2, acc, USE_ACC: gl.constexpr):
-        """acc (+)= a @ b1 + a @ b2 with every operand in shared memory, as `_mma2`."""
-        acc = warpgroup_mma(a, b1, acc, use_acc=USE_ACC, is_async=True)
-        acc = warpgroup_mma(a, b2, acc, is_async=True)
-        return warpgroup_mma_wait(0, deps=[acc])
-
-    @gluon.jit
     def _issue_rows(x, x_smem, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr):
         """Asynchronous copies of rows c0.. c0 + C of one head of x ([Ttot, H, K]) into x_smem [C, K]; rows past
         the sequence are zero-filled. One copy of the whole tile: copies into slices of one buffer would each be
@@ -84,13 +60,6 @@ if _IMPORT_ERROR is None:
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         xr = x_smem.load(LR).to(gl.float32)
         nrm_smem.store(gl.sum(xr * xr, axis=1))
-
-    @gluon.jit
-    def _split_operand(x, A_LAYOUT: gl.constexpr, dt: gl.constexpr):
-        """x (fp32 registers) as 16-bit hi + lo, each a register A operand of layout A_LAYOUT."""
-        hi = x.to(dt)
-        lo = (x - hi.to(gl.float32)).to(dt)
-        return gl.convert_layout(hi, A_LAYOUT), gl.convert_layout(lo, A_LAYOUT)
 
     @gluon.jit
     def _chain_program(cu, chunk_off, rows, H, HV, POOL: gl.constexpr):

@@ -108,8 +108,8 @@ if _IMPORT_ERROR is None:
         K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
     ):
         """T diag(beta) and the gate rows of every chunk, in parallel: grid (most chunks of a sequence, sequences x
-        HV). Chunk c of sequence n and value head hv is slot (chunk_off[n] + c) * HV + hv: Tbuf [slots, 2, C, C]
-        (hi, lo in q's dtype), Gbuf [slots, R, C] fp32 (R = GATE_ROWS). q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens
+        HV). Chunk c of sequence n and value head hv is slot (chunk_off[n] + c) * HV + hv: Tbuf [slots, C, C]
+        (q's dtype), Gbuf [slots, R, C] fp32 (R = GATE_ROWS). q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens
         past the sequence get g = beta = 0 (unit rows of T, zero weight in the chain)."""
         i_c0 = gl.program_id(0)
         i_nh = gl.program_id(1)
@@ -175,9 +175,7 @@ if _IMPORT_ERROR is None:
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
-            t_hi = T.to(Tbuf.dtype.element_ty)
-            gl.store(Tbuf + slot * 2 * C * C + p_t, t_hi)
-            gl.store(Tbuf + slot * 2 * C * C + C * C + p_t, (T - t_hi.to(gl.float32)).to(Tbuf.dtype.element_ty))
+            gl.store(Tbuf + slot * C * C + p_t, T.to(Tbuf.dtype.element_ty))
             gam = gl.exp(b_r)
             rows = Gbuf + slot * R * C + i_c
             gl.store(rows, b_r)
