@@ -17,7 +17,7 @@ from __future__ import annotations
 from .parts import _IMPORT_ERROR, _issue_rows, _row_norms, gl, gluon
 
 if _IMPORT_ERROR is None:
-    from .parts import _mma, async_copy, fence_async_shared
+    from .parts import _mma, async_copy, fence_async_shared, warpgroup_mma
 
 # rows of a chunk's gate block [GATE_ROWS, C] fp32 (rk, rq: the l2-norm factors, rq with the scale; b as above):
 #   0 b     1 e^b rk     2 e^{b_last - b} rk     3 e^b rq     4 rq     5 rk     6 e^{b_last} (every column)
@@ -28,27 +28,27 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _diag_inverse(a_smem, d3_smem, C: gl.constexpr):
         """Td = (I + D)^{-1} for the four diagonal [16, 16] blocks D of the strictly lower A in `a_smem` (plain
-        [C, C] fp32), by forward substitution in fp32: row s of every block at once, 15 steps. Returns Td as
-        [4, 16, 16] (block, row, column) in a layout with one warp per block, so every reduction stays in a warp."""
-        L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        [C, C] fp32), by forward substitution in fp32. A thread holds one column c of one block's inverse
+        (x[blk, c, r] = Td[blk][r, c]) and, at step s, reads row s of its block's D (the same for the block's 16
+        threads: one broadcast read), so every sum stays inside the thread. Returns Td as [4, 16, 16] (block, row,
+        column)."""
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        # threads: 2 blocks x 16 columns a warp, 2 warps cover the 4 blocks; the other 2 warps repeat them
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [2, 2, 1], [2, 1, 0])
         for blk in gl.static_range(4):
             d = a_smem.slice(16 * blk, 16, dim=0).slice(16 * blk, 16, dim=1).load(L16)
-            d3_smem.slice(16 * blk, 16, dim=0).store(gl.permute(d, (1, 0)))  # Dt[blk, j, i] = A_blk[i, j]
+            d3_smem.slice(16 * blk, 16, dim=0).store(d)  # D[blk, s, j]
         gl.thread_barrier()
-        Dt = d3_smem.reshape([4, 16, 16]).load(L3)
-        ax1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        ax2 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        r3 = gl.expand_dims(gl.expand_dims(ax1, 0), 2)  # [1, 16, 1]
-        c3 = gl.expand_dims(gl.expand_dims(ax2, 0), 1)  # [1, 1, 16]
-        zero = gl.zeros([4, 16, 16], gl.float32, L3)
-        eye = gl.where(r3 == c3, 1.0, 0.0) + zero
-        Td = eye
+        D3 = d3_smem.reshape([4, 16, 16])
+        c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX))), 0), 2)
+        r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX))), 0), 1)
+        eye = gl.where(r3 == c3, 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, LX)
+        x = eye
         for s in gl.static_range(1, 16):
-            a = gl.sum(gl.where(c3 == s, Dt, 0.0), axis=2)  # [4, 16 (j)]: A[s, j] of every block
-            row = gl.sum(gl.expand_dims(a, 2) * Td, axis=1)  # [4, 16 (c)]: sum_j A[s, j] Td[j, c]
-            Td = gl.where(r3 == s, eye - gl.expand_dims(row, 1), Td)
-        return Td
+            row = gl.sum(D3.slice(s, 1, dim=1).load(LX) * x, axis=2)  # [4, 16 (c)]: sum_j D[s, j] x[c, j]
+            x = gl.where(r3 == s, eye - gl.expand_dims(row, 2), x)
+        gl.thread_barrier()  # every read of D done before the caller overwrites d3_smem
+        return gl.permute(x, (0, 2, 1))
 
     @gluon.jit
     def _block_diag(Td, d3_smem, plain_smem, C: gl.constexpr, LAYOUT: gl.constexpr):
@@ -64,31 +64,29 @@ if _IMPORT_ERROR is None:
         return plain_smem.load(LAYOUT)
 
     @gluon.jit
-    def _t_matrix(A, plain, d3, m_row, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+    def _t_matrix(A, plain, d3, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
         """T = (I + A)^{-1} = (I - N)(I + N^2) Td for the strictly lower A [C, C] (fp32, layout MC): Td the exact
-        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products
-        through two [C, C] fp32 staging buffers, m_row (left operands) and m_t (right ones, transposed); plain and
-        d3 are the solve's."""
+        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products,
+        left operands from registers, right ones through one [C, C] fp32 buffer m_t; plain and d3 are the
+        solve's."""
+        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MC, k_width=1)
         zc = gl.zeros([C, C], gl.float32, MC)
         plain.store(A)
         Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
-        m_row.store(Td)
         block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
         m_t.store(gl.where(block_lower, A, 0.0))
         fence_async_shared()
-        N = _mma(m_row, m_t, zc, False)
-        m_row.store(N)
+        N = warpgroup_mma(gl.convert_layout(Td, A_OP), m_t, zc, use_acc=False)
+        n_op = gl.convert_layout(N, A_OP)
         m_t.store(N)
         fence_async_shared()
-        N2 = _mma(m_row, m_t, zc, False)
-        m_row.store(N2)
+        N2 = warpgroup_mma(n_op, m_t, zc, use_acc=False)
         m_t.store(Td)
         fence_async_shared()
-        P1 = _mma(m_row, m_t, Td, True)  # (I + N^2) Td
-        m_row.store(N)
+        P1 = warpgroup_mma(gl.convert_layout(N2, A_OP), m_t, Td, use_acc=True)  # (I + N^2) Td
         m_t.store(P1)
         fence_async_shared()
-        return P1 - _mma(m_row, m_t, zc, False)
+        return P1 - warpgroup_mma(n_op, m_t, zc, use_acc=False)
 
     @gluon.jit
     def _q_norms(q, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr):
@@ -127,14 +125,12 @@ if _IMPORT_ERROR is None:
                                                            instr_shape=[16, C, 16])
             ROW_C: gl.constexpr = gl.SliceLayout(1, MC)
             COL_C: gl.constexpr = gl.SliceLayout(0, MC)
-            SL_ROW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
             SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
                                                       transposed=True)
             SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
             PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
-            m_row = gl.allocate_shared_memory(gl.float32, [C, C], SL_ROW)
             m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
             plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
             d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
@@ -171,7 +167,7 @@ if _IMPORT_ERROR is None:
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
-            T = _t_matrix(A, plain, d3, m_row, m_t1, i_c, j_c, C, MC)
+            T = _t_matrix(A, plain, d3, m_t1, i_c, j_c, C, MC)
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
