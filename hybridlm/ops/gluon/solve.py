@@ -4,10 +4,10 @@ With b the in-chunk cumulative log-decay (docs/math.md),
     A = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}
 Kn Kn^T is one 16-bit product of the raw keys (exact); the l2 norms, beta and the decays enter as fp32 row and column
 scales. The four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward substitution
-(one warp a block); with Td that block-diagonal inverse and L the strictly block-lower part of A, N = Td L is
-nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products.
+(a thread a column of a block); with Td that block-diagonal inverse and L the strictly block-lower part of A,
+N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products (left operands in registers).
 
-Non-standard: besides T diag(beta) (16-bit hi + lo, the chain's register-operand products read it) the solve writes
+Non-standard: besides T diag(beta) (rounded to the inputs' 16-bit dtype: the chain's operand) the solve writes
 every per-token scale the chain needs, already multiplied out (`GATE_ROWS`), so the chain reads them with its chunk
 by TMA and computes no norm and no exponential of a vector on its serial path.
 """
