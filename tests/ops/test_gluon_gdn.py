@@ -176,12 +176,14 @@ def _state_path_clocks():
 
 
 def _stage_rows(B, T, H, D, gen, fla_gdn):
-    """Print the forward ms of ours (Triton), fla and the Gluon forward at one shape (bf16, l2norm in the kernel),
+    """Print the forward ms of ours (Triton), fla (also its kernels' summed CUDA time, which leaves out its host
+    time) and the Gluon forward at one shape (bf16, l2norm in the kernel),
     then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW (each tensor
     counted once), and for the chain a serial floor = chunks x the state path's MMA clocks / CLOCK (one wave)."""
     import triton.testing
     from torch.nn.functional import logsigmoid
 
+    from hybridlm.bench.kernels import _gpu_ms
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")  # noqa: E731
@@ -206,11 +208,15 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         times = {"ours (Triton)": bench(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
                                                                        use_qk_l2norm=True)[0])}
         if fla_gdn is not None:
-            times["fla"] = bench(lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0])
-        times["gluon (both launches)"] = bench(lambda: gdn_fwd.gated_delta_rule_fwd(
+            fla_fwd = lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # noqa: E731
+            times["fla"] = bench(fla_fwd)
+            times["fla GPU (summed kernel time)"] = _gpu_ms(fla_fwd, steps=20)
+        times["gluon forward"] = bench(lambda: gdn_fwd.gated_delta_rule_fwd(
             q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0])
         for name, ms in times.items():
             print(f"  {name}: {ms:.3f} ms", flush=True)
+        if "fla" in times:
+            print(f"  fla GPU / gluon forward: {times['fla GPU (summed kernel time)'] / times['gluon forward']:.2f}")
         print(f"  gluon rel vs ours: {rel:.1e}")
         Tbuf, Gbuf = launch.buffers
         solve_mb = nb(q) + nb(k) + nb(g) + nb(beta) + nb(Tbuf) + nb(Gbuf)
@@ -225,8 +231,8 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         print(f"| chain | {launch.programs[1]} ({waves} wave{'s' * (waves > 1)}) | {chain_ms:.3f} "
               f"| {chain_mb / 1e6:.0f} | {1e3 * chain_mb / COPY_BW:.3f} | {serial:.3f} "
               f"| {1e3 * chain_ms / (waves * chunks):.2f} |")
-        gap = times["gluon (both launches)"] - solve_ms - chain_ms
-        print(f"| host prep and gaps (both launches - solve - chain) | - | {gap:.3f} | - | - | - | - |", flush=True)
+        gap = times["gluon forward"] - solve_ms - chain_ms
+        print(f"| host prep and gaps (forward - solve - chain) | - | {gap:.3f} | - | - | - | - |", flush=True)
 
 
 def _stage_table():
