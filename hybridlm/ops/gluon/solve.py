@@ -131,7 +131,7 @@ if _IMPORT_ERROR is None:
             PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
-            m_t1 = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+            m_t = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
             plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
             d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
             nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
@@ -167,7 +167,7 @@ if _IMPORT_ERROR is None:
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
-            T = _t_matrix(A, plain, d3, m_t1, i_c, j_c, C, MC)
+            T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC)
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
