@@ -6,6 +6,9 @@ Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T di
 and the per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
 the state in registers for the whole sequence, the output products in a second warpgroup). The math of each is in
 its file's docstring; measured times and what was tried are in docs/kernels.md ("Fused forward in Gluon").
+Non-standard: one long sequence (a single sequence whose chains would fill at most half the multiprocessors) runs
+in segments, the chain of each on a high-priority stream beside the solve of the next (`_segments`), so the
+solves use the multiprocessors the chains leave idle.
 Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
 kernels).
 """
@@ -13,6 +16,7 @@ kernels).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -133,30 +137,32 @@ def gated_delta_rule_fwd(
     launch = forward_launches(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                               use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices)
-    launch.solve()
-    launch.chain()
+    launch.run()
     if state_pool is not None and output_final_state:
         return launch.o, state_pool.index_select(0, state_indices.long())
     return launch.o, launch.ht
 
 
 class Launches(NamedTuple):
-    """The forward's two launches, bound to their buffers: `solve()` writes T and the gate rows of every chunk,
-    `chain()` reads them and writes o (and ht); the chain needs the solve's output, and either may be rerun alone
-    (timing)."""
+    """The forward's launches, bound to their buffers: `run()` is the forward; `solve()` writes T and the gate rows
+    of every chunk and `chain()` reads them and writes o (and ht), each alone (timing; the chain needs the solve's
+    output). A single long sequence runs in segments (`SEGMENT`) so that the solve of one segment overlaps the
+    chain of the one before (`_segments`)."""
 
+    run: Callable[[], None]
     solve: Callable[[], None]
     chain: Callable[[], None]
     o: torch.Tensor
     ht: torch.Tensor | None
     buffers: tuple[torch.Tensor, torch.Tensor]  # (T, gate rows): what the solve writes and the chain reads
-    programs: tuple[int, int]  # (solve, chain)
+    programs: tuple[int, int]  # (solve, chain) of the whole forward
+    segments: int  # launches of each kernel
 
 
 def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, use_qk_l2norm=False, state_pool=None, state_indices=None) -> Launches:
     """Check the inputs of `gated_delta_rule_fwd` (same arguments), allocate o, ht and the solve's buffers and bind
-    the two launches without running them."""
+    the launches without running them."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
     B, T, H, K = q.shape
@@ -166,12 +172,12 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     if cu_seqlens is None:  # equal lengths: the chunk offsets follow without reading anything back
         most = -(-T // CHUNK)
         cu, chunk_off = _equal_offsets(B, T, most, dev)
-        total = B * most
+        total, bounds = B * most, (0, T)
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        nch = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
-        chunk_off = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
-        host = nch.tolist()  # the grid needs the longest sequence: one host sync
+        bounds = cu.tolist()  # the grid needs the longest sequence: one host sync
+        host = [-(-(e - b) // CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
+        chunk_off = torch.tensor([0, *itertools.accumulate(host)], dtype=torch.int32, device=dev)
         most, total = max(host, default=0), sum(host)
     N = cu.numel() - 1
     qc, kc, vc = (x.contiguous() for x in (q, k, v))
@@ -188,20 +194,128 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     slots = max(total, 1) * HV
     Tbuf = torch.empty(slots, CHUNK, CHUNK, dtype=q.dtype, device=dev)
     Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
-    dummy = o  # never read: the HAS_H0 / STORE_HT branches are compiled out
-    states = (h0 if h0 is not None else dummy, ht if ht is not None else dummy)
-    solve_grid, chain_grid = (most, N * HV), (V // BV, N * HV)
+
     descs = _descriptors(qc, kc, vc, o, Tbuf, Gbuf, BV)
 
+    def solve_launch(cu_, off_, chunks):
+        def launch():
+            if chunks > 0:
+                _gdn_solve_kernel[(chunks, N * HV)](qc, kc, gc, bc, Tbuf, Gbuf, cu_, off_, float(scale), H, HV, K=K,
+                                                    C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm),
+                                                    num_warps=NUM_WARPS)
+        return launch
+
+    def chain_launch(cu_, off_, h0_, ht_, pool_):
+        states = (h0_ if h0_ is not None else o, ht_ if ht_ is not None else o)  # o: never read (compiled out)
+
+        def launch():
+            _gdn_chain_kernel[(V // BV, N * HV)](
+                *descs, o, *states, rows, cu_, off_, H, HV, K=K, V=V, BV=BV,
+                C=CHUNK, R=GATE_ROWS, HAS_H0=h0_ is not None, STORE_HT=ht_ is not None, POOL=pool_,
+                num_warps=NUM_WARPS)
+        return launch
+
+    programs = (most * N * HV, (V // BV) * N * HV)
+    cuts = _segments(N, bounds[0], bounds[-1], programs[1], dev)
+    if cuts is None:
+        solve, chain = solve_launch(cu, chunk_off, most), chain_launch(cu, chunk_off, h0, ht, pool)
+
+        def run():
+            solve()
+            chain()
+
+        # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
+        return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, 1)
+    # one sequence in segments: the state passes from one chain launch to the next through two fp32 buffers; a
+    # pool row is read into the first and written back from the last on the device (no host sync)
+    tmp = torch.empty(2, 1, HV, K, V, dtype=torch.float32, device=dev)
+    solves, chains = [], []
+    for i, (cu_i, off_i, chunks) in enumerate(cuts):
+        solves.append(solve_launch(cu_i, off_i, chunks))
+        if i > 0:
+            h0_i = tmp[(i - 1) % 2]
+        else:
+            h0_i = state_pool.index_select(0, state_indices.long()) if pool else h0
+        ht_i = ht if i == len(cuts) - 1 and not pool else tmp[i % 2]
+        chains.append(chain_launch(cu_i, off_i, h0_i, ht_i, False))
+    final = tmp[(len(cuts) - 1) % 2]
+
     def solve():
-        if most > 0:
-            _gdn_solve_kernel[solve_grid](qc, kc, gc, bc, Tbuf, Gbuf, cu, chunk_off, float(scale), H, HV, K=K,
-                                          C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm), num_warps=NUM_WARPS)
+        for launch in solves:
+            launch()
 
     def chain():
-        _gdn_chain_kernel[chain_grid](*descs, o, *states, rows, cu, chunk_off, H, HV, K=K, V=V, BV=BV, C=CHUNK,
-                                      R=GATE_ROWS, HAS_H0=h0 is not None, STORE_HT=ht is not None, POOL=pool,
-                                      num_warps=NUM_WARPS)
+        for launch in chains:
+            launch()
+        if pool:
+            state_pool.index_copy_(0, state_indices.long(), final)
 
-    # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
-    return Launches(solve, chain, o, None if pool else ht, (Tbuf, Gbuf), (most * N * HV, (V // BV) * N * HV))
+    def run():
+        _overlapped(solves, chains, dev)
+        if pool:
+            state_pool.index_copy_(0, state_indices.long(), final)
+
+    return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, len(cuts))
+
+
+SEGMENT = 6144  # tokens a segment when one long sequence runs in segments (a multiple of CHUNK)
+
+
+def _segments(N: int, bos: int, eos: int, chain_programs: int, dev: torch.device) -> list | None:
+    """The segments of one long sequence as (cu, chunk offsets, chunks) per launch, or None to run in one launch
+    each. A single sequence's chain has few programs (value blocks x heads) and leaves most multiprocessors idle;
+    in segments, the chain of segment i runs on a high-priority stream beside the solve of segment i + 1 on the
+    idle ones. Only then: N = 1, chain programs on at most half the multiprocessors, two segments or more."""
+    if N != 1 or eos - bos < 2 * SEGMENT or 2 * chain_programs > _multiprocessors(dev):
+        return None
+    return _segment_offsets(bos, eos, SEGMENT, dev)
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_offsets(bos: int, eos: int, segment: int, dev: torch.device) -> list:
+    """(cu [2], chunk offsets [2], chunks) int32 on the device for each segment of tokens bos..eos; cached, as
+    `_equal_offsets`. The first and the last segment are a quarter of `segment` long: the first solve runs before
+    any chain and the last chain after every solve, so short ends leave less of either alone on the GPU. Every
+    segment starts on a chunk boundary of the sequence."""
+    edge = segment // 4
+    tail = bos + (eos - bos - edge) // CHUNK * CHUNK
+    mid = tail - bos - edge
+    step = -(-mid // -(-mid // segment) // CHUNK) * CHUNK  # the middle in equal pieces of at most `segment`
+    starts = [bos, *range(bos + edge, tail, step), tail, eos]
+    cuts = []
+    for t0, t1 in zip(starts[:-1], starts[1:]):
+        c0 = (t0 - bos) // CHUNK
+        chunks = -(-(t1 - t0) // CHUNK)
+        off = torch.tensor([t0, t1, c0, c0 + chunks], dtype=torch.int32, device=dev)
+        cuts.append((off[:2], off[2:], chunks))
+    return cuts
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _chain_stream(dev: torch.device) -> torch.cuda.Stream:
+    """The stream the segments' chains run on: the highest priority, so that a chain's programs take the
+    multiprocessors that free up before the next solve's do."""
+    return torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[1])
+
+
+def _overlapped(solves: list, chains: list, dev: torch.device) -> None:
+    """Every solve on the current stream, each followed by an event; then, on the chain stream (one switch: a
+    stream switch costs the host more than a launch), chain i after event i. The current stream waits for the
+    last chain; every buffer is allocated on the current stream, which only goes on after the chains are done
+    with them."""
+    cur = torch.cuda.current_stream(dev)
+    side = _chain_stream(dev)
+    marks = []
+    for solve in solves:
+        solve()
+        marks.append(cur.record_event())
+    with torch.cuda.stream(side):
+        for chain, mark in zip(chains, marks):
+            side.wait_event(mark)
+            chain()
+    cur.wait_stream(side)
