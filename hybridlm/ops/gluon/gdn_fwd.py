@@ -35,6 +35,7 @@ if _IMPORT_ERROR is None:  # the kernels, named here for the callers and the com
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV = 64  # value block of a chain program: one warpgroup's M (the transposed state's rows)
 NUM_WARPS = 4  # one warpgroup (the chain's output partition adds another)
+SOLVE_REGS = 128  # registers a solve thread (fp16 products): four programs a multiprocessor, no spills
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
 # the state S^T [64, K] fp32 lives in registers (K = 256 would need twice what a thread has); V only sets the number
 # of value blocks
@@ -202,7 +203,7 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
             if chunks > 0:
                 _gdn_solve_kernel[(chunks, N * HV)](qc, kc, gc, bc, Tbuf, Gbuf, cu_, off_, float(scale), H, HV, K=K,
                                                     C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm),
-                                                    num_warps=NUM_WARPS)
+                                                    num_warps=NUM_WARPS, maxnreg=SOLVE_REGS if use_qk_l2norm else None)
         return launch
 
     def chain_launch(cu_, off_, h0_, ht_, pool_):

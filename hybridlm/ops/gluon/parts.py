@@ -1,5 +1,5 @@
 """What the Gluon kernels share: the import of Triton's Gluon API (absent from older Tritons: `gluon_available`)
-and small device helpers (a warpgroup MMA, row copies and norms, what a chain program works on).
+and small device helpers (a warpgroup MMA, row copies, what a chain program works on).
 """
 
 from __future__ import annotations
@@ -52,14 +52,6 @@ if _IMPORT_ERROR is None:
         x_chunk = x + ((bos + c0).to(gl.int64) * H + i_h) * K
         p = gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0)
         async_copy.async_copy_global_to_shared(x_smem, x_chunk + p, mask=gl.expand_dims(c0 + t < seq_len, 1))
-
-    @gluon.jit
-    def _row_norms(x_smem, nrm_smem, K: gl.constexpr, C: gl.constexpr):
-        """Squared norms of the C rows of x_smem [C, K] (16-bit) into nrm_smem [C] fp32, in one pass (stores to
-        slices of one buffer would each wait on a barrier)."""
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        xr = x_smem.load(LR).to(gl.float32)
-        nrm_smem.store(gl.sum(xr * xr, axis=1))
 
     @gluon.jit
     def _chain_program(cu, chunk_off, rows, H, HV, POOL: gl.constexpr):

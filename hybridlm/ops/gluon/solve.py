@@ -3,9 +3,13 @@
 With b the in-chunk cumulative log-decay (docs/math.md),
     A = strict_lower(diag(beta) Kn Kn^T * e^{b_i - b_j}),  T = (I + A)^{-1}
 Kn Kn^T is one 16-bit product of the raw keys (exact); the l2 norms, beta and the decays enter as fp32 row and column
-scales. The four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward substitution
-(a thread a column of a block); with Td that block-diagonal inverse and L the strictly block-lower part of A,
-N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four tf32 64x64 products (left operands in registers).
+scales, the squared norms read off the diagonals of K K^T and Q Q^T (one more product instead of a pass over q and k
+in registers). The four diagonal [16, 16] blocks of I + A are inverted exactly in fp32 registers by forward
+substitution (a thread a column of a block); with Td that block-diagonal inverse and L the strictly block-lower part
+of A, N = Td L is nilpotent (N^4 = 0), so T = (I - N)(I + N^2) Td: four 64x64 products, left operands in registers,
+fp32 accumulation. Their operands are fp16 when the kernel normalises the keys (|A| <= beta bounds every factor; fp16
+has tf32's mantissa, and a 16-bit accumulator is its own left operand, so no layout conversion goes through shared
+memory), tf32 otherwise (raw keys bound nothing).
 
 Non-standard: besides T diag(beta) (rounded to the inputs' 16-bit dtype: the chain's operand) the solve writes
 every per-token scale the chain needs, already multiplied out (`GATE_ROWS`), so the chain reads them with its chunk
@@ -14,7 +18,7 @@ by TMA and computes no norm and no exponential of a vector on its serial path.
 
 from __future__ import annotations
 
-from .parts import _IMPORT_ERROR, _issue_rows, _row_norms, gl, gluon
+from .parts import _IMPORT_ERROR, _issue_rows, gl, gluon
 
 if _IMPORT_ERROR is None:
     from .parts import _mma, async_copy, fence_async_shared, warpgroup_mma
@@ -89,16 +93,36 @@ if _IMPORT_ERROR is None:
         return P1 - warpgroup_mma(n_op, m_t, zc, use_acc=False)
 
     @gluon.jit
-    def _q_norms(q, bos, c0, seq_len, i_h, H, K: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr):
-        """Squared norms of rows c0.. c0 + C of one head of q ([Ttot, H, K]) straight from global memory (zero past
-        the sequence), as a [C] vector of layout LAYOUT."""
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        t = gl.arange(0, C, layout=gl.SliceLayout(1, LR))
-        col = gl.arange(0, K, layout=gl.SliceLayout(0, LR))
-        x_chunk = q + ((bos + c0).to(gl.int64) * H + i_h) * K
-        x = gl.load(x_chunk + gl.expand_dims(t * (H * K), 1) + gl.expand_dims(col, 0),
-                    mask=gl.expand_dims(c0 + t < seq_len, 1), other=0.0).to(gl.float32)
-        return gl.convert_layout(gl.sum(x * x, axis=1), LAYOUT)
+    def _t_matrix16(A, plain, d3, m16, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+        """`_t_matrix` with fp16 operands (the same 10-bit mantissa as tf32, fp32 accumulation): the accumulator of a
+        16-bit product is its own left operand in registers, and one fp16 buffer m16 serves as every right operand,
+        so no layout goes through shared memory. Only for l2-normalised keys, where |A| <= beta keeps T, N, N^2
+        far inside fp16's range."""
+        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MC16, k_width=2)
+        zc = gl.zeros([C, C], gl.float32, MC16)
+        plain.store(A)
+        Td = gl.convert_layout(_block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC), MC16)
+        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
+        td16 = Td.to(gl.float16)
+        m16.store(gl.convert_layout(gl.where(block_lower, A, 0.0), MC16).to(gl.float16))
+        fence_async_shared()
+        N = warpgroup_mma(gl.convert_layout(td16, A_OP), m16, zc, use_acc=False)
+        n16 = N.to(gl.float16)
+        m16.store(n16)
+        fence_async_shared()
+        N2 = warpgroup_mma(gl.convert_layout(n16, A_OP), m16, zc, use_acc=False)
+        m16.store(td16)
+        fence_async_shared()
+        P1 = warpgroup_mma(gl.convert_layout(N2.to(gl.float16), A_OP), m16, Td, use_acc=True)  # (I + N^2) Td
+        m16.store(P1.to(gl.float16))
+        fence_async_shared()
+        return gl.convert_layout(P1 - warpgroup_mma(gl.convert_layout(n16, A_OP), m16, zc, use_acc=False), MC)
+
+    @gluon.jit
+    def _diagonal(x, i_c, j_c):
+        """The diagonal of a square x as a vector along its rows."""
+        return gl.sum(gl.where(gl.expand_dims(i_c, 1) == gl.expand_dims(j_c, 0), x, 0.0), axis=1)
 
     @gluon.jit
     def _gdn_solve_kernel(
@@ -128,46 +152,54 @@ if _IMPORT_ERROR is None:
             SL_T: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2,
                                                       transposed=True)
             SL_QK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], dt)
-            PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             k_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
-            m_t = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
-            plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
+            if L2:  # q is read once, by Q Q^T, before `plain` is first written: one buffer serves both
+                q_st = gl.allocate_shared_memory(dt, [C, K], SL_QK)
+                plain = q_st._reinterpret(gl.float32, [C, C], PLAIN2)
+                m_t = gl.allocate_shared_memory(gl.float16, [C, C], gl.NVMMASharedLayout.get_default_for([C, C],
+                                                                                                           gl.float16))
+            else:
+                m_t = gl.allocate_shared_memory(gl.float32, [C, C], SL_T)
+                plain = gl.allocate_shared_memory(gl.float32, [C, C], PLAIN2)
             d3 = gl.allocate_shared_memory(gl.float32, [C, 16], PLAIN2)
-            nk = gl.allocate_shared_memory(gl.float32, [C], PLAIN1)
             i_c = gl.arange(0, C, layout=ROW_C)
             j_c = gl.arange(0, C, layout=COL_C)
 
             _issue_rows(k, k_st, bos, c0, seq_len, i_h, H, K, C)
+            if L2:
+                _issue_rows(q, q_st, bos, c0, seq_len, i_h, H, K, C)
             async_copy.commit_group()
             g_c = gl.load(g + (bos + c0 + j_c).to(gl.int64) * HV + i_hv, mask=c0 + j_c < seq_len,
                           other=0.0).to(gl.float32)
             bi = gl.load(beta + (bos + c0 + i_c).to(gl.int64) * HV + i_hv, mask=c0 + i_c < seq_len,
                          other=0.0).to(gl.float32)
-            if L2:
-                rq = gl.rsqrt(_q_norms(q, bos, c0, seq_len, i_h, H, K, C, ROW_C) + 1e-6) * scale
-            else:
-                rq = gl.full([C], 1.0, gl.float32, ROW_C) * scale
             async_copy.wait_group(0)
             gl.thread_barrier()
-            if L2:
-                _row_norms(k_st, nk, K, C)
-                rk_r = gl.rsqrt(nk.load(ROW_C) + 1e-6)
-                rk_c = gl.rsqrt(nk.load(COL_C) + 1e-6)
-            else:
-                rk_r = gl.full([C], 1.0, gl.float32, ROW_C)
-                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
             causal = gl.expand_dims(i_c, 1) >= gl.expand_dims(j_c, 0)
             b_r = gl.sum(gl.where(causal, gl.expand_dims(g_c, 0), 0.0), axis=1)
             b_c = gl.convert_layout(b_r, COL_C)
             b_last = gl.sum(gl.where(i_c == C - 1, b_r, 0.0), axis=0)
             fence_async_shared()
             kk = gl.convert_layout(_mma(k_st, k_st.permute((1, 0)), gl.zeros([C, C], gl.float32, MC16), False), MC)
+            if L2:  # the squared norms are the diagonals of K K^T and Q Q^T
+                qq = gl.convert_layout(_mma(q_st, q_st.permute((1, 0)), gl.zeros([C, C], gl.float32, MC16), False),
+                                       MC)
+                rq = gl.rsqrt(_diagonal(qq, i_c, j_c) + 1e-6) * scale
+                rk_r = gl.rsqrt(_diagonal(kk, i_c, j_c) + 1e-6)
+                rk_c = gl.convert_layout(rk_r, COL_C)
+            else:
+                rq = gl.full([C], 1.0, gl.float32, ROW_C) * scale
+                rk_r = gl.full([C], 1.0, gl.float32, ROW_C)
+                rk_c = gl.full([C], 1.0, gl.float32, COL_C)
             lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
-            T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC)
+            if L2:
+                T = _t_matrix16(A, plain, d3, m_t, i_c, j_c, C, MC)
+            else:
+                T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC)
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
