@@ -26,7 +26,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 FP32_PTRS = ("g", "h0", "ht", "Gbuf")
-INT_PTRS = ("cu", "chunk_off", "rows")
+INT_PTRS = ("cu", "chunk_off", "rows", "flags")
 INTS = ("H", "HV")
 FP32S = ("scale",)
 
@@ -51,12 +51,13 @@ DESCS = {"q_desc": [64, 128], "k_desc": [64, 128], "v_desc": [64, 64], "t_desc":
          "g_desc": [8, 64]}
 
 
-def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True, pool: bool = False, K: int = 128):
+def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True, pool: bool = False, K: int = 128,
+                   overlap: bool = False):
     """Compile one kernel of the Gluon forward for sm_90: pointers typed by name (q, k, v, beta, o and T in the
     input dtype; g, the states and the gate rows in fp32)."""
     fn = getattr(gdn_fwd, name)
     consts = dict(K=K, V=128, BV=gdn_fwd.BV, C=gdn_fwd.CHUNK, R=gdn_fwd.GATE_ROWS, L2=l2, HAS_H0=state,
-                  STORE_HT=state, POOL=pool)
+                  STORE_HT=state, POOL=pool, FLAG=overlap, WAIT=overlap)
     sig, ptrs = {}, []
     for n in fn.arg_names:
         if n in consts:
@@ -80,18 +81,18 @@ def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-CASES = [
-    ("_gdn_solve_kernel", "bf16", True, False, False, 128),
-    ("_gdn_solve_kernel", "fp16", False, False, False, 64),
-    ("_gdn_chain_kernel", "bf16", True, True, False, 128),
-    ("_gdn_chain_kernel", "fp16", True, False, False, 64),
-    ("_gdn_chain_kernel", "bf16", True, True, True, 128),  # states read from / written to a pool's rows
+CASES = [  # name, dtype, l2, state, pool, K, overlap (the solve publishes chunk flags, the chain waits on them)
+    ("_gdn_solve_kernel", "bf16", True, False, False, 128, True),
+    ("_gdn_solve_kernel", "fp16", False, False, False, 64, False),
+    ("_gdn_chain_kernel", "bf16", True, True, False, 128, True),
+    ("_gdn_chain_kernel", "fp16", True, False, False, 64, False),
+    ("_gdn_chain_kernel", "bf16", True, True, True, 128, False),  # states read from / written to a pool's rows
 ]
 
 
-@pytest.mark.parametrize("name,dtype,l2,state,pool,K", CASES)
-def test_kernel_compiles_for_sm90(name, dtype, l2, state, pool, K):
-    k = compile_kernel(name, dtype, l2=l2, state=state, pool=pool, K=K)
+@pytest.mark.parametrize("name,dtype,l2,state,pool,K,overlap", CASES)
+def test_kernel_compiles_for_sm90(name, dtype, l2, state, pool, K, overlap):
+    k = compile_kernel(name, dtype, l2=l2, state=state, pool=pool, K=K, overlap=overlap)
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert "ttng.warp_group_dot" in k.asm["ttgir"], "expected warpgroup MMA ops in the TTGIR"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"

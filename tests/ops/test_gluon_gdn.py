@@ -149,16 +149,19 @@ def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk):
 
 
 @pytest.mark.parametrize("start", ["state", "zeros", "pool", "cu_seqlens"])
-def test_one_long_sequence_in_segments(monkeypatch, start):
-    """One sequence longer than two segments (SEGMENT lowered to 256 tokens: five launches of each kernel, the
-    chains on their own stream beside the next segment's solve) against float64 across the seams: from an initial
-    state, from zeros, from a pool row (the final state written back to that row only), or as the one sequence of
-    cu_seqlens."""
-    monkeypatch.setattr(gdn_fwd, "SEGMENT", 256)
+def test_solve_beside_the_chain(monkeypatch, start):
+    """The overlapped form (OVERLAP_TOKENS lowered to 256: the solve launched beside a chain that waits on its
+    chunk flags) against float64: from an initial state, from zeros, from a pool row (the final state written back
+    to that row only), or as two sequences of cu_seqlens."""
+    monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)
     T, HV, K, V = 900, 4, 128, 128
-    assert len(gdn_fwd._segments(1, 0, T, 2 * HV, torch.device("cuda"))) == 5
+    q = torch.zeros(1, T, 2, K, device="cuda", dtype=torch.bfloat16)
+    assert gdn_fwd.forward_launches(q, q, torch.zeros(1, T, HV, V, device="cuda", dtype=torch.bfloat16),
+                                    g=torch.zeros(1, T, HV, device="cuda"),
+                                    beta=torch.zeros(1, T, HV, device="cuda", dtype=torch.bfloat16)).overlapped
     if start != "pool":
-        _case(B=1, T=T, H=2, HV=HV, h0=start == "state", lens=[T] if start == "cu_seqlens" else None, decay="cliff")
+        _case(B=1, T=T, H=2, HV=HV, h0=start == "state", lens=[T - 333, 333] if start == "cu_seqlens" else None,
+              decay="cliff")
         return
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -259,8 +262,8 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
               f"| {chain_mb / 1e6:.0f} | {1e3 * chain_mb / COPY_BW:.3f} | {serial:.3f} "
               f"| {1e3 * chain_ms / (waves * chunks):.2f} |")
         gap = times["gluon forward"] - solve_ms - chain_ms
-        print(f"| forward - solve - chain ({launch.segments} segment{'s' * (launch.segments > 1)}; negative: "
-              f"overlapped) | - | {gap:.3f} | - | - | - | - |", flush=True)
+        print(f"| forward - solve - chain ({'solve beside the chain' if launch.overlapped else 'one after the other'})"
+              f" | - | {gap:.3f} | - | - | - | - |", flush=True)
 
 
 def _stage_table():

@@ -9,7 +9,8 @@ Non-standard here:
 - The output products run in a second warpgroup: the state path alone needs most of a thread's registers. The
   state warpgroup hands each chunk's S^T (before its update) and V'^T over in shared memory (16-bit).
 - q, k, v, T and the gate rows of the solve (`solve.GATE_ROWS`: every per-token scale, already multiplied out)
-  arrive by TMA into two slots; whole output chunks leave by TMA, a sequence's last partial chunk by masked stores.
+  arrive by TMA into two slots (issued by a one-warp partition); whole output chunks leave by TMA, a sequence's last
+  partial chunk by masked stores.
 
 Per chunk, with Kn, Qn the normalised keys and queries (scale in Qn) and gamma = e^b:
     R^T  = V^T - (S^T K^T) diag(gamma rk)              V'^T = R^T (T diag(beta))^T
@@ -18,8 +19,12 @@ Per chunk, with Kn, Qn the normalised keys and queries (scale in Qn) and gamma =
 Barriers, two of each (chunk n uses slot n % 2):
 - ld[s]: the TMA of a chunk's inputs landed; both warpgroups wait on it.
 - hand[s]: the state warpgroup stored S^T and V'^T of the chunk (fenced for the async proxy).
-- done[s]: the output warpgroup is done with the chunk's inputs and hand-over; the state warpgroup waits on it
-  before it loads chunk n + 2 into the slot or hands chunk n + 2 over (a fresh barrier's phase 1 passes at once).
+- done[s]: both warpgroups are done with the chunk's inputs (and the output one with its hand-over); the load warp
+  waits on it before it loads chunk n + 2 into the slot, the state warpgroup before it hands chunk n + 2 over (a
+  fresh barrier's phase 1 passes at once).
+A one-warp partition issues the loads. With WAIT it first waits, chunk by chunk, for a flag the solve sets once it
+has written that chunk's T and gate rows: the solve then runs beside the chain (gdn_fwd's overlapped form) instead
+of before it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,39 @@ if _IMPORT_ERROR is None:
         tma.async_copy_global_to_shared(g_desc, [slot * R, 0], bar, g_s, pred=pred)
 
     @gluon.jit
+    def _wait_ready(flag):
+        """Spin until the solve has published this chunk (*flag != 0, read with acquire at GPU scope), then order
+        the TMA reads that follow after it (a proxy fence: TMA reads through the async proxy). Traps after about
+        2^24 polls: a chunk that never arrives fails the launch instead of hanging the GPU."""
+        return gl.inline_asm_elementwise(
+            """{ .reg .pred p; .reg .b32 n;
+            mov.b32 n, 0;
+            WAIT_${:uid}: ld.acquire.gpu.global.b32 $0, [$1];
+            setp.ne.s32 p, $0, 0;
+            @p bra READY_${:uid};
+            add.s32 n, n, 1;
+            setp.lt.s32 p, n, 16777216;
+            @p bra WAIT_${:uid};
+            trap;
+            READY_${:uid}: fence.proxy.async.global; }""",
+            "=r,l", [flag], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _chain_loads(q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, qk_col, v_col,
+                     q_st, k_st, v_st, t_st, g_st, ld, done, C: gl.constexpr, R: gl.constexpr, WAIT: gl.constexpr):
+        """Worker partition (one warp): each chunk's inputs by TMA into slot n % 2 once the output partition is done
+        with chunk n - 2 there; with WAIT, only after the solve running beside this launch published the chunk."""
+        for c0 in range(0, seq_len, C):
+            n = c0 // C
+            buf = n % 2
+            slot = (t_first + n) * HV + i_hv
+            mbarrier.wait(done.index(buf), ((n // 2) & 1) ^ 1)
+            if WAIT:
+                _wait_ready(flags + slot)
+            _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(buf), q_st.index(buf), k_st.index(buf),
+                       v_st.index(buf), t_st.index(buf), g_st.index(buf), bos + c0, qk_col, v_col, slot, True, C, R)
+
+    @gluon.jit
     def _gate_cols(g_s, r: gl.constexpr, LAYOUT: gl.constexpr):
         """Gate row r of a chunk ([R, C] in shared memory) as a [C] vector along the columns of LAYOUT (every thread
         reads the values it holds; max over the one row is the value itself)."""
@@ -64,11 +102,10 @@ if _IMPORT_ERROR is None:
         return gl.convert_layout(_gate_cols(g_s, r, LAYOUT), gl.SliceLayout(1, LAYOUT))
 
     @gluon.jit
-    def _chain_state(q_desc, k_desc, v_desc, t_desc, g_desc, h0, ht, row, bos, seq_len, t_first, i_hv, HV, qk_col,
-                     v_col, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
-                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+    def _chain_state(h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
+                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
                      HAS_H0: gl.constexpr, STORE_HT: gl.constexpr):
-        """Default partition: loads, the state path, and the hand-over of S^T and V'^T a chunk."""
+        """Default partition: the state path, and the hand-over of S^T and V'^T a chunk."""
         dt: gl.constexpr = q_st.dtype
         MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
         MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -80,19 +117,11 @@ if _IMPORT_ERROR is None:
             St = gl.load(h0 + (row * HV + i_hv) * K * V + col0 + (gl.expand_dims(c_k, 0) * V + gl.expand_dims(r_v, 1)))
         else:
             St = gl.zeros([BV, K], gl.float32, MS)
-        _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(0), q_st.index(0), k_st.index(0), v_st.index(0),
-                   t_st.index(0), g_st.index(0), bos, qk_col, v_col, t_first * HV + i_hv,
-                   seq_len > 0, C, R)
         for c0 in range(0, seq_len, C):
             n = c0 // C
             buf = n % 2
-            nxt = c0 + C
-            gl.thread_barrier()  # every warp of this partition is past its reads of slot 1 - buf (chunk n - 1)
-            # slot 1 - buf is free once the output partition is done with chunk n - 1
-            mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=nxt < seq_len)
-            _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(1 - buf), q_st.index(1 - buf),
-                       k_st.index(1 - buf), v_st.index(1 - buf), t_st.index(1 - buf), g_st.index(1 - buf), bos + nxt,
-                       qk_col, v_col, (t_first + n + 1) * HV + i_hv, nxt < seq_len, C, R)
+            # hand-over slot 1 - buf is free once the output partition is done with chunk n - 1
+            mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=c0 + C < seq_len)
             mbarrier.wait(ld.index(buf), (n // 2) & 1)
             kb = k_st.index(buf)
             gb = g_st.index(buf)
@@ -119,6 +148,8 @@ if _IMPORT_ERROR is None:
             u_op = gl.convert_layout((Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0)).to(dt), A_S)
             decay = gl.max(_gate_cols(gb, 6, MT), axis=0)  # e^{b_last}, in every column of row 6
             St = warpgroup_mma(u_op, kb, St * decay, use_acc=True)
+            gl.thread_barrier()  # every warp of this partition is past its reads of the slot
+            mbarrier.arrive(done.index(buf), count=1)
         if STORE_HT:
             ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
             gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
@@ -174,11 +205,12 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _gdn_chain_kernel(
-        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, rows, cu, chunk_off, H, HV,
+        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, rows, cu, chunk_off, flags, H, HV,
         K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
-        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, POOL: gl.constexpr,
+        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, POOL: gl.constexpr, WAIT: gl.constexpr,
     ):
-        """Grid (V / BV, sequences x HV); launched with 4 warps, the output partition adds 4 more. Descriptors
+        """Grid (V / BV, sequences x HV); launched with 4 warps, the output partition adds 4 more and the loads one.
+        flags: [slots] int32, read only with WAIT (chunk slot s is ready once flags[s] != 0). Descriptors
         (`_descriptors`): q, k over [Ttot, H * K]; v, o over [Ttot, HV * V]; T over the solve's Tbuf as
         [slots * C, C]; gates over Gbuf as [slots * R, C]. o: [Ttot, HV, V] (the masked stores);
         h0, ht: [N, HV, K, V] fp32; cu, chunk_off: [N + 1] int32. POOL: h0 and ht are one state pool
@@ -205,14 +237,15 @@ if _IMPORT_ERROR is None:
         for s in gl.static_range(2):
             mbarrier.init(ld.index(s), count=1)
             mbarrier.init(hand.index(s), count=1)
-            mbarrier.init(done.index(s), count=1)
+            mbarrier.init(done.index(s), count=2)  # the state and the output partition
         gl.warp_specialize([
-            (_chain_state, (q_desc, k_desc, v_desc, t_desc, g_desc, h0, ht, row, bos, seq_len, t_first, i_hv, HV,
-                            i_h * K, v_col, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
-                            K, V, BV, C, R, HAS_H0, STORE_HT)),
+            (_chain_state, (h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand,
+                            done, K, V, BV, C, HAS_H0, STORE_HT)),
             (_chain_output, (o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld,
                              hand, done, K, V, BV, C)),
-        ], [4], [168])
+            (_chain_loads, (q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, i_h * K,
+                            v_col, q_st, k_st, v_st, t_st, g_st, ld, done, C, R, WAIT)),
+        ], [4, 1], [168, 40])
         for s in gl.static_range(2):
             mbarrier.invalidate(ld.index(s))
             mbarrier.invalidate(hand.index(s))

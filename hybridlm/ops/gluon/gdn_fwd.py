@@ -6,9 +6,9 @@ Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T di
 and the per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
 the state in registers for the whole sequence, the output products in a second warpgroup). The math of each is in
 its file's docstring; measured times and what was tried are in docs/kernels.md ("Fused forward in Gluon").
-Non-standard: one long sequence (a single sequence whose chains would fill at most half the multiprocessors) runs
-in segments, the chain of each on a high-priority stream beside the solve of the next (`_segments`), so the
-solves use the multiprocessors the chains leave idle.
+Non-standard: where the chain's programs would leave half the multiprocessors idle (a few long sequences), the solve
+runs beside the chain instead of before it: the chain on a high-priority stream, waiting chunk by chunk for flags
+the solve sets (`_overlaps`, `_beside`).
 Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
 kernels).
 """
@@ -147,8 +147,8 @@ def gated_delta_rule_fwd(
 class Launches(NamedTuple):
     """The forward's launches, bound to their buffers: `run()` is the forward; `solve()` writes T and the gate rows
     of every chunk and `chain()` reads them and writes o (and ht), each alone (timing; the chain needs the solve's
-    output). A single long sequence runs in segments (`SEGMENT`) so that the solve of one segment overlaps the
-    chain of the one before (`_segments`)."""
+    output; the chain of an overlapped forward needs the solve to have run once). `overlapped`: the solve runs
+    beside the chain (`_overlaps`)."""
 
     run: Callable[[], None]
     solve: Callable[[], None]
@@ -156,8 +156,8 @@ class Launches(NamedTuple):
     o: torch.Tensor
     ht: torch.Tensor | None
     buffers: tuple[torch.Tensor, torch.Tensor]  # (T, gate rows): what the solve writes and the chain reads
-    programs: tuple[int, int]  # (solve, chain) of the whole forward
-    segments: int  # launches of each kernel
+    programs: tuple[int, int]  # (solve, chain)
+    overlapped: bool  # run() launches the solve beside the chain, which waits on it chunk by chunk
 
 
 def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -173,7 +173,7 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     if cu_seqlens is None:  # equal lengths: the chunk offsets follow without reading anything back
         most = -(-T // CHUNK)
         cu, chunk_off = _equal_offsets(B, T, most, dev)
-        total, bounds = B * most, (0, T)
+        total = B * most
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32)
         bounds = cu.tolist()  # the grid needs the longest sequence: one host sync
@@ -197,99 +197,49 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
 
     descs = _descriptors(qc, kc, vc, o, Tbuf, Gbuf, BV)
-
-    def solve_launch(cu_, off_, chunks):
-        def launch():
-            if chunks > 0:
-                _gdn_solve_kernel[(chunks, N * HV)](qc, kc, gc, bc, Tbuf, Gbuf, cu_, off_, float(scale), H, HV, K=K,
-                                                    C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm),
-                                                    num_warps=NUM_WARPS, maxnreg=SOLVE_REGS if use_qk_l2norm else None)
-        return launch
-
-    def chain_launch(cu_, off_, h0_, ht_, pool_):
-        states = (h0_ if h0_ is not None else o, ht_ if ht_ is not None else o)  # o: never read (compiled out)
-
-        def launch():
-            _gdn_chain_kernel[(V // BV, N * HV)](
-                *descs, o, *states, rows, cu_, off_, H, HV, K=K, V=V, BV=BV,
-                C=CHUNK, R=GATE_ROWS, HAS_H0=h0_ is not None, STORE_HT=ht_ is not None, POOL=pool_,
-                num_warps=NUM_WARPS)
-        return launch
-
     programs = (most * N * HV, (V // BV) * N * HV)
-    cuts = _segments(N, bounds[0], bounds[-1], programs[1], dev)
-    if cuts is None:
-        solve, chain = solve_launch(cu, chunk_off, most), chain_launch(cu, chunk_off, h0, ht, pool)
+    overlap = _overlaps(programs[1], most, dev)
+    flags = torch.zeros(slots, dtype=torch.int32, device=dev) if overlap else cu  # cu: never read
+    states = (h0 if h0 is not None else o, ht if ht is not None else o)  # o: never read (compiled out)
 
-        def run():
+    solve_args = (qc, kc, gc, bc, Tbuf, Gbuf, cu, chunk_off, flags, float(scale), H, HV)
+    solve_opts = dict(K=K, C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm), FLAG=overlap, num_warps=NUM_WARPS,
+                      maxnreg=SOLVE_REGS if use_qk_l2norm else None)
+
+    def solve():
+        if most > 0:
+            _gdn_solve_kernel[(N * HV, most)](*solve_args, **solve_opts)
+
+    def load_solve():
+        """Load the solve's compiled kernel into the context now: with CUDA's lazy loading, a kernel loaded at its
+        first launch waits for the kernels running, which here would be the chain waiting for it."""
+        _gdn_solve_kernel.warmup(*solve_args, grid=(N * HV, max(most, 1)), **solve_opts)._init_handles()
+
+    def chain():
+        _gdn_chain_kernel[(V // BV, N * HV)](*descs, o, *states, rows, cu, chunk_off, flags, H, HV, K=K, V=V, BV=BV,
+                                             C=CHUNK, R=GATE_ROWS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+                                             POOL=pool, WAIT=overlap, num_warps=NUM_WARPS)
+
+    def run():
+        if overlap:
+            load_solve()
+            _beside(solve, chain, dev)
+        else:
             solve()
             chain()
 
-        # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
-        return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, 1)
-    # one sequence in segments: the state passes from one chain launch to the next through two fp32 buffers; a
-    # pool row is read into the first and written back from the last on the device (no host sync)
-    tmp = torch.empty(2, 1, HV, K, V, dtype=torch.float32, device=dev)
-    solves, chains = [], []
-    for i, (cu_i, off_i, chunks) in enumerate(cuts):
-        solves.append(solve_launch(cu_i, off_i, chunks))
-        if i > 0:
-            h0_i = tmp[(i - 1) % 2]
-        else:
-            h0_i = state_pool.index_select(0, state_indices.long()) if pool else h0
-        ht_i = ht if i == len(cuts) - 1 and not pool else tmp[i % 2]
-        chains.append(chain_launch(cu_i, off_i, h0_i, ht_i, False))
-    final = tmp[(len(cuts) - 1) % 2]
-
-    def solve():
-        for launch in solves:
-            launch()
-
-    def chain():
-        for launch in chains:
-            launch()
-        if pool:
-            state_pool.index_copy_(0, state_indices.long(), final)
-
-    def run():
-        _overlapped(solves, chains, dev)
-        if pool:
-            state_pool.index_copy_(0, state_indices.long(), final)
-
-    return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, len(cuts))
+    # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
+    return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, overlap)
 
 
-SEGMENT = 6144  # tokens a segment when one long sequence runs in segments (a multiple of CHUNK)
+OVERLAP_TOKENS = 4096  # the shortest longest sequence that runs its solve beside the chain (a second stream's cost)
 
 
-def _segments(N: int, bos: int, eos: int, chain_programs: int, dev: torch.device) -> list | None:
-    """The segments of one long sequence as (cu, chunk offsets, chunks) per launch, or None to run in one launch
-    each. A single sequence's chain has few programs (value blocks x heads) and leaves most multiprocessors idle;
-    in segments, the chain of segment i runs on a high-priority stream beside the solve of segment i + 1 on the
-    idle ones. Only then: N = 1, chain programs on at most half the multiprocessors, two segments or more."""
-    if N != 1 or eos - bos < 2 * SEGMENT or 2 * chain_programs > _multiprocessors(dev):
-        return None
-    return _segment_offsets(bos, eos, SEGMENT, dev)
-
-
-@functools.lru_cache(maxsize=64)
-def _segment_offsets(bos: int, eos: int, segment: int, dev: torch.device) -> list:
-    """(cu [2], chunk offsets [2], chunks) int32 on the device for each segment of tokens bos..eos; cached, as
-    `_equal_offsets`. The first and the last segment are a quarter of `segment` long: the first solve runs before
-    any chain and the last chain after every solve, so short ends leave less of either alone on the GPU. Every
-    segment starts on a chunk boundary of the sequence."""
-    edge = segment // 4
-    tail = bos + (eos - bos - edge) // CHUNK * CHUNK
-    mid = tail - bos - edge
-    step = -(-mid // -(-mid // segment) // CHUNK) * CHUNK  # the middle in equal pieces of at most `segment`
-    starts = [bos, *range(bos + edge, tail, step), tail, eos]
-    cuts = []
-    for t0, t1 in zip(starts[:-1], starts[1:]):
-        c0 = (t0 - bos) // CHUNK
-        chunks = -(-(t1 - t0) // CHUNK)
-        off = torch.tensor([t0, t1, c0, c0 + chunks], dtype=torch.int32, device=dev)
-        cuts.append((off[:2], off[2:], chunks))
-    return cuts
+def _overlaps(chain_programs: int, most: int, dev: torch.device) -> bool:
+    """Whether the solve runs beside the chain rather than before it: when the chain's programs (one a
+    multiprocessor) leave at least half the multiprocessors idle for the solve, which never waits, so the chain's
+    waits always end; and the sequences are long enough to pay for the second stream."""
+    return 2 * chain_programs <= _multiprocessors(dev) and most * CHUNK >= OVERLAP_TOKENS
 
 
 @functools.lru_cache(maxsize=8)
@@ -299,24 +249,21 @@ def _multiprocessors(dev: torch.device) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _chain_stream(dev: torch.device) -> torch.cuda.Stream:
-    """The stream the segments' chains run on: the highest priority, so that a chain's programs take the
-    multiprocessors that free up before the next solve's do."""
+    """The stream of an overlapped chain: the highest priority, so that its programs are placed before the
+    solve's."""
     return torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[1])
 
 
-def _overlapped(solves: list, chains: list, dev: torch.device) -> None:
-    """Every solve on the current stream, each followed by an event; then, on the chain stream (one switch: a
-    stream switch costs the host more than a launch), chain i after event i. The current stream waits for the
-    last chain; every buffer is allocated on the current stream, which only goes on after the chains are done
-    with them."""
+def _beside(solve: Callable[[], None], chain: Callable[[], None], dev: torch.device) -> None:
+    """The chain on its own stream, launched first so that it holds its multiprocessors, then the solve on the
+    current stream (its kernel already loaded); the chain waits chunk by chunk for the solve's flags (zeroed on the
+    current stream before).
+    The current stream then waits for the chain: every buffer was allocated on it, so nothing is freed or reused
+    before the chain is done with it."""
     cur = torch.cuda.current_stream(dev)
     side = _chain_stream(dev)
-    marks = []
-    for solve in solves:
-        solve()
-        marks.append(cur.record_event())
+    side.wait_stream(cur)
     with torch.cuda.stream(side):
-        for chain, mark in zip(chains, marks):
-            side.wait_event(mark)
-            chain()
+        chain()
+    solve()
     cur.wait_stream(side)

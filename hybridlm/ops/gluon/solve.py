@@ -125,16 +125,27 @@ if _IMPORT_ERROR is None:
         return gl.sum(gl.where(gl.expand_dims(i_c, 1) == gl.expand_dims(j_c, 0), x, 0.0), axis=1)
 
     @gluon.jit
+    def _publish(flag):
+        """*flag = 1 once every thread's stores of the chunk are visible at GPU scope: each thread fences its own,
+        the barrier waits for all of them, and the flag is written with release semantics."""
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, 0;", "=r,l", [flag], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        gl.thread_barrier()
+        gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+
+    @gluon.jit
     def _gdn_solve_kernel(
-        q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, scale, H, HV,
-        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
+        q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV,
+        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
     ):
-        """T diag(beta) and the gate rows of every chunk, in parallel: grid (most chunks of a sequence, sequences x
-        HV). Chunk c of sequence n and value head hv is slot (chunk_off[n] + c) * HV + hv: Tbuf [slots, C, C]
-        (q's dtype), Gbuf [slots, R, C] fp32 (R = GATE_ROWS). q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens
-        past the sequence get g = beta = 0 (unit rows of T, zero weight in the chain)."""
-        i_c0 = gl.program_id(0)
-        i_nh = gl.program_id(1)
+        """T diag(beta) and the gate rows of every chunk, in parallel: grid (sequences x HV, most chunks of a
+        sequence), heads first, so that programs start in chunk order. Chunk c of sequence n and value head hv is
+        slot (chunk_off[n] + c) * HV + hv: Tbuf [slots, C, C] (q's dtype), Gbuf [slots, R, C] fp32 (R = GATE_ROWS).
+        q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens past the sequence get g = beta = 0 (unit rows of T, zero
+        weight in the chain). FLAG: flags[slot] (int32) is set to 1 once the slot is written, for a chain that runs
+        beside this launch."""
+        i_nh = gl.program_id(0)
+        i_c0 = gl.program_id(1)
         i_n = i_nh // HV
         i_hv = i_nh % HV
         i_h = i_hv // (HV // H)
@@ -213,3 +224,5 @@ if _IMPORT_ERROR is None:
             gl.store(rows + 4 * C, rq)
             gl.store(rows + 5 * C, rk_r)
             gl.store(rows + 6 * C, gl.full([C], 1.0, gl.float32, ROW_C) * gl.exp(b_last))
+            if FLAG:
+                _publish(flags + slot)
