@@ -16,6 +16,26 @@ def profile_steps(step, steps: int) -> torch.profiler.profile:
     return prof
 
 
+def busy_ms(step, steps: int = 5) -> float:
+    """GPU time of one call of step() (ms): how long at least one of its kernels runs, the union of their intervals
+    over `steps` profiled calls (after a warm-up call), divided by `steps`. Kernels one after another add up, as in
+    the summed kernel time; kernels that run side by side on two streams count once. The host's launch gaps are
+    left out."""
+    prof = profile_steps(step, steps)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return union_length(spans) / steps / 1e3
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of the intervals (start, end): overlaps count once."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
+
+
 def kernel_rows(prof: torch.profiler.profile, steps: int) -> list[tuple[str, float, float]]:
     """(kernel name, us per step, launches per step) of every CUDA kernel the profile saw, largest first."""
     rows = []

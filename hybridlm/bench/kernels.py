@@ -14,9 +14,9 @@ see `flops_gdn`), forward+backward counted as 3x forward; SDPA uses 2*B*H*T^2*D 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (its #640); it is timed with that guard lifted
 (`fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`), as the table says. fla's autotune keys leave out B and T, so
 its tuned configs are cleared before each chunked shape (`--no-fla-retune` keeps them: then a shape inherits the
-choice made at an earlier shape with the same heads). --gpu-time adds the summed CUDA time of each call's kernels,
-ours and fla's: fla's host work per call (many small launches) shows in the median ms at the smaller shapes and not
-there. Writes kernels.json, kernels.md and kernels.png to --out.
+choice made at an earlier shape with the same heads). --gpu-time adds each call's GPU time (its kernels' time,
+side-by-side kernels counted once), ours and fla's: fla's host work per call (many small launches) shows in the
+median ms at the smaller shapes and not there. Writes kernels.json, kernels.md and kernels.png to --out.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import kernel_table, print_kernel_times
+from hybridlm.bench.cuda_profile import busy_ms, print_kernel_times
 from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "leave out B and T, so a later shape with the same heads reuses an earlier shape's choice; "
                         "by default they are cleared before each shape, as running that shape alone would have it)")
     parser.add_argument("--gpu-time", action="store_true",
-                        help="also the summed CUDA time of each call's kernels (torch profiler, 5 calls), ours and "
-                        "fla's, GDN and KDA rows: what the kernels take without the host's launch overhead")
+                        help="also each call's GPU time (its kernels' time, side-by-side ones once; torch profiler, "
+                        "5 calls), ours and fla's, GDN and KDA rows: what the kernels take without the host's launch "
+                        "overhead")
     parser.add_argument("--tune-json", default=None,
                         help="launch settings from scripts/gpu_tune.py --json (its 'best'); default: built-in")
 
@@ -146,8 +147,8 @@ def _fla_retune() -> int:
 
 
 def _gpu_ms(fn, steps: int = 5) -> float:
-    """Summed CUDA time of fn's kernels per call (ms), after a warm-up call."""
-    return sum(r[1] for r in kernel_table(fn, steps)) / 1e3
+    """GPU time of fn's kernels per call (ms; `busy_ms`: side-by-side kernels count once), after a warm-up call."""
+    return busy_ms(fn, steps)
 
 
 def _gpu_times(res: dict, who: str, f, fb, args) -> None:
@@ -487,7 +488,7 @@ def _table(info, rows):
                          f"| {r['gluon_vs_ours_rel']:.1e} |")
     gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
     if gpu:
-        lines += ["", "Summed CUDA time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",
+        lines += ["", "GPU time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",
                   "", "| shape | pass | ours GPU ms | fla GPU ms | fla/ours |", "|---|---|---|---|---|"]
         for r in gpu:
             for mode, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")):

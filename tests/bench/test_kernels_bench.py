@@ -84,3 +84,14 @@ def test_table_has_gpu_time_rows_when_measured():
     table = kernels._table(info, [row])
     assert "| B8 T2048 H32 D128 | fwd+bwd | 4.600 | 3.900 | 0.85 |" in table
     assert "ours GPU ms" not in kernels._table(info, [{k: v for k, v in row.items() if "gpu" not in k}])
+
+
+def test_gpu_time_counts_side_by_side_kernels_once():
+    """The GPU time of a call is the union of its kernels' intervals: one after another they add up, side by side
+    (two streams) they count once, and a gap between them is left out."""
+    from hybridlm.bench.cuda_profile import union_length
+
+    assert union_length([(0.0, 2.0), (2.0, 5.0)]) == 5.0
+    assert union_length([(0.0, 10.0), (1.0, 4.0), (3.0, 12.0)]) == 12.0
+    assert union_length([(5.0, 6.0), (0.0, 1.0)]) == 2.0
+    assert union_length([]) == 0.0

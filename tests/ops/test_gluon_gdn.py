@@ -210,10 +210,10 @@ def _state_path_clocks():
 
 
 def _stage_rows(B, T, H, D, gen, fla_gdn):
-    """Print the forward ms of ours (Triton), fla (also its kernels' summed CUDA time, which leaves out its host
-    time) and the Gluon forward at one shape (bf16, l2norm in the kernel),
-    then each Gluon launch alone (median of triton.testing.do_bench) with its floors: bytes / COPY_BW (each tensor
-    counted once), and for the chain a serial floor = chunks x the state path's MMA clocks / CLOCK (one wave)."""
+    """Print the forward ms of ours (Triton), fla (also its kernels' GPU time, which leaves out its host time) and
+    the Gluon forward at one shape (bf16, l2norm in the kernel), then each Gluon launch alone (median of
+    triton.testing.do_bench) with its floors: bytes / COPY_BW (each tensor counted once), and for the chain a serial
+    floor = chunks x the state path's MMA clocks / CLOCK (one wave)."""
     import triton.testing
     from torch.nn.functional import logsigmoid
 
@@ -240,13 +240,13 @@ def _stage_rows(B, T, H, D, gen, fla_gdn):
         if fla_gdn is not None:
             fla_fwd = lambda: fla_gdn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # noqa: E731
             times["fla"] = bench(fla_fwd)
-            times["fla GPU (summed kernel time)"] = _gpu_ms(fla_fwd, steps=20)
+            times["fla GPU (kernel time)"] = _gpu_ms(fla_fwd, steps=20)
         times["gluon forward"] = bench(lambda: gdn_fwd.gated_delta_rule_fwd(
             q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0])
         for name, ms in times.items():
             print(f"  {name}: {ms:.3f} ms", flush=True)
         if "fla" in times:
-            print(f"  fla GPU / gluon forward: {times['fla GPU (summed kernel time)'] / times['gluon forward']:.2f}")
+            print(f"  fla GPU / gluon forward: {times['fla GPU (kernel time)'] / times['gluon forward']:.2f}")
         print(f"  gluon rel vs ours: {rel:.1e}")
         Tbuf, Gbuf = launch.buffers
         solve_mb = nb(q) + nb(k) + nb(g) + nb(beta) + nb(Tbuf) + nb(Gbuf)
