@@ -78,8 +78,8 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _chain_loads(q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, qk_col, v_col,
                      q_st, k_st, v_st, t_st, g_st, ld, done, C: gl.constexpr, R: gl.constexpr, WAIT: gl.constexpr):
-        """Worker partition (one warp): each chunk's inputs by TMA into slot n % 2 once the output partition is done
-        with chunk n - 2 there; with WAIT, only after the solve running beside this launch published the chunk."""
+        """Worker partition (one warp): each chunk's inputs by TMA into slot n % 2 once both warpgroups are done with
+        chunk n - 2 there; with WAIT, only after the solve running beside this launch published the chunk."""
         for c0 in range(0, seq_len, C):
             n = c0 // C
             buf = n % 2

@@ -16,7 +16,6 @@ kernels).
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -176,9 +175,9 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
         total = B * most
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        bounds = cu.tolist()  # the grid needs the longest sequence: one host sync
-        host = [-(-(e - b) // CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
-        chunk_off = torch.tensor([0, *itertools.accumulate(host)], dtype=torch.int32, device=dev)
+        nch = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+        chunk_off = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
+        host = nch.tolist()  # the grid needs the longest sequence: one host sync
         most, total = max(host, default=0), sum(host)
     N = cu.numel() - 1
     qc, kc, vc = (x.contiguous() for x in (q, k, v))
@@ -195,7 +194,6 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     slots = max(total, 1) * HV
     Tbuf = torch.empty(slots, CHUNK, CHUNK, dtype=q.dtype, device=dev)
     Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
-
     descs = _descriptors(qc, kc, vc, o, Tbuf, Gbuf, BV)
     programs = (most * N * HV, (V // BV) * N * HV)
     overlap = _overlaps(programs[1], most, dev)
