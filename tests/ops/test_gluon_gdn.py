@@ -182,6 +182,41 @@ def test_solve_beside_the_chain(monkeypatch, start):
     assert torch.equal(pool[0::2], pool0[0::2]), f"{msg}: rows 0 and 2 changed"
 
 
+def test_overlapped_forward_in_a_cuda_graph(monkeypatch):
+    """The overlapped form captured in a CUDA graph (its second stream forks from and joins the capturing one, the
+    flags are zeroed inside the graph) and replayed twice on fresh inputs copied into the captured ones, against
+    float64 each time."""
+    monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T, H, HV, K, V = 700, 2, 4, 128, 128
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+
+    def fresh():
+        q, k, v = (x.to(torch.bfloat16) for x in (r(1, T, H, K), r(1, T, H, K), r(1, T, HV, V)))
+        beta = (2.0 * torch.rand(1, T, HV, device="cuda", generator=gen)).to(torch.bfloat16)
+        return q, k, v, _gates(gen, 1, T, HV, "cliff"), beta, r(1, HV, K, V)
+
+    ins = fresh()
+    run = lambda: gdn_fwd.gated_delta_rule_fwd(*ins[:3], g=ins[3], beta=ins[4], initial_state=ins[5],  # noqa: E731
+                                               output_final_state=True, use_qk_l2norm=True)
+    run()  # compiles and loads both kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = run()
+    for replay in range(2):
+        new = fresh()
+        for x, y in zip(ins, new):
+            x.copy_(y)
+        graph.replay()
+        d = lambda x: x.double()  # noqa: E731
+        o2, ht2 = gated_delta_rule(*(d(x) for x in new[:3]), g=d(new[3]), beta=d(new[4]), initial_state=new[5].double(),
+                                   output_final_state=True, use_qk_l2norm=True, impl="chunk")
+        errs = {"o": rel_f64(o, o2), "final_state": rel_f64(ht, ht2)}
+        assert all(e <= BAR for e in errs.values()), f"seed {seed}: replay {replay}: {errs}"
+
+
 def test_bad_input_is_one_line():
     q = torch.zeros(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros(1, 8, 2, 192, device="cuda", dtype=torch.bfloat16)
