@@ -6,7 +6,8 @@ element the kernel never writes fails. Cases: T = 1, 63, 65, 128, 1000; varlen l
 2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
 fp16; head dims K 64 and 128 with V 64 to 256; chunked prefill through a state pool (up to 16 sequences of 4096
-tokens in 2048-token chunks) against whole sequences. Bar (relative RMS vs float64 on the same rounded inputs), as
+tokens in 2048-token chunks) against whole sequences; the solve beside the chain (the overlapped form), also
+captured in a CUDA graph. Bar (relative RMS vs float64 on the same rounded inputs), as
 for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16, B8 T2048 H32 and B1 T32768 H32
