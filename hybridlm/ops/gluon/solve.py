@@ -68,56 +68,32 @@ if _IMPORT_ERROR is None:
         return plain_smem.load(LAYOUT)
 
     @gluon.jit
-    def _t_matrix(A, plain, d3, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+    def _t_matrix(A, plain, d3, m_t, i_c, j_c, C: gl.constexpr, MC: gl.constexpr, MP: gl.constexpr,
+                  A_OP: gl.constexpr):
         """T = (I + A)^{-1} = (I - N)(I + N^2) Td for the strictly lower A [C, C] (fp32, layout MC): Td the exact
-        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four tf32 products,
-        left operands from registers, right ones through one [C, C] fp32 buffer m_t; plain and d3 are the
-        solve's."""
-        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MC, k_width=1)
-        zc = gl.zeros([C, C], gl.float32, MC)
+        inverse of the diagonal blocks, N = Td L with L the strictly block-lower part of A. Four products in m_t's
+        dtype with fp32 accumulation (layout MP), left operands from registers (A_OP), right ones through the one
+        [C, C] buffer m_t; plain and d3 are the solve's. fp16 (MP of a 16-bit product, A_OP k_width 2): the
+        accumulator is its own left operand, no layout goes through shared memory; tf32 (MP = MC, k_width 1):
+        each left operand is converted through shared memory."""
+        dt: gl.constexpr = m_t.dtype
+        zc = gl.zeros([C, C], gl.float32, MP)
         plain.store(A)
-        Td = _block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC)
+        Td = gl.convert_layout(_block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC), MP)
         block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
-        m_t.store(gl.where(block_lower, A, 0.0))
+        m_t.store(gl.convert_layout(gl.where(block_lower, A, 0.0), MP).to(dt))
         fence_async_shared()
-        N = warpgroup_mma(gl.convert_layout(Td, A_OP), m_t, zc, use_acc=False)
-        n_op = gl.convert_layout(N, A_OP)
-        m_t.store(N)
+        N = warpgroup_mma(gl.convert_layout(Td.to(dt), A_OP), m_t, zc, use_acc=False)
+        n_op = gl.convert_layout(N.to(dt), A_OP)
+        m_t.store(N.to(dt))
         fence_async_shared()
         N2 = warpgroup_mma(n_op, m_t, zc, use_acc=False)
-        m_t.store(Td)
+        m_t.store(Td.to(dt))
         fence_async_shared()
-        P1 = warpgroup_mma(gl.convert_layout(N2, A_OP), m_t, Td, use_acc=True)  # (I + N^2) Td
-        m_t.store(P1)
+        P1 = warpgroup_mma(gl.convert_layout(N2.to(dt), A_OP), m_t, Td, use_acc=True)  # (I + N^2) Td
+        m_t.store(P1.to(dt))
         fence_async_shared()
-        return P1 - warpgroup_mma(n_op, m_t, zc, use_acc=False)
-
-    @gluon.jit
-    def _t_matrix16(A, plain, d3, m16, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
-        """`_t_matrix` with fp16 operands (the same 10-bit mantissa as tf32, fp32 accumulation): the accumulator of a
-        16-bit product is its own left operand in registers, and one fp16 buffer m16 serves as every right operand,
-        so no layout goes through shared memory. Only for l2-normalised keys, where |A| <= beta keeps T, N, N^2
-        far inside fp16's range."""
-        MC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-        A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MC16, k_width=2)
-        zc = gl.zeros([C, C], gl.float32, MC16)
-        plain.store(A)
-        Td = gl.convert_layout(_block_diag(_diag_inverse(plain, d3, C), d3, plain, C, MC), MC16)
-        block_lower = gl.expand_dims(i_c // 16, 1) > gl.expand_dims(j_c // 16, 0)
-        td16 = Td.to(gl.float16)
-        m16.store(gl.convert_layout(gl.where(block_lower, A, 0.0), MC16).to(gl.float16))
-        fence_async_shared()
-        N = warpgroup_mma(gl.convert_layout(td16, A_OP), m16, zc, use_acc=False)
-        n16 = N.to(gl.float16)
-        m16.store(n16)
-        fence_async_shared()
-        N2 = warpgroup_mma(gl.convert_layout(n16, A_OP), m16, zc, use_acc=False)
-        m16.store(td16)
-        fence_async_shared()
-        P1 = warpgroup_mma(gl.convert_layout(N2.to(gl.float16), A_OP), m16, Td, use_acc=True)  # (I + N^2) Td
-        m16.store(P1.to(gl.float16))
-        fence_async_shared()
-        return gl.convert_layout(P1 - warpgroup_mma(gl.convert_layout(n16, A_OP), m16, zc, use_acc=False), MC)
+        return gl.convert_layout(P1 - warpgroup_mma(n_op, m_t, zc, use_acc=False), MC)
 
     @gluon.jit
     def _diagonal(x, i_c, j_c):
@@ -207,10 +183,12 @@ if _IMPORT_ERROR is None:
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
                 * gl.expand_dims(rk_c, 0)
-            if L2:
-                T = _t_matrix16(A, plain, d3, m_t, i_c, j_c, C, MC)
-            else:
-                T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC)
+            if L2:  # fp16 products: |A| <= beta bounds Td, N and N^2 far inside fp16's range
+                T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC, MC16,
+                              gl.DotOperandLayout(operand_index=0, parent=MC16, k_width=2))
+            else:  # raw keys bound nothing: tf32
+                T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC, MC,
+                              gl.DotOperandLayout(operand_index=0, parent=MC, k_width=1))
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
