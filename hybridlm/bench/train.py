@@ -116,6 +116,60 @@ SHAPE_350M = Shape(vocab_size=32000, hidden_size=1024, num_layers=24, intermedia
                    linear_value_heads=8, linear_head_dim=128, attn_heads=8, attn_kv_heads=2, attn_head_dim=128)
 SHAPE_TINY = Shape(vocab_size=256, hidden_size=64, num_layers=4, intermediate_size=192, linear_heads=2,
                    linear_value_heads=2, linear_head_dim=32, attn_heads=2, attn_kv_heads=1, attn_head_dim=32)
+# bf16 dense tensor-core peak (no sparsity) by device name, the denominator of MFU; other devices: --peak-tflops
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
+
+
+def matmul_params(shape: Shape) -> int:
+    """Weights that take part in a matrix product per token (the LM head included, the embedding lookup not): the
+    Qwen3.5 layout of `ours_config` (q|k|v, z, a, b and out projections; gated attention's q with its output gate, k,
+    v, o; SwiGLU's three)."""
+    h, d = shape.hidden_size, shape.linear_head_dim
+    gdn = h * (2 * shape.linear_heads * d + shape.linear_value_heads * d)  # in_proj_qkv
+    gdn += h * shape.linear_value_heads * (d + 2) + shape.linear_value_heads * d * h  # z, a, b, out
+    ad = shape.attn_head_dim
+    attn = h * (2 * shape.attn_heads * ad + 2 * shape.attn_kv_heads * ad) + shape.attn_heads * ad * h
+    n_attn = len(shape.attention_layers)
+    mlp = 3 * h * shape.intermediate_size
+    return (shape.num_layers - n_attn) * gdn + n_attn * attn + shape.num_layers * mlp + h * shape.vocab_size
+
+
+def train_flops_per_token(shape: Shape, mean_context: float) -> float:
+    """Model FLOPs of one token's forward and backward: 6 x the matmul weights, causal attention's two products
+    (6 x heads x head dim x the keys a token sees on average, `mean_context`: half its document's length, averaged
+    over tokens), and the chunked GDN recurrence's products (its forward's, x 3 for forward and backward). The same
+    count for both models (the paper convention: recomputation and padding do not count)."""
+    from hybridlm.ops.triton.gdn import flops_chunk_fwd
+
+    n_attn = len(shape.attention_layers)
+    attn = n_attn * 2 * 6 * shape.attn_heads * shape.attn_head_dim * mean_context
+    d = shape.linear_head_dim
+    gdn = (shape.num_layers - n_attn) * 3 * flops_chunk_fwd(1, 4096, shape.linear_value_heads, d, d) / 4096
+    return 6 * matmul_params(shape) + attn + gdn
+
+
+def mean_context(batches: list, seq_len: int) -> float:
+    """The keys a query sees under causal attention, averaged over the tokens of `batches`: (L + 1) / 2 for a
+    document of L tokens, weighted by L (rows without cu_seqlens are one document each)."""
+    num = den = 0.0
+    for b in batches:
+        cu = b.cu_seqlens
+        lens = [seq_len] * b.input_ids.shape[0] if cu is None else (cu[1:] - cu[:-1]).tolist()
+        num += sum(n * (n + 1) / 2 for n in lens)
+        den += sum(lens)
+    return num / max(den, 1.0)
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    """The MFU denominator: --peak-tflops, else the bf16 dense peak of a known CUDA device, else None."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
 # (seq_len, batch_size, steps, warmup) when the flags are not given
 RUN_DEFAULTS = {"350m": (4096, 4, 10, 3), "tiny": (64, 2, 2, 1)}
 
@@ -147,6 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cuda, cuda:N or cpu")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak TFLOP/s for MFU (default: the bf16 dense peak of a known GPU, "
+                        f"{', '.join(PEAK_BF16_TFLOPS)}; none on a CPU)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for train.json / train.md (default {DEFAULT_OUT})")
 
 
@@ -491,12 +548,15 @@ def markdown_table(info: dict, rows: list[dict]) -> str:
              f"{info['precision']}, AdamW + grad clip, batch {info['batch_size']} x T {info['seq_len']}, "
              f"{info['warmup']} warm-up + {info['steps']} timed steps (median), grad ckpt "
              f"{'on' if info['grad_ckpt'] else 'off'}, torch.compile {'on' if info['compile'] else 'off'}",
-             "", "| model | data | loss | params | tokens/s | ours/fla | x bundled | step ms | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| model | data | loss | params | tokens/s | ours/fla | x bundled | model TFLOP/s | MFU | step ms "
+             "| peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r.get('data', '-')} | {r.get('loss_fn', '-')} | {_fmt(r, 'params', ',')} | "
                      f"{_fmt(r, 'tokens_per_s', ',.0f')} | {_fmt(r, 'ratio_ours_over_fla', '.2f')} | "
-                     f"{_fmt(r, 'ratio_over_bundled', '.2f')} | {_fmt(r, 'step_ms', '.1f')} | "
+                     f"{_fmt(r, 'ratio_over_bundled', '.2f')} | {_fmt(r, 'model_tflops', '.1f')} | "
+                     f"{_fmt(r, 'mfu', '.1%')} | "
+                     f"{_fmt(r, 'step_ms', '.1f')} | "
                      f"{_fmt(r, 'peak_GiB', '.1f')} |")
     for r in rows:
         for key in ("error", "skipped"):
@@ -568,6 +628,8 @@ def _spec(args: argparse.Namespace) -> tuple[Shape, RunSpec]:
             raise ValueError(f"{flag}: must be >= {low}, got {v}")
     if args.lr <= 0:
         raise ValueError(f"--lr: must be > 0, got {args.lr}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops: expected > 0, got {args.peak_tflops}")
     if args.profile < 0 or (args.profile and dev.type != "cuda"):
         raise ValueError(f"--profile: expected 0, or a number of steps >= 1 on a CUDA device, got {args.profile} "
                          f"on {dev}")
@@ -587,6 +649,15 @@ def _label_rows(ours: dict, theirs: dict, configs: dict, spec: RunSpec, fla_vers
         theirs["loss_fn"] = loss_name("fla", configs["fla"])
     if "tokens_per_s" in ours and "tokens_per_s" in theirs:
         ours["ratio_ours_over_fla"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+
+
+def _add_mfu(row: dict, flops_per_token: float, peak: float | None) -> None:
+    """The row's model TFLOP/s (`train_flops_per_token` x tokens/s) and, with a peak, its MFU."""
+    if "tokens_per_s" not in row:
+        return
+    row["model_tflops"] = flops_per_token * row["tokens_per_s"] / 1e12
+    if peak:
+        row["mfu"] = row["model_tflops"] / peak
 
 
 def _ratio_over_bundled(rows: list[dict]) -> None:
@@ -613,6 +684,8 @@ def run(args: argparse.Namespace) -> int:
             "recompute_linear": spec.recompute_linear,
             "compile": spec.compile, "shape": asdict(shape)}
     kinds = parse_data(args.data)
+    peak = peak_tflops(dev, args.peak_tflops)
+    info["peak_tflops"] = peak
     print(f"hybridlm bench train: {info['device']}, batch {spec.batch_size} x T {spec.seq_len}, "
           f"{spec.warmup} + {spec.steps} steps, data {', '.join(kinds)}", flush=True)
     fla_packed = None if fla_skip is not None else fla_packed_skip()
@@ -636,11 +709,17 @@ def run(args: argparse.Namespace) -> int:
                 configs["fla"] = configs["fla"] or cfg
             else:
                 theirs["skipped"] = skip
+            fpt = train_flops_per_token(shape, mean_context(batches[: spec.warmup + spec.steps], spec.seq_len))
             for r in (ours, theirs):
+                _add_mfu(r, fpt, peak)
                 print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
             _label_rows(ours, theirs, configs, spec, fla_version)
             rows += [ours, theirs]
-    info["notes"] = _shape_notes(shape, impl_log) + fla_notes
+    info["notes"] = _shape_notes(shape, impl_log) + fla_notes + [
+        f"model TFLOP/s: tokens/s x the model FLOPs of a token (`train_flops_per_token`: 6 x "
+        f"{matmul_params(shape):,} matmul weights, causal attention over each document, the chunked GDN products), "
+        "the same count for both models; MFU: that over "
+        + (f"{peak:g} TFLOP/s (bf16 dense peak)" if peak else "the device's peak (unknown here: --peak-tflops)")]
     _ratio_over_bundled(rows)
     table = markdown_table(info, rows)
     print(table)

@@ -48,7 +48,9 @@ def test_tiny_cpu_run_writes_json_and_table(tmp_path, one_thread):
                for m in rec["ours_impl_log"]), rec["ours_impl_log"]
     assert any("SwiGLU in PyTorch" in n for n in info["notes"]), info["notes"]
     table = (tmp_path / "train.md").read_text()
-    assert "| model | data | loss | params | tokens/s | ours/fla | x bundled | step ms | peak GiB |" in table
+    assert ("| model | data | loss | params | tokens/s | ours/fla | x bundled | model TFLOP/s | MFU | step ms "
+            "| peak GiB |") in table
+    assert ours["model_tflops"] > 0 and "mfu" not in ours  # no peak known for a CPU
     assert (f"| ours (hybridlm, impl=auto) | bundled | fused linear + CE (chunked, no logits) | {expected:,} |"
             in table)
     assert "fla on bundled skipped: fla's kernels need CUDA" in table
@@ -273,3 +275,33 @@ def test_profile_table_puts_models_side_by_side():
     assert "| kernels launched per step | 3400 | 2500 |" in table
     assert "| `_recur_fwd` | Triton | 4.00 |" in table
     assert bench.profile_table([{"model": "ours"}]) == ""
+
+
+@pytest.mark.parametrize("shape", [bench.SHAPE_TINY, bench.SHAPE_350M], ids=["tiny", "350m"])
+def test_mfu_counts_every_matmul_weight_of_our_model(shape):
+    """The MFU numerator's weights are exactly the nn.Linear weights of the model `ours_config` builds (the tied LM
+    head counted once, as a product; no embedding lookup), so the FLOP count follows the shape it claims to count."""
+    with torch.device("meta"):
+        model = HybridLM(bench.ours_config(shape, 64))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert bench.matmul_params(shape) == linear
+
+
+def test_mean_context_and_mfu_of_a_row():
+    """Causal attention over documents of 3 and 1 tokens: a token sees (1+2+3 + 1) / 4 keys on average; a plain
+    [2, 4] batch sees (1+2+3+4) / 4; the row's MFU is its model FLOP rate over the peak."""
+    docs = bench.StepBatch(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long),
+                           torch.tensor([0, 3, 4], dtype=torch.int32), 4)
+    plain = bench.StepBatch(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), None, 8)
+    assert bench.mean_context([docs], 4) == 7 / 4
+    assert bench.mean_context([plain], 4) == 10 / 4
+    assert bench.mean_context([docs, plain], 4) == (7 + 20) / 12
+    row = {"tokens_per_s": 2e6}
+    fpt = bench.train_flops_per_token(bench.SHAPE_350M, 2048.5)
+    bench._add_mfu(row, fpt, 989.4)
+    assert row["model_tflops"] == fpt * 2e6 / 1e12
+    assert row["mfu"] == row["model_tflops"] / 989.4
+    # causal attention, forward and backward: 3 x (QK^T and PV: 2 products x 2 FLOPs) x heads x head dim per key,
+    # in each of the 6 attention blocks of 8 heads x 128
+    assert fpt - bench.train_flops_per_token(bench.SHAPE_350M, 1048.5) == 6 * 12 * 8 * 128 * 1000
+    assert fpt > 6 * bench.matmul_params(bench.SHAPE_350M) + 6 * 12 * 8 * 128 * 2048.5
