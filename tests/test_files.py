@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from hybridlm.files import atomic_write, atomic_write_text, set_default_mode, umask
+from hybridlm.files import atomic_write, atomic_write_text, fsync_file, set_default_mode, umask
 
 
 def test_atomic_write_text(tmp_path):
@@ -63,6 +63,11 @@ def test_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask_027):
     os.umask(0o002)
     atomic_write(str(path), write_private)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o664
+    # what a checkpoint's writer calls on each file a library wrote by path (safetensors' save_file: 0600)
+    lib = tmp_path / "lib.safetensors"
+    write_private(str(lib))
+    fsync_file(str(lib))
+    assert stat.S_IMODE(os.stat(lib).st_mode) == 0o664
     folder = tmp_path / "d"
     folder.mkdir(mode=0o700)
     set_default_mode(str(folder))
