@@ -86,10 +86,10 @@ def pytest_runtest_setup(item):
         pytest.skip("slow: run with --runslow")
 
 
-# The run draws one fresh seed (HYBRIDLM_TEST_SEED=N replays it) and prints it with any failure. Each test's torch
-# RNG starts from a seed derived from it and the test's id, as do models that a module builds once and shares
-# (`derive_seed`), so that one number replays any test alone. The RNG and the process-wide flags a test may set are
-# put back after it, so that no test depends on another's leftovers.
+# The run draws one fresh seed (HYBRIDLM_TEST_SEED=N replays it) and prints it in the header, at the end (which
+# -q shows too) and with any failure. Each test's torch RNG starts from a seed derived from it and the test's id, as
+# do models that a module builds once and shares (`derive_seed`), so that one number replays any test alone. The RNG
+# and the process-wide flags a test may set are put back after it, so that no test depends on another's leftovers.
 SEED_ENV = "HYBRIDLM_TEST_SEED"
 RUN_SEED = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little") % 2**31)
 
@@ -150,3 +150,8 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_report_header(config):
     return f"run seed {RUN_SEED} ({SEED_ENV}={RUN_SEED} replays it)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end, where `-q` (which hides the header) still shows it."""
+    terminalreporter.write_line(f"run seed {RUN_SEED} ({SEED_ENV}={RUN_SEED} replays it)")

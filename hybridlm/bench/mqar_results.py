@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+
+from hybridlm.files import atomic_write
 
 
 def atomic_savefig(fig, path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
 
 
 def load_results(path: str) -> dict:

@@ -31,6 +31,7 @@ from hybridlm.files import atomic_write_text
 from .config import HybridConfig
 from .locate import HYBRID_CONFIG, NATIVE_CONFIG, UsageError, resolve_folder
 from .safetensors_folder import CheckpointError, TensorSource, save_sharded
+from .tokenizer import ByteTokenizer, save_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -469,12 +470,18 @@ def load_pretrained(folder: str, build: Callable[[HybridConfig], nn.Module], *, 
 
 
 def save_pretrained(model: nn.Module, folder: str, *, max_shard_size: int | str = "5GB",
-                    model_type: str | None = None) -> None:
+                    model_type: str | None = None, tokenizer=None) -> None:
     """Write config.json + safetensors in transformers' on-disk layout for model_type (default: the config's);
-    with no model type at all, write our own format (hybridlm_config.json + safetensors)."""
+    with no model type at all, write our own format (hybridlm_config.json + safetensors). The tokenizer files
+    (`save_tokenizer_files`) go beside them: `tokenizer`'s, or with None the byte tokenizer's when the
+    vocabulary is 256 (what `load_tokenizer` assumes of a folder without them)."""
     cfg = model.config
     mt = model_type or cfg.hf_model_type
     os.makedirs(folder, exist_ok=True)
+    if tokenizer is None and cfg.vocab_size == 256:
+        tokenizer = ByteTokenizer()
+    if tokenizer is not None:
+        save_tokenizer_files(tokenizer, folder)
     if mt is None:  # not a transformers architecture: our own format, our own key names
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()
                  if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}

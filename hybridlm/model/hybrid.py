@@ -228,6 +228,9 @@ class HybridLM(nn.Module):
         return hf.load_pretrained(folder, lambda cfg: cls(cfg, impl=impl), dtype=dtype, strict=strict)
 
     def save_pretrained(self, folder: str, *, max_shard_size: int | str = "5GB",
-                        model_type: str | None = None) -> None:
-        """transformers' on-disk layout for model_type (default: the config's), else our own format."""
-        hf.save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type)
+                        model_type: str | None = None, tokenizer=None) -> None:
+        """transformers' on-disk layout for model_type (default: the config's), else our own format; with the
+        tokenizer files of `tokenizer` (a ByteTokenizer or JsonTokenizer of hybridlm.model.tokenizer; None:
+        bytes for a vocabulary of 256, else none), which `AutoTokenizer.from_pretrained(folder)` loads."""
+        hf.save_pretrained(self, folder, max_shard_size=max_shard_size, model_type=model_type,
+                           tokenizer=tokenizer)

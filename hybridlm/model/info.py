@@ -60,10 +60,11 @@ def _history_bytes_per_token(cfg: HybridConfig, dtype_bytes: int) -> int:
     return (nH + 3 * nKV) * hd * dtype_bytes + nKV * 4 + (nH * 4 if cfg.path_forget_gate else 0)
 
 
-def load_config(target: str, arg: str = "target") -> HybridConfig:
+def load_config(target: str, arg: str = "target", check_weights: bool = False) -> HybridConfig:
     """A preset name, a model folder, a training run or its checkpoints folder (the latest complete checkpoint,
     said on stderr), a Hub id (its config.json only), a transformers config.json or a HybridConfig JSON.
-    Raises UsageError naming `arg`."""
+    `check_weights`: a folder's safetensors files must be complete too (their headers and lengths are read, no
+    tensor). Raises UsageError naming `arg`."""
     from .locate import HF_CONFIG, HYBRID_CONFIG, NATIVE_CONFIG, UsageError, locate
     from .presets import PRESETS, get_preset
 
@@ -76,6 +77,8 @@ def load_config(target: str, arg: str = "target") -> HybridConfig:
     if found.note:
         print(f"[reading {found.note}]", file=sys.stderr)
     path = found.file
+    if check_weights and found.folder is not None:
+        _check_weights(found.folder, arg)
     if path is None:
         names = [n for n in (HF_CONFIG, NATIVE_CONFIG, HYBRID_CONFIG) if os.path.isfile(os.path.join(found.folder, n))]
         if not names:
@@ -92,6 +95,20 @@ def load_config(target: str, arg: str = "target") -> HybridConfig:
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # bad JSON, unknown model_type, missing fields
         raise UsageError(f"{arg} {target}: {path} is not a transformers or HybridConfig config JSON "
                          f"({type(e).__name__}: {e}); give a model folder, a config JSON or a preset") from e
+
+
+def _check_weights(folder: str, arg: str) -> None:
+    """Raise UsageError when the folder's safetensors files are missing, truncated or unreadable (a folder with
+    no weights at all, a config-only Hub snapshot, passes)."""
+    from .locate import UsageError
+    from .safetensors_folder import INDEX_NAME, SINGLE_NAME, TensorSource
+
+    if not any(os.path.isfile(os.path.join(folder, n)) for n in (INDEX_NAME, SINGLE_NAME)):
+        return
+    try:
+        TensorSource(folder)
+    except UsageError as e:
+        raise UsageError(f"{arg} {e}") from e
 
 
 def count_parameters(cfg: HybridConfig) -> tuple[int, int]:
@@ -141,7 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.target)
+    from .locate import UsageError
+
+    if args.context is not None and args.context < 1:
+        raise UsageError(f"--context: expected >= 1, got {args.context}")
+    cfg = load_config(args.target, check_weights=True)
     total, active = count_parameters(cfg)
     cb = cache_bytes(cfg, _DTYPE_BYTES[args.dtype])
     ctx = args.context or cfg.max_position_embeddings

@@ -4,13 +4,15 @@ Non-standard here: every curve is the same closed-form count as `hybridlm.model.
 tests against the bytes of a real cache after a prefill), applied to variants of one config that keep its widths
 and layer count and change only the layer types: full attention with one KV head per query head (MHA), with the
 config's KV heads (GQA), MLA (the config's latent sizes, or Kimi Linear's 512 + 64), all GDN, all KDA (one
-key/value head per GDN value head), and the config's own hybrid pattern.
+key/value head per GDN value head), and the config's own hybrid pattern. Curves that coincide (all GDN and all
+KDA, often) are drawn in distinct styles, each thinner and above the one before, so that both show.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from hybridlm.files import atomic_write
 
@@ -46,15 +48,24 @@ def contexts_up_to(max_context: int) -> list[int]:
     return out + [max_context]
 
 
-def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str) -> None:
+# One marker and line style per curve. Curves may coincide (all GDN and all KDA hold the same state when KDA has
+# one key head per GDN value head): each is drawn thinner and above the ones before it, so all stay visible.
+STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", "-"), ("x", "--"), ("*", ":")]
+
+
+def figure(rows: dict[str, list[int]], contexts: list[int], title: str):
+    """The plot of `rows` (GiB against context length, log-log) as a matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    for name, vals in rows.items():
-        ax.plot(contexts, [v / 2**30 for v in vals], marker="o", label=name)
+    n = len(rows)
+    for i, (name, vals) in enumerate(rows.items()):
+        marker, style = STYLES[i % len(STYLES)]
+        ax.plot(contexts, [v / 2**30 for v in vals], marker=marker, linestyle=style, label=name, zorder=2 + i,
+                linewidth=1.2 + 0.5 * (n - 1 - i), markersize=4 + 1.2 * (n - 1 - i))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -63,8 +74,17 @@ def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(path, fig.savefig)
-    plt.close(fig)
+    return fig
+
+
+def plot(rows: dict[str, list[int]], contexts: list[int], path: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, contexts, title)
+    try:
+        atomic_write(path, fig.savefig)
+    finally:
+        plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,13 +102,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .locate import UsageError
 
-    target = args.preset or args.config
-    cfg = load_config(target, "--preset" if args.preset else "--config")
-    max_ctx = args.max_context or cfg.max_position_embeddings
-    if max_ctx < 1:
-        raise UsageError(f"--max-context: expected >= 1, got {max_ctx}")
+    if args.max_context is not None and args.max_context < 1:  # 0 is not "the model's default"
+        raise UsageError(f"--max-context: expected >= 1, got {args.max_context}")
     if args.batch < 1:
         raise UsageError(f"--batch: expected >= 1, got {args.batch}")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise UsageError(f"--plot {args.plot}: no such folder {os.path.dirname(os.path.abspath(args.plot))}; "
+                         "create it or give another path")
+    target = args.preset or args.config
+    cfg = load_config(target, "--preset" if args.preset else "--config")
+    max_ctx = args.max_context if args.max_context is not None else cfg.max_position_embeddings
     ctxs = contexts_up_to(max_ctx)
     rows = table(cfg, ctxs, _DTYPE_BYTES[args.dtype], args.batch)
     width = max(len(k) for k in rows)
@@ -98,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     for name, vals in rows.items():
         print(f"{name:<{width}}" + "".join(f"{_fmt_bytes(v):>12}" for v in vals))
     if args.plot:
-        plot(rows, ctxs, args.plot, f"{target}: cache memory vs context (batch {args.batch}, {args.dtype})")
+        try:
+            plot(rows, ctxs, args.plot, f"{target}: cache memory vs context (batch {args.batch}, {args.dtype})")
+        except (OSError, ValueError) as e:  # a folder not writable, a format matplotlib does not know
+            raise UsageError(f"--plot {args.plot}: {e}") from e
         print(f"plot written to {args.plot}")
     return 0

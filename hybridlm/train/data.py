@@ -10,6 +10,8 @@ Non-standard here:
   next row when both are in the same document, so no token of the stream is wasted.
 - `short_documents` cuts a text into web-text-sized documents (paragraphs joined until one passes 400 bytes), the
   corpus of short documents that `scripts/short_docs.py` writes for --data and the benchmarks pack.
+- A file must be text: a NUL byte, or more than 1% of its bytes invalid UTF-8, refuses it (binary data would
+  train on replacement characters); fewer invalid bytes are read as U+FFFD with one warning for the corpus.
 - The order of rows is a seeded permutation per epoch, and a batch is a pure function of (seed, micro-batch
   index, rank, world size): the data position of a checkpoint is one integer and resuming is exact.
 """
@@ -17,6 +19,7 @@ Non-standard here:
 from __future__ import annotations
 
 import json
+import logging
 import lzma
 import math
 import os
@@ -32,6 +35,8 @@ IGNORE = -100
 BUNDLED_NAME = "shakespeare.txt.xz"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
+MAX_INVALID_FRACTION = 0.01  # a file with more invalid UTF-8 bytes than this is not text
+log = logging.getLogger(__name__)
 # A work of the bundled corpus starts with its title line, a blank line, and "by William Shakespeare".
 _WORK_START = re.compile(r"\n+(?=[^\n]+\n\nby William Shakespeare\n)")
 
@@ -81,36 +86,62 @@ def bundled_corpus_text() -> str:
         return lzma.decompress(f.read()).decode("utf-8")
 
 
-def _read_jsonl(path: str) -> list[str]:
+def decode_text(raw: bytes, path: str) -> tuple[str, int]:
+    """`raw` as UTF-8 text (invalid bytes as U+FFFD) and how many of its bytes were invalid. Raises TrainError
+    naming `path` when it is not text: a NUL byte, or more than MAX_INVALID_FRACTION of the bytes invalid."""
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise TrainError(f"--data: {path} is not text (a NUL byte at offset {nul}); give UTF-8 text files or a "
+                         ".jsonl with a \"text\" field")
+    bad = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+    if bad > MAX_INVALID_FRACTION * len(raw):
+        raise TrainError(f"--data: {path} is not UTF-8 text ({bad} of its {len(raw)} bytes, {bad / len(raw):.1%}, "
+                         f"are invalid UTF-8; at most {MAX_INVALID_FRACTION:.0%} is read, as U+FFFD); convert it "
+                         "to UTF-8, e.g. iconv -f latin1 -t utf-8")
+    return raw.decode("utf-8", errors="replace"), bad
+
+
+def _read_bytes(path: str) -> bytes:
+    if path.endswith(".xz"):
+        with lzma.open(path, "rb") as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_jsonl(path: str, text: str) -> list[str]:
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TrainError(
-                    f"--data: line {n} of {path} is not JSON ({e.msg}); give one JSON object per line"
-                ) from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise TrainError(f"--data: line {n} of {path} has no string field \"text\" (each line must be "
-                                 "{\"text\": \"...\"})")
-            docs.append(obj["text"])
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TrainError(f"--data: line {n} of {path} is not JSON ({e.msg}); give one JSON object per line") from e
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise TrainError(f"--data: line {n} of {path} has no string field \"text\" (each line must be "
+                             "{\"text\": \"...\"})")
+        docs.append(obj["text"])
     return docs
 
 
-def _read_file(path: str) -> list[str]:
+def _read_file(path: str) -> tuple[list[str], int]:
+    """The documents of one file and how many invalid UTF-8 bytes it had."""
+    text, bad = decode_text(_read_bytes(path), path)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # the newlines a file opened as text gives
     if path.endswith(JSONL_SUFFIXES):
-        return _read_jsonl(path)
-    if path.endswith(".xz"):
-        with lzma.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+        return _read_jsonl(path, text), bad
     works = split_works(text)
-    return works if len(works) > 1 else ([text] if text.strip() else [])
+    return (works if len(works) > 1 else ([text] if text.strip() else [])), bad
+
+
+def _warn_invalid(bad: dict[str, int]) -> None:
+    """One warning for the whole corpus: the files with invalid UTF-8 bytes (read as U+FFFD) and how many."""
+    if not bad:
+        return
+    shown = [f"{n} in {p}" for p, n in list(bad.items())[:3]]
+    more = f" and {len(bad) - 3} more file(s)" if len(bad) > 3 else ""
+    log.warning("--data: invalid UTF-8 bytes read as U+FFFD: %s%s", ", ".join(shown), more)
 
 
 def read_documents(paths: list[str] | None) -> tuple[list[str], str]:
@@ -135,7 +166,13 @@ def read_documents(paths: list[str] | None) -> tuple[list[str], str]:
         else:
             raise TrainError(f"--data: no such file or folder: {p} (give text files, a folder of .txt/.jsonl files, "
                              "or a .jsonl with a \"text\" field; leave --data out for the bundled Shakespeare)")
-    docs = [d for f in files for d in _read_file(f)]
+    docs, bad = [], {}
+    for f in files:
+        file_docs, n_bad = _read_file(f)
+        docs.extend(file_docs)
+        if n_bad:
+            bad[f] = n_bad
+    _warn_invalid(bad)
     if not any(d.strip() for d in docs):
         raise TrainError(f"--data: the corpus is empty ({len(files)} file(s) read, no text in them); "
                          "give files that contain text")

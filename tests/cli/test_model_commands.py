@@ -83,6 +83,13 @@ CASES = {
     "empty prompt": (["generate", "--model", "tiny", "--prompt", ""], "--prompt", "empty"),
     "no new tokens": (["generate", "--model", "tiny", "--prompt", "a", "--max-new-tokens", "0"],
                       "--max-new-tokens", "expected >= 1, got 0"),
+    "truncated weights (info)": (["info", "{truncated}"], "target", "truncated"),
+    "no context (memory)": (["memory", "--preset", "tiny", "--max-context", "0"], "--max-context",
+                            "expected >= 1, got 0"),
+    "no context (info)": (["info", "tiny", "--context", "0"], "--context", "expected >= 1, got 0"),
+    "plot into a missing folder": (["memory", "--preset", "tiny", "--plot", "/nonexistent/m.png"],
+                                   "--plot /nonexistent/m.png", "no such folder /nonexistent"),
+    "plot format unknown": (["memory", "--preset", "tiny", "--plot", "{garbage}/m.xyz"], "m.xyz", "not supported"),
     "bad flag value": (["generate", "--model", "tiny", "--prompt", "a", "--max-new-tokens", "many"],
                        "--max-new-tokens", "invalid int value"),
 }

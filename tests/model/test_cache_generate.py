@@ -108,6 +108,27 @@ def test_memory_subcommand_table_and_plot(tmp_path, capsys):
     assert img.shape[0] == 500 and img.shape[1] == 800
 
 
+def test_memory_plot_shows_curves_that_coincide():
+    """All GDN and all KDA hold the same bytes for Kimi Linear's shape: the later curve is drawn thinner, in
+    another marker and line style, above the earlier one, so both show."""
+    import matplotlib.pyplot as plt
+
+    from hybridlm.model.memory import contexts_up_to, figure, table
+    from hybridlm.model.presets import get_preset
+
+    ctxs = contexts_up_to(65536)
+    fig = figure(table(get_preset("kimi-linear-48b-a3b"), ctxs, 2, 1), ctxs, "t")
+    try:
+        lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    finally:
+        plt.close(fig)
+    gdn, kda = lines["all GDN"], lines["all KDA"]
+    assert list(gdn.get_ydata()) == list(kda.get_ydata())  # the case that hid one line under the other
+    assert len({(ln.get_marker(), ln.get_linestyle()) for ln in lines.values()}) == len(lines) == 6
+    assert kda.get_zorder() > gdn.get_zorder() and kda.get_linewidth() < gdn.get_linewidth()
+    assert kda.get_markersize() < gdn.get_markersize()
+
+
 def test_generate_subcommand_streams(capsys):
     from hybridlm.cli import main
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 
 import pytest
 import torch
@@ -169,7 +171,13 @@ def test_train_val_split_and_unigram():
     assert sum(d.numel() for d in tr) + sum(d.numel() for d in va) == 1010
     assert any(d.numel() == 100 for d in va)
     u = unigram_nats(Stream.from_docs(tr, 0), Stream.from_docs(va, 0), 256)
-    assert 0 < u < 5.6
+    # by hand: train = (0..899) % 7 and ten 1s, so add-one counts over 256 ids are 130, 140, 130, 130, 129, 129,
+    # 129 for ids 0-6 and 1 for the rest (total 910 + 256); the val targets are (901..999) % 7, 14 of each id and
+    # a 15th 5 (901 % 7 == 5)
+    counts = {0: 130, 1: 140, 2: 130, 3: 130, 4: 129, 5: 129, 6: 129}
+    targets = {i: 14 for i in range(7)} | {5: 15}
+    exact = -sum(n * math.log(counts[i] / 1166) for i, n in targets.items()) / 99
+    assert abs(u - exact) < 1e-12, (u, exact)
 
 
 def test_data_sources_text_folder_jsonl(tmp_path):
@@ -208,3 +216,52 @@ def test_bad_tokenizer_is_a_train_error(tmp_path, small_corpus, micro_args):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(TrainError, match="--tokenizer: .*bad.json is not a tokenizer.json"):
         train(micro_args(small_corpus, str(tmp_path), "--tokenizer", str(tmp_path / "bad.json")))
+
+
+def test_data_that_is_not_text_is_refused_naming_the_file(tmp_path, seed):
+    """A NUL byte, or more than 1% of the bytes invalid UTF-8, refuses the file in one line naming it."""
+    g = torch.Generator().manual_seed(seed)
+    noise = tmp_path / "random.bin.txt"
+    noise.write_bytes(bytes(torch.randint(0, 256, (200_000,), generator=g).tolist()))
+    with pytest.raises(TrainError, match=r"--data: .*random.bin.txt is not (UTF-8 )?text") as info:
+        read_documents([str(noise)])
+    assert "\n" not in str(info.value)
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"plain text\n" * 100 + b"\0" + b"more")
+    with pytest.raises(TrainError, match=r"--data: .*nul.txt is not text \(a NUL byte at offset 1100\)"):
+        read_documents([str(nul)])
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(("\n".join(json.dumps({"text": "caf\u00e9"}, ensure_ascii=False) for _ in range(3)))
+                       .encode("latin-1"))  # 3 invalid bytes (é as E9) in 3 x 16 + 2
+    with pytest.raises(TrainError, match=r"latin1.jsonl is not UTF-8 text \(3 of its 50 bytes, 6.0%"):
+        read_documents([str(latin1)])
+
+
+def test_a_few_bad_bytes_give_one_warning(tmp_path, caplog):
+    """Up to 1% invalid bytes are read as U+FFFD, with one warning for the corpus that names the files."""
+    good = "Hello, world.\n" * 71  # 994 bytes + 6 bad ones below: 0.6%
+    (tmp_path / "a.txt").write_bytes(good.encode() + b"\xff\xfe\xc3(\xe2\x82x\x80")  # 6 invalid bytes
+    (tmp_path / "b.txt").write_bytes(b"ok " * 400 + b"\xff")
+    (tmp_path / "c.txt").write_text("clean\n" * 50)
+    with caplog.at_level(logging.WARNING, logger="hybridlm.train.data"):
+        docs, _ = read_documents([str(tmp_path / n) for n in ("a.txt", "b.txt", "c.txt")])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "5 in " not in warnings[0] and f"6 in {tmp_path / 'a.txt'}" in warnings[0], warnings
+    assert f"1 in {tmp_path / 'b.txt'}" in warnings[0] and "c.txt" not in warnings[0], warnings
+    # \xc3( and \xe2\x82x are cut sequences: one U+FFFD each, the next character kept
+    assert docs[0] == good + "\ufffd\ufffd\ufffd(\ufffdx\ufffd"
+    caplog.clear()
+    (tmp_path / "edge.txt").write_bytes(b"a" * 990 + b"\xff" * 10)  # exactly 1%: read
+    read_documents([str(tmp_path / "edge.txt")])
+    assert len(caplog.records) == 1
+    (tmp_path / "over.txt").write_bytes(b"a" * 989 + b"\xff" * 11)
+    with pytest.raises(TrainError, match="over.txt is not UTF-8 text"):
+        read_documents([str(tmp_path / "over.txt")])
+
+
+def test_text_files_keep_their_newlines_as_text_mode_reads_them(tmp_path):
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    (tmp_path / "crlf.jsonl").write_bytes(b'{"text": "x"}\r\n{"text": "y\\r\\n"}\r\n')
+    docs, _ = read_documents([str(tmp_path / "crlf.txt"), str(tmp_path / "crlf.jsonl")])
+    assert docs == ["one\ntwo\nthree\n", "x", "y\r\n"]
