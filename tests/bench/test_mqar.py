@@ -414,7 +414,7 @@ def test_shards_split_the_grid_and_a_plain_run_merges_them(tmp_path, capsys):
     assert [(c["mixer"], c["width"]) for c in b[1:]] == [("linear_attention", 24)]
 
 
-def test_mixed_pairs_split_the_batch_and_keep_the_test_at_the_cells_pairs():
+def test_mixed_pairs_split_the_batch_and_keep_the_test_at_the_cells_pairs(monkeypatch):
     assert mqar.train_groups(128, 64, False) == [(128, 64)]
     assert mqar.train_groups(128, 64, True) == [(43, 16), (43, 32), (42, 64)]
     assert mqar.train_groups(5, 2, True) == [(3, 1), (2, 2)]  # 2 // 4 = 0 -> 1 pair; duplicates merged
@@ -422,8 +422,19 @@ def test_mixed_pairs_split_the_batch_and_keep_the_test_at_the_cells_pairs():
         mqar.train_groups(2, 64, True)
     cfg = TrainConfig(steps=2, batch_size=6, test_examples=8, mixed_pairs=True)
     assert cfg.tag().endswith("|mix") and not TrainConfig().tag().endswith("|mix")
+    scored = {}
+    evaluate = mqar.evaluate
+    monkeypatch.setattr(mqar, "evaluate", lambda model, x, y, **kw: scored.update(model=model, x=x, y=y)
+                        or evaluate(model, x, y, **kw))
     r = train_cell(Cell("gdn", 16, Setting(32, 8, 64), 1e-2), cfg, seed=0, device=torch.device("cpu"))
-    assert r["num_pairs"] == 8 and r["mixed_pairs"] is True and 0 <= r["accuracy"] <= 1
+    assert r["num_pairs"] == 8 and r["mixed_pairs"] is True
+    # the held-out examples all ask the cell's 8 pairs, and the reported accuracy is the trained model's share of
+    # right answers on them, counted here
+    keep = scored["y"] != IGNORE
+    assert keep.sum(1).tolist() == [8] * 8
+    with torch.no_grad():
+        pred = scored["model"].eval()(scored["x"]).argmax(-1)
+    assert r["accuracy"] == (pred[keep] == scored["y"][keep]).sum().item() / 64
 
 
 def test_old_results_files_still_load_and_tabulate():

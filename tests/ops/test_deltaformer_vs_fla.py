@@ -1,14 +1,18 @@
-"""Our DeltaFormer attention (impl="chunk", float32 compute on CUDA) against fla's, both measured against our
-float64 token-by-token reference on the same inputs: B 2 x T 300 and packed varlen, 4 heads, K = V = 64, float32
-and bfloat16. Prints one line per tensor,
-`PARITY deltaformer <dtype> <case> <tensor> ours=<max abs err vs fp64> fla=<max abs err vs fp64>`, and asserts ours
-is within a tight tolerance of float64 (fla's numbers are reported, not asserted).
+"""Our DeltaFormer attention (impl="chunk", float32 compute on CUDA) and fla's, both against our float64
+token-by-token reference on the same inputs: B 2 x T 300 and packed varlen, 4 heads, K = V = 64, float32 and
+bfloat16. Prints one line per tensor and implementation,
+`PARITY deltaformer <dtype> <case> <ours|fla> <tensor> err=<max abs err / max |fp64|> bar=...`.
+
+Asserted: ours (output and every gradient) within TOL; fla's output within FLA_TOL (a different definition, a
+wrong scale or a beta read from the wrong token is off by O(1)). fla's gradients are printed, not judged. An fla
+exception fails the test (no known limitation is named for this op).
 
 Definitions: the same as fla's (its naive and its kernels): the write softmax over j < i and the read softmax over
 j <= i of the same scores scale * q_i.k_j, scale K ** -0.5, beta as given. fla's op runs its own kernel for u
-(`ParallelDeltaformerFunction`, the DeltaFormer-specific part) and then FlashAttention over u, which takes only
-fp16 / bf16; here fla's u goes through causal SDPA in the input dtype instead (per sequence for varlen), so that
-float32 is compared too and flash-attn is not needed. fla takes beta in the dtype of k.
+(`ParallelDeltaformerFunction`, the DeltaFormer-specific part, called here with q as the write's query) and then
+FlashAttention over u, which takes only fp16 / bf16; here fla's u goes through causal SDPA in the input dtype
+instead (per sequence for varlen), so that float32 is compared too and flash-attn is not needed. fla takes beta in
+the dtype of k.
 GPU only: skipped without CUDA or without fla.
 """
 
@@ -17,23 +21,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fla_check import check, run_fla
 from float64_check import outputs_and_grads
 
 from hybridlm.ops import deltaformer_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+fla_deltaformer = pytest.importorskip("fla.ops.deltaformer.parallel")
 
 B, T, H, K, V = 2, 300, 4, 64, 64
 CU = [0, 77, 300, 301, 600]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error / max |reference|
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # ours: max abs error / max |reference|
+# fla's output: its kernels run float32 matmuls in tf32 (~1e-3 relative) and keep u in the input dtype (bfloat16:
+# ~4e-3 a step, through the recursion); bars ~5x above that until measured errors are in
+FLA_TOL = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["plain", "varlen"])
-def test_deltaformer_vs_fla(dtype, varlen):
-    from fla.ops.deltaformer.parallel import ParallelDeltaformerFunction
-
-    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+def test_deltaformer_vs_fla(dtype, varlen, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     b, t = (1, CU[-1]) if varlen else (B, T)
     r = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(dtype)  # noqa: E731
     x = dict(q=r(b, t, H, K), k=r(b, t, H, K), v=r(b, t, H, V),
@@ -46,7 +53,7 @@ def test_deltaformer_vs_fla(dtype, varlen):
         return deltaformer_attention(q, k, v, beta=beta, cu_seqlens=cu, impl=impl)
 
     def fla(q, k, v, beta):
-        u = ParallelDeltaformerFunction.apply(q, k, v, beta, 512, None if cu is None else cu.long())
+        u = fla_deltaformer.ParallelDeltaformerFunction.apply(q, k, v, beta, 512, None if cu is None else cu.long())
         qt, kt, ut = (z.transpose(1, 2) for z in (q, k, u))
         o = torch.cat([F.scaled_dot_product_attention(qt[:, :, s:e], kt[:, :, s:e], ut[:, :, s:e], is_causal=True)
                        for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
@@ -55,13 +62,12 @@ def test_deltaformer_vs_fla(dtype, varlen):
     ref = outputs_and_grads(lambda **a: ours(**a, impl="naive"), {n: z.double() for n, z in x.items()},
                             do.double())
     mine = outputs_and_grads(ours, x, do)
-    try:
-        theirs = outputs_and_grads(fla, x, do)
-    except Exception as e:  # noqa: BLE001 (fla's limits are reported, ours is still checked)
-        theirs, why = {}, f"{type(e).__name__}: {e}".splitlines()[0][:80]
+    tag = f"deltaformer {str(dtype)[6:]} {'varlen' if varlen else 'plain'}"
+    bad = []
     for name, want in ref.items():
-        e_ours = (mine[name].double() - want).abs().max().item()
-        e_fla = f"{(theirs[name].double() - want).abs().max().item():.3e}" if theirs else f"error({why})"
-        print(f"PARITY deltaformer {str(dtype)[6:]} {'varlen' if varlen else 'plain'} {name} ours={e_ours:.3e} "
-              f"fla={e_fla}")
-        assert e_ours <= TOL[dtype] * want.abs().max().item(), (name, e_ours)
+        check(f"{tag} ours", name, mine[name], want, TOL[dtype], bad)
+    assert not bad, f"seed {seed}: ours over {TOL[dtype]} x max |fp64|: {bad}"
+    theirs = run_fla(lambda: outputs_and_grads(fla, x, do))
+    for name, want in ref.items():
+        check(f"{tag} fla", name, theirs[name], want, FLA_TOL[dtype] if name == "o" else float("inf"), bad)
+    assert not bad, f"seed {seed}: fla's output over {FLA_TOL[dtype]} x max |fp64|: {bad}"

@@ -4,15 +4,17 @@ float64 token-by-token reference on the same inputs (plain with initial states, 
 The definitions agree (H_t = e^{g_t} H_{t-1} + beta_t k_t k_t^T, G_t likewise with v_t, o_t = G_t^T (H_t +
 diag(lambda))^{-1} q_t, lambda [H, K], q and k l2-normalised, state pair (h_kk, h_kv)) except where fla differs:
 - fla does not solve exactly: it runs `max_CG_iteration` (default 30) conjugate-gradient steps from x = 0 with 1e-5
-  added to both denominators; we solve exactly (`cg_iters=None`, our default). Its error printed below is that
-  truncation plus the next item, not a bug in either.
+  added to both denominators; we solve exactly (`cg_iters=None`, our default). fla is therefore measured against
+  our float64 reference run at the same 30 steps.
 - fla casts the l2-normalised q and k to float16 inside the kernel (float32 inputs too), and stores the chunk
   states in that dtype; our float32 path keeps everything in float32.
 - fla has no q scale: we pass scale=1 (our default K ** -0.5 only rescales o).
 - fla needs V == K (<= 128) and float32 initial states; the inputs here are H 4, K = V = 64.
-The assertion is on ours only (close to float64 at float32 / bfloat16 rounding); fla's error is printed per tensor,
-`PARITY mesa_net <dtype> <tensor> ours=<max abs err vs fp64> fla=<max abs err vs fp64> ref=<max |fp64|>`, with an
-`o_cg30` line for our op at fla's 30 CG steps (the same approximation fla makes, without its float16 q/k).
+Asserted: ours within TOL of the exact float64 reference (o, both final states, every gradient); fla's within
+FLA_TOL of the float64 reference at fla's own approximation (30 CG steps from x = 0: `cg_iters=30`), so that the
+bar measures fla's precision (its float16 q / k), not the truncation, and a wrong definition (a missing ridge,
+beta or decay) is off by O(1). One line per tensor, `PARITY mesa_net <dtype> <case> <ours|fla> <tensor> err=...`.
+An fla exception fails the test (no known limitation is named for this op).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fla_check import check, run_fla
 
 from hybridlm.ops import mesa_net
 
@@ -32,6 +35,10 @@ H, K, V = 4, 64, 64
 # max |ours - fp64| / max |fp64| per tensor: float32 compute at a condition number of a few tens; bfloat16 outputs
 # and gradients are rounded to 8 bits (2^-8 ~ 4e-3)
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
+# fla (max |fla - fp64 at 30 CG steps| / max |that|): q and k rounded to float16 (2^-11) inside its kernels and its
+# chunk states stored in float16, through a solve of condition number a few tens; bfloat16 inputs add their own
+# rounding. Bars ~5x above that estimate until measured errors are in.
+FLA_TOL = {"o": 3e-2, "H_final": 3e-2, "G_final": 3e-2, "grad": 5e-2}
 NAMES = ["o", "H_final", "G_final", "dq", "dk", "dv", "dg", "dbeta", "dlamb", "dH0", "dG0"]
 
 
@@ -63,7 +70,7 @@ def _run(which, x, do, *, fp64=False, **kw):
         o, (h, s) = mesa_net(q, k, v, g=g, beta=beta, lamb=lamb, scale=1.0, initial_state=(h0, s0),
                              output_final_state=True, use_qk_l2norm=True, cu_seqlens=x["cu"], **kw)
     grads = torch.autograd.grad((o * do.to(o.dtype)).sum(), leaves, allow_unused=True)
-    # a gradient fla does not return prints as nan instead of stopping the comparison of the others
+    # a gradient fla does not return is NaN: it fails its bar without stopping the comparison of the others
     return [o, h, s, *(torch.full_like(x, float("nan")) if d is None else d for x, d in zip(leaves, grads))]
 
 
@@ -75,17 +82,13 @@ def test_mesa_net_matches_fp64_and_fla(dtype, varlen, seed):
     do = torch.randn(x["v"].shape, generator=gen, device="cuda", dtype=torch.float32)
     ref = _run("ours", x, do.double(), fp64=True, impl="naive")
     ours = _run("ours", x, do, impl="chunk")
-    fla = _run("fla", x, do)
-    cg30 = _run("ours", x, do, impl="chunk", cg_iters=30)[0]
-    name = str(dtype).replace("torch.", "")
+    tag = f"mesa_net {str(dtype).replace('torch.', '')} {'varlen' if varlen else 'plain'}"
     bad = []
-    for n, a, b, r in zip(NAMES, ours, fla, ref):
-        err_ours, err_fla = ((t.double() - r).abs().max().item() for t in (a, b))
-        scale = r.abs().max().item()
-        print(f"PARITY mesa_net {name} {n} ours={err_ours:.3e} fla={err_fla:.3e} ref={scale:.3e}")
-        if not err_ours <= TOL[dtype] * scale:
-            bad.append((n, err_ours, scale))
-    err_cg = (cg30.double() - ref[0]).abs().max().item()
-    print(f"PARITY mesa_net {name} o_cg30 ours={err_cg:.3e} fla={(fla[0].double() - ref[0]).abs().max().item():.3e} "
-          f"ref={ref[0].abs().max().item():.3e}")
-    assert not bad, f"seed {seed}: (tensor, max abs err, max |fp64|) over {TOL[dtype]} x max |fp64|: {bad}"
+    for n, a, r in zip(NAMES, ours, ref):
+        check(f"{tag} ours", n, a, r, TOL[dtype], bad)
+    assert not bad, f"seed {seed}: ours over {TOL[dtype]} x max |fp64|: {bad}"
+    ref_cg = _run("ours", x, do.double(), fp64=True, impl="naive", cg_iters=30)
+    fla = run_fla(lambda: _run("fla", x, do))
+    for n, a, r in zip(NAMES, fla, ref_cg):
+        check(f"{tag} fla", n, a, r, FLA_TOL.get(n, FLA_TOL["grad"]), bad)
+    assert not bad, f"seed {seed}: fla over FLA_TOL x max |fp64 at 30 CG steps|: {bad}"

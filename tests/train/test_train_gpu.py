@@ -1,5 +1,6 @@
 """GPU acceptance of the training job (skipped without CUDA): the gpu-30m default run, FSDP2 on two GPUs, and no
-host synchronisation in a training step."""
+host synchronisation in a training step. Correctness only: wall time and tokens/s are printed (`TIMING` lines),
+not asserted (speed is `hybridlm bench`'s to measure)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,25 @@ import torch
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _tps(summary: dict) -> str:
+    """summary.json's tokens/s for a TIMING line (None when too few steps were timed)."""
+    v = summary.get("tokens_per_s")
+    return "n/a" if v is None else f"{v:,.0f}"
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_default_run_reaches_1_45(tmp_path):
-    """`hybridlm train` on one GPU (gpu-30m, ~30M params): best val <= 1.45 nats/byte within 10 minutes.
-    Seen on one H100 (2026-11-22): 84 s, val 1.175 nats/byte, ~300k tokens/s."""
+    """`hybridlm train` on one GPU (gpu-30m, ~30M params): best val <= 1.45 nats/byte (an H100 reached 1.175 in
+    84 s at ~300k tokens/s; the subprocess timeout, 15 minutes, only stops a hung run)."""
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "hybridlm", "train", "--out", str(tmp_path), "--no-progress",
-                        "--sample-tokens", "100"], capture_output=True, text=True, timeout=600)
+                        "--sample-tokens", "100"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     with open(tmp_path / "summary.json") as f:
         s = json.load(f)
+    print(f"TIMING gpu-30m default run: {time.time() - t0:.0f} s, {_tps(s)} tokens/s")
     assert s["params"] > 25e6 and s["best_val_nats_per_byte"] <= 1.45, s
-    assert time.time() - t0 <= 600
 
 
 MULTI_GPU_ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -44,8 +51,8 @@ def _train_run(cmd: list[str], out, env) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_fsdp2_two_gpus_matches_one(tmp_path):
     """torchrun + FSDP2 on 2 GPUs == 1 GPU at the same global batch over 50 steps (2 x 16 rows vs 1 x 32: final
-    train loss within 1e-2), and >= 1.8x the single-GPU tokens/s at the same per-GPU batch: a third run, 1 GPU x 16
-    rows. tokens/s is summary.json's median over the steps after the first ten."""
+    train loss within 1e-2). Both runs' tokens/s (summary.json's median over the steps after the first ten) are
+    printed."""
     common = ["--preset", "gpu-30m", "--max-steps", "50", "--eval-every", "0", "--save-every", "0",
               "--eval-tokens", "65536", "--sample-tokens", "0", "--no-progress", "--seq-len", "1024"]
     env = dict(os.environ, **MULTI_GPU_ENV)
@@ -53,10 +60,9 @@ def test_fsdp2_two_gpus_matches_one(tmp_path):
     two = _train_run([*torchrun, "-m", "hybridlm.train", *common, "--batch-size", "16"], tmp_path / "two", env)
     one32 = _train_run([sys.executable, "-m", "hybridlm.train", *common, "--batch-size", "32"], tmp_path / "one32",
                        env)
-    one16 = _train_run([sys.executable, "-m", "hybridlm.train", *common, "--batch-size", "16"], tmp_path / "one16",
-                       env)
+    print(f"TIMING fsdp2 2 GPUs x 16 rows: {_tps(two)} tokens/s; 1 GPU x 32 rows: {_tps(one32)} "
+          "tokens/s")
     assert abs(two["final_train_loss"] - one32["final_train_loss"]) <= 1e-2, (two, one32)
-    assert two["tokens_per_s"] >= 1.8 * one16["tokens_per_s"], (two["tokens_per_s"], one16["tokens_per_s"])
 
 
 STEP_CODE = ("one_step", "_forward_calls", "_to_device", "_loss_sum", "_clip_grad_norm", "clip_grad_norm")
