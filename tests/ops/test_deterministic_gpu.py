@@ -16,8 +16,9 @@ CALLS = 100
 
 
 def _inputs(op: str, seed: int) -> dict[str, torch.Tensor]:
-    """bf16 inputs of one packed row of three documents (1000, 63 and 985 tokens), H 4 key heads, HV 8 value heads,
-    K = V = 128, an fp32 initial state per document."""
+    """bf16 inputs (KDA's log-decays fp32, as its kernels take them) of one packed row of three documents (1000, 63
+    and 985 tokens), K = V = 128, an fp32 initial state per document; GDN with 4 key heads to 8 value heads, KDA
+    with 8 of each (its kernels take no grouped value heads)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T, H, HV, K, V = 2048, 4, 8, 128, 128
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
@@ -27,7 +28,7 @@ def _inputs(op: str, seed: int) -> dict[str, torch.Tensor]:
         x["g"] = torch.nn.functional.logsigmoid(r(1, T, HV, K) + 2)
     else:
         x["g"] = torch.nn.functional.logsigmoid(r(1, T, HV) + 3)
-    x = {n: t.bfloat16() for n, t in x.items()}
+    x = {n: t if n == "g" and op == "kda" else t.bfloat16() for n, t in x.items()}  # KDA's log-decays are fp32
     x["beta"] = torch.rand(1, T, HV, device="cuda", generator=gen).bfloat16()
     x["initial_state"] = r(3, HV, K, V) * 0.1
     return x
