@@ -9,8 +9,16 @@ Non-standard here:
   exists for the op and takes the inputs; else chunk). Training keeps the Triton forward and backward: the Gluon
   forward does not write what the Triton backward reads. The choice "auto" makes is logged once per (op, device
   type, impl, reason a faster path was not taken), never changed silently afterwards.
-- Compute dtype is float64 for float64 inputs and float32 otherwise; the state is kept in that dtype and the
-  caller's initial_state must already be in it (no silent cast). The output comes back in the input dtype.
+- q and k are cast to v's dtype (fla's callers pass float32 q, k with 16-bit v), and the op then runs as on inputs
+  all in v's dtype; o comes back in v's dtype. v's dtype rather than the promoted one: 16-bit values keep the
+  16-bit kernels, and o is in the dtype of the values it mixes (as in fla).
+- Compute dtype is float64 for float64 values and float32 otherwise; the state is kept in that dtype. An
+  initial_state in a narrower float (bf16, fp16; float32 for a float64 state) is upcast for the compute and the
+  final state comes back in the state dtype; a wider one is refused rather than rounded. A state_pool must be in the
+  state dtype (no cast): it is read and written in place across calls, so a 16-bit pool would round each
+  sequence's state at the end of every call, and a chunked prefill would depend on where it was cut.
+- cu_seqlens may be int32 or int64 and may be an inference tensor (`torch.inference_mode`), which has no version
+  counter for `hybridlm.ops.offsets` to key its host copy by: it is copied into a normal tensor once a call.
 - Values are not range-checked (g <= 0, beta in (0, 2)): that would need a device sync on every call.
 """
 
@@ -25,8 +33,15 @@ import torch.utils.checkpoint
 from .chunk import recurrence_chunk
 from .naive import recurrence_naive
 from .norm import l2norm
-from .offsets import host_offsets
-from .validate import IMPLS, Dims, check_recurrence_inputs, check_state_pool
+from .offsets import host_offsets, remember_offsets
+from .validate import (
+    IMPLS,
+    Dims,
+    check_recurrence_inputs,
+    check_state_dtype,
+    check_state_pool,
+    state_dtype,
+)
 
 log = logging.getLogger("hybridlm.ops")
 
@@ -190,11 +205,18 @@ def _run(
 
 def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
               cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute=False, state_pool=None, state_indices=None):
+    cu_seqlens = _versioned(cu_seqlens)
     dims = check_recurrence_inputs(
         q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, impl=impl,
+        chunk_size=chunk_size, impl=impl, mixed_qk=True,
     )
-    impl = resolve_impl(op, impl, q.device, q, v, needs_grad=_needs_grad(q, k, v, g, beta, initial_state))
+    needs_grad = _needs_grad(q, k, v, g, beta, initial_state)
+    if initial_state is not None:
+        check_state_dtype("initial_state", initial_state, v.dtype)
+        initial_state = initial_state.to(state_dtype(v.dtype))
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    cu_seqlens = _int32_offsets(cu_seqlens)
+    impl = resolve_impl(op, impl, q.device, q, v, needs_grad=needs_grad)
     if state_pool is None and state_indices is None:
         return _dispatch_checked(op, delta, dims, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -216,6 +238,25 @@ def _dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, ini
                                  chunk_size=chunk_size, impl=impl, recompute=recompute)
     state_pool.index_copy_(0, rows, final.detach())
     return o, (final if output_final_state else None)
+
+
+def _versioned(cu_seqlens):
+    """An inference tensor (no version counter, so never recorded by `host_offsets`) as a normal copy, so that the
+    offsets are read once per call and the copy may be saved for a backward; anything else as it is."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_inference():
+        with torch.inference_mode(False):
+            return cu_seqlens.clone()
+    return cu_seqlens
+
+
+def _int32_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """Validated offsets as the int32 tensor the kernels read, the host copy recorded with it: int64 offsets would
+    otherwise be converted, and read back, in every kernel call."""
+    if cu_seqlens is None or cu_seqlens.dtype == torch.int32:
+        return cu_seqlens
+    with torch.inference_mode(False):  # a normal tensor, so that the record holds under inference_mode too
+        cu32 = cu_seqlens.to(torch.int32)
+    return remember_offsets(cu32, host_offsets(cu_seqlens))
 
 
 def _check_state_dtype(q: torch.Tensor, initial_state: torch.Tensor | None) -> None:
@@ -260,13 +301,18 @@ def _dispatch_checked(op: str, delta: bool, dims: Dims, q, k, v, *, g, beta, sca
 
 _COMMON_DOC = """
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (value head h reads key head h // (HV / H)).
+    q and k may be in another floating dtype than v: they are cast to v's dtype, which the op computes in.
     scale: multiplies q after the optional l2 norm; default K ** -0.5.
-    initial_state: [N, HV, K, V] in float32 (float64 for float64 inputs), N = B or the number of varlen sequences.
-    output_final_state: also return the state after the last step ([N, HV, K, V]); otherwise None is returned.
-    cu_seqlens: int32/int64 [N+1] offsets of sequences packed into one row (B must be 1), FlashAttention-style.
+    initial_state: [N, HV, K, V], N = B or the number of varlen sequences; the state is float32 (float64 for float64
+    v): a narrower float (bf16, fp16) is upcast, a wider one refused.
+    output_final_state: also return the state after the last step ([N, HV, K, V], in the state dtype); otherwise
+    None is returned.
+    cu_seqlens: int32/int64 [N+1] offsets of sequences packed into one row (B must be 1), FlashAttention-style;
+    inference tensors are taken.
     use_qk_l2norm: normalise q and k over K as x * rsqrt(sum(x^2) + 1e-6) before the recurrence.
     chunk_size: 16, 32, 64 or 128, used by impl="chunk".
-    state_pool, state_indices: instead of initial_state, a pool [P, HV, K, V] (compute dtype) and int rows [N]:
+    state_pool, state_indices: instead of initial_state, a pool [P, HV, K, V] (in the state dtype, not cast: it is
+    updated in place) and int rows [N]:
     sequence n starts from state_pool[state_indices[n]] and its final state is written back there in place
     (chunked prefill and continuation in a server; rows distinct and in range, not checked).
     impl: "auto" | "naive" | "chunk" | "triton" | "gluon" (gated_delta_rule only: the sm_90 forward, no autograd;
@@ -274,7 +320,7 @@ _COMMON_DOC = """
     recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
     activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch
     paths run under torch.utils.checkpoint). Outputs and gradients are the same.
-    Returns (o [B, T, HV, V] in the input dtype, final_state or None).
+    Returns (o [B, T, HV, V] in v's dtype, final_state or None).
 """
 
 
