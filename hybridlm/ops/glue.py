@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 
 from . import conv as _conv
 from . import norm as _norm
+from .dispatch import TRITON_SUPPORTS, resolve_impl
 from .offsets import host_offsets
-from .recurrence import TRITON_SUPPORTS, resolve_impl
 
 try:  # the fused kernels (importing them registers their custom ops)
     from . import triton as _tk

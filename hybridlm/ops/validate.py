@@ -17,7 +17,8 @@ from .offsets import host_offsets
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_SIZES = (16, 32, 64, 128)
-IMPLS = ("auto", "naive", "chunk", "triton", "gluon")  # "gluon": gated_delta_rule only (recurrence.resolve_impl)
+# the impls of the ops outside the recurrence dispatch's table ("gluon": gated_delta_rule only, hybridlm.ops.dispatch)
+IMPLS = ("auto", "naive", "chunk", "triton", "gluon")
 
 
 def check_float(name: str, x: torch.Tensor) -> None:
@@ -71,12 +72,14 @@ def check_recurrence_inputs(
     chunk_size: int,
     impl: str,
     mixed_qk: bool = False,
+    impls: tuple[str, ...] = IMPLS,
 ) -> Dims:
     """Validate the common signature of the linear recurrences.
 
     g_kind: "none" (g must be None), "scalar" (g [B, T, HV]), "channel" (g [B, T, HV, K]) or
     "scalar_or_channel" (either). mixed_qk: q and k may come in other floating dtypes than v (the caller casts
-    them to v's); otherwise q, k and v must share one dtype.
+    them to v's); otherwise q, k and v must share one dtype. impls: the impl names that exist (the recurrences pass
+    their dispatch table's).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(name, x)
@@ -126,8 +129,8 @@ def check_recurrence_inputs(
         check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl not in impls:
+        raise ValueError(f"impl: expected one of {impls}, got {impl!r}")
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
