@@ -291,7 +291,7 @@ def choose(x: Inputs, impl: str) -> Backend:
         whys.append(f"{b.label} not used: {why}")
     why = "; ".join(whys) or None
     key = (x.op, x.device.type, b.name, why)
-    if key not in _LOGGED:
+    if key not in _LOGGED and not compiling:  # logged by the first eager call (a log call breaks a compiled graph)
         _LOGGED.add(key)
         log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", x.op, b.name, x.device.type,
                  f" ({why})" if why else "")
