@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from .dispatch import resolve_impl
 from .norm import l2norm
 from .offsets import host_offsets
-from .recurrence import resolve_impl
 from .validate import check_float, check_recurrence_inputs, check_same_device
 
 

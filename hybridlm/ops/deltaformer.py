@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrence import resolve_impl
+from .dispatch import resolve_impl
 from .softmax_family import check_softmax_inputs, compute_dtype, per_sequence, to_query_heads
 
 

@@ -25,8 +25,8 @@ from torch.autograd.function import once_differentiable
 
 from . import conv as _conv
 from . import norm as _norm
+from .dispatch import resolve_impl
 from .offsets import host_offsets
-from .recurrence import TRITON_SUPPORTS, resolve_impl
 
 try:  # the fused kernels (importing them registers their custom ops)
     from . import triton as _tk
@@ -205,10 +205,9 @@ def recurrent_decode_step(op: str, impl: str, state: torch.Tensor | None, q: tor
     [B, 1, HV, K] (KDA)."""
     if state is None or q.shape[1] != 1 or torch.is_grad_enabled() and q.requires_grad:
         return None
+    # "auto" resolves to "triton" only for inputs the kernels take; an explicit "triton" they do not take raises
     if resolve_impl(op, impl, q.device, q, v) != "triton" or not state.is_contiguous():
         return None
-    if op in TRITON_SUPPORTS and TRITON_SUPPORTS[op](q, v) is not None:
-        return None  # inputs the kernels do not take: the op path decides (an explicit "triton" raises there)
     idx = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
     step = _tk.fused_recurrent_kda_update if op == "kda" else _tk.fused_recurrent_gated_delta_rule_update
     o = step(q[:, 0], k[:, 0], v[:, 0], g=g[:, 0], beta=beta[:, 0], state_pool=state, state_indices=idx,

@@ -19,11 +19,11 @@ import contextlib
 
 import torch
 
+from .dispatch import resolve_impl
 from .mesa_chunk import mesa_chunk
 from .mesa_naive import mesa_naive
 from .norm import l2norm
 from .offsets import host_offsets
-from .recurrence import resolve_impl
 from .validate import Dims, check_float, check_recurrence_inputs, check_same_device, check_shape
 
 OP = "mesa_net"

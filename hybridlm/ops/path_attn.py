@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .recurrence import resolve_impl
+from .dispatch import resolve_impl
 from .softmax_family import check_softmax_inputs, compute_dtype, per_sequence, to_query_heads
 from .validate import CHUNK_SIZES
 

@@ -2,7 +2,9 @@
 
 Non-standard here: every check raises with a message that names the argument, what was expected and what was
 given, because a shape error deep inside an einsum is the worst way to learn that `g` had the wrong rank.
-Nothing is ever cast, broadcast or reshaped silently: these functions only look.
+Nothing is ever cast, broadcast or reshaped silently: these functions only look (the casts that the public
+recurrences document, q/k to v's dtype and a 16-bit initial_state up to the state's dtype, happen in their
+dispatch, after these checks).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from .offsets import host_offsets
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_SIZES = (16, 32, 64, 128)
-IMPLS = ("auto", "naive", "chunk", "triton", "gluon")  # "gluon": gated_delta_rule only (recurrence.resolve_impl)
+# the impls of the ops outside the recurrence dispatch's table ("gluon": gated_delta_rule only, hybridlm.ops.dispatch)
+IMPLS = ("auto", "naive", "chunk", "triton", "gluon")
 
 
 def check_float(name: str, x: torch.Tensor) -> None:
@@ -68,11 +71,15 @@ def check_recurrence_inputs(
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
     impl: str,
+    mixed_qk: bool = False,
+    impls: tuple[str, ...] = IMPLS,
 ) -> Dims:
     """Validate the common signature of the linear recurrences.
 
     g_kind: "none" (g must be None), "scalar" (g [B, T, HV]), "channel" (g [B, T, HV, K]) or
-    "scalar_or_channel" (either).
+    "scalar_or_channel" (either). mixed_qk: q and k may come in other floating dtypes than v (the caller casts
+    them to v's); otherwise q, k and v must share one dtype. impls: the impl names that exist (the recurrences pass
+    their dispatch table's).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(name, x)
@@ -89,7 +96,7 @@ def check_recurrence_inputs(
         raise ValueError(f"v: expected value heads HV to be a multiple of the key heads H={H}, got HV={HV}")
     if K == 0 or V == 0:
         raise ValueError(f"q/v: expected non-empty head dims, got K={K}, V={V}")
-    if not (q.dtype == k.dtype == v.dtype):
+    if not mixed_qk and not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
 
     if g_kind == "none":
@@ -122,10 +129,24 @@ def check_recurrence_inputs(
         check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl not in impls:
+        raise ValueError(f"impl: expected one of {impls}, got {impl!r}")
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
+
+
+def state_dtype(v_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the recurrences keep their state in: float64 for float64 values, else float32."""
+    return torch.float64 if v_dtype == torch.float64 else torch.float32
+
+
+def check_state_dtype(name: str, x: torch.Tensor, v_dtype: torch.dtype) -> None:
+    """A given initial state is upcast to the state dtype; one it cannot hold exactly (float64 for a float32
+    state) is refused rather than rounded."""
+    want = state_dtype(v_dtype)
+    if x.dtype != want and torch.finfo(x.dtype).bits > torch.finfo(want).bits:
+        raise TypeError(f"{name}: expected dtype {want} or a narrower float, upcast (the state of {v_dtype} inputs "
+                        f"is kept in {want}), got {x.dtype}")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, *, B: int, T: int) -> int:

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-import hybridlm.ops.recurrence as rec
+import hybridlm.ops.dispatch as dispatch
 from hybridlm.ops import gated_delta_rule
 
 pytest.importorskip("triton")
@@ -47,7 +47,7 @@ def _inputs(B, T, H, HV, seed):
 @pytest.fixture
 def picks(caplog, monkeypatch):
     """The impls impl="auto" logged for gated_delta_rule in this test (every choice logs: _LOGGED starts empty)."""
-    monkeypatch.setattr(rec, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
     caplog.set_level("INFO", logger="hybridlm.ops")
     return lambda: [r.getMessage().split("picked ")[1].split("'")[1] for r in caplog.records
                     if r.getMessage().startswith("hybridlm.ops.gated_delta_rule: impl='auto' picked")]

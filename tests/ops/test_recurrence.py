@@ -194,9 +194,9 @@ def test_low_precision_inputs_fp32_state_and_dtype(dtype):
 
 
 def test_auto_picks_chunk_on_cpu_and_logs_once(caplog, monkeypatch):
-    import hybridlm.ops.recurrence as rec
+    import hybridlm.ops.dispatch as dispatch
 
-    monkeypatch.setattr(rec, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
     q, k, v, g, beta, h0 = make_inputs(1, 8, 1, 1, 4, 4)
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         delta_rule(q, k, v, beta=beta)
@@ -208,6 +208,7 @@ def test_auto_picks_chunk_on_cpu_and_logs_once(caplog, monkeypatch):
 def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, monkeypatch):
     """impl="auto" on CUDA uses the Triton kernel only for head dims it supports (1..256); the fallback is logged once
     with the reason (checked without a GPU: resolve_impl only looks at the device type)."""
+    import hybridlm.ops.dispatch as dispatch
     import hybridlm.ops.recurrence as rec
     import hybridlm.ops.triton  # noqa: F401  (triton is a dependency: a kernel that fails to import fails here)
 
@@ -215,7 +216,7 @@ def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, mo
     cuda = torch.device("cuda")
     q32, v32 = torch.zeros(1, 2, 1, 288), torch.zeros(1, 2, 1, 48)  # past the kernels' 256
     q64, v128 = torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 128)
-    monkeypatch.setattr(rec, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q32, v32) == "chunk"
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q32, v32) == "chunk"
@@ -227,16 +228,92 @@ def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, mo
     assert len(msgs) == 3 and "float64" in msgs[2]
 
 
-def test_gluon_choice_rule():
-    """impl="auto"'s rule for the forward-only Gluon kernel: CUDA, no gradients, and no reason against the inputs;
-    only that last refusal is worth a log line."""
-    import hybridlm.ops.recurrence as rec
+def test_the_backend_table():
+    """impl="auto"'s order and what each backend declares: the forward-only Gluon kernel first (CUDA, no autograd,
+    not under torch.compile, the pool's rows in place), then Triton (CUDA), then the chunk form; the token loop only
+    when asked for."""
+    from hybridlm.ops import dispatch
 
-    assert rec.gluon_choice("cuda", False, None) == (True, None)
-    assert rec.gluon_choice("cuda", False, "dtype torch.float32") == (False, "dtype torch.float32")
-    assert rec.gluon_choice("cuda", True, None) == (False, None)
-    assert rec.gluon_choice("cuda", True, "dtype torch.float32") == (False, None)
-    assert rec.gluon_choice("cpu", False, None) == (False, None)
+    table = {b.name: b for b in dispatch.BACKENDS}
+    assert [b.name for b in dispatch.BACKENDS if b.auto] == ["gluon", "triton", "chunk"]
+    assert not table["naive"].auto
+    gluon, triton = table["gluon"], table["triton"]
+    assert gluon.auto_devices == ("cuda",) and not gluon.autograd and not gluon.traceable and gluon.pool_in_place
+    assert triton.auto_devices == ("cuda",) and triton.autograd and triton.traceable and not triton.pool_in_place
+    assert table["chunk"].auto_devices is None and table["chunk"].autograd
+
+
+def test_a_training_backend_slots_in_ahead_of_triton(caplog, monkeypatch):
+    """A backend with a backward placed in the table (as a fused Gluon training path would be) is what "auto" takes
+    when gradients are needed, and runs the call; one whose `supports` refuses the inputs is passed over with its
+    reason logged once; an explicit impl naming it raises that reason in one line."""
+    import dataclasses
+
+    from hybridlm.ops import dispatch
+
+    verdict = {"why": None}
+    ran = []
+
+    def run(x):
+        ran.append((x.op, x.needs_grad, x.q.dtype))
+        return dispatch._run_torch(x, dispatch.recurrence_chunk, chunk_size=x.chunk_size)
+
+    trainer = dispatch.Backend("fused", "fused trainer", run, ops=lambda: ("gated_delta_rule",),
+                               unknown_op=lambda op: ValueError(op), supports=lambda x: verdict["why"],
+                               auto_devices=("cpu",))
+    monkeypatch.setattr(dispatch, "BACKENDS", (trainer, *dispatch.BACKENDS))
+    monkeypatch.setitem(dispatch._BY_NAME, "fused", trainer)
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 2, 8, 8)
+    q = q.requires_grad_()
+    with caplog.at_level("INFO", logger="hybridlm.ops"):
+        o, _ = gated_delta_rule(q, k, v, g=g, beta=beta)
+        o.sum().backward()
+        assert ran == [("gated_delta_rule", True, F64)] and q.grad is not None
+        kda(q, k, v, g=g[..., None].expand(-1, -1, -1, 8), beta=beta)  # another op: not covered, nothing logged
+        verdict["why"] = "K: expected 64 or 128, got 8"
+        for _ in range(2):
+            gated_delta_rule(q, k, v, g=g, beta=beta)
+        with pytest.raises(RuntimeError) as e:
+            gated_delta_rule(q, k, v, g=g, beta=beta, impl="fused")
+    assert len(ran) == 1
+    assert str(e.value) == ("impl: 'fused' was asked for gated_delta_rule, but the fused trainer does not take these "
+                            "inputs here: K: expected 64 or 128, got 8")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["hybridlm.ops.gated_delta_rule: impl='auto' picked 'fused' on cpu",
+                    "hybridlm.ops.kda: impl='auto' picked 'chunk' on cpu",
+                    "hybridlm.ops.gated_delta_rule: impl='auto' picked 'chunk' on cpu (fused trainer not used: K: "
+                    "expected 64 or 128, got 8)"]
+    assert dataclasses.is_dataclass(trainer)
+
+
+def test_inputs_are_checked_once_and_a_pool_goes_as_it_is_to_a_backend_that_keeps_it(monkeypatch):
+    """One call validates its inputs and its state pool once; a backend that reads and writes the pool's rows
+    itself gets the pool (no gather, no scatter); any other gets the rows as initial states."""
+    from hybridlm.ops import dispatch
+
+    counts = {"inputs": 0, "pool": 0}
+    for name, key in (("check_recurrence_inputs", "inputs"), ("check_state_pool", "pool")):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _r=real, _k=key, **kw: counts.__setitem__(_k, counts[_k] + 1)
+                            or _r(*a, **kw))
+    seen = []
+
+    def run(x):
+        seen.append((x.state_pool, x.initial_state))
+        return x.v.clone(), None
+
+    keeper = dispatch.Backend("keeper", "pool keeper", run, pool_in_place=True)
+    monkeypatch.setitem(dispatch._BY_NAME, "keeper", keeper)
+    q, k, v, g, beta, _ = make_inputs(1, 6, 1, 2, 4, 4)
+    pool, rows = torch.randn(3, 2, 4, 4, dtype=F64), torch.tensor([2])
+    x = dispatch.prepare("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=None,
+                         initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
+                         chunk_size=64, impl="auto", recompute=False, state_pool=pool, state_indices=rows)
+    dispatch.execute(keeper, x)
+    assert seen[-1][0] is pool and seen[-1][1] is None and counts == {"inputs": 1, "pool": 1}
+    gated_delta_rule(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=rows, impl="chunk")
+    assert counts == {"inputs": 2, "pool": 2}
 
 
 def test_auto_picks_gluon_only_without_gradients(caplog, monkeypatch):
@@ -244,7 +321,7 @@ def test_auto_picks_gluon_only_without_gradients(caplog, monkeypatch):
     verdict monkeypatched: "gluon" without gradients, "triton" with them (nothing logged about Gluon: training is
     expected to take the Triton forward and backward), and "triton" with the reason logged once when the Gluon
     forward refuses the inputs."""
-    import hybridlm.ops.recurrence as rec
+    import hybridlm.ops.dispatch as rec
     import hybridlm.ops.triton  # noqa: F401  (the Triton kernels are the fallback under test)
 
     cuda = torch.device("cuda")

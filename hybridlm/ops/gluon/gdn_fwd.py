@@ -123,6 +123,7 @@ def gated_delta_rule_fwd(
     use_qk_l2norm: bool = False,
     state_pool: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule forward in two launches, T solve then state chain (Hopper only; no autograd).
 
@@ -132,11 +133,13 @@ def gated_delta_rule_fwd(
     state [N, HV, K, V] in fp32 (None unless output_final_state). state_pool [P, HV, K, V] fp32 and state_indices
     [N] (instead of initial_state): sequence n starts from pool row state_indices[n], and the kernel writes its
     final state back to that row in place (chunked prefill; rows distinct and in range, not checked). Same
-    contract as `hybridlm.ops.gated_delta_rule` for these arguments.
+    contract as `hybridlm.ops.gated_delta_rule` for these arguments. checked: the caller has validated all this
+    (`hybridlm.ops.dispatch`: the shapes, `unsupported_reason`, the pool, which must then be contiguous).
     """
     launch = forward_launches(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                              use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices)
+                              use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices,
+                              checked=checked)
     launch.run()
     if state_pool is not None and output_final_state:
         return launch.o, state_pool.index_select(0, state_indices.long())
@@ -160,11 +163,15 @@ class Launches(NamedTuple):
 
 
 def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, use_qk_l2norm=False, state_pool=None, state_indices=None) -> Launches:
-    """Check the inputs of `gated_delta_rule_fwd` (same arguments), allocate o, ht and the solve's buffers and bind
-    the launches without running them."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
+                     cu_seqlens=None, use_qk_l2norm=False, state_pool=None, state_indices=None,
+                     checked=False) -> Launches:
+    """Check the inputs of `gated_delta_rule_fwd` (same arguments; not when `checked`), allocate o, ht and the
+    solve's buffers and bind the launches without running them."""
+    if checked:
+        pool = state_pool is not None
+    else:
+        _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     scale = K**-0.5 if scale is None else scale

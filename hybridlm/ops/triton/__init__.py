@@ -1,5 +1,5 @@
 """Triton kernels of the delta-rule family. Importing this package registers them in
-`hybridlm.ops.recurrence.TRITON_KERNELS` (impl="triton", and impl="auto" on CUDA).
+`hybridlm.ops.dispatch.TRITON_KERNELS` (impl="triton", and impl="auto" on CUDA).
 
 Needs triton; without it the import raises ImportError and nothing is registered. Entry points:
 `chunk_gated_delta_rule` (differentiable chunked forward/backward), `fused_recurrent_gated_delta_rule_update`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import triton  # noqa: F401  (ImportError here means: no Triton, nothing registered)
 
-from ..recurrence import TRITON_KERNELS, TRITON_SUPPORTS
+from ..dispatch import TRITON_KERNELS, TRITON_SUPPORTS
 from . import conv, gates, norm, swiglu  # noqa: F401  (fused layer glue: hybridlm::conv_*, norm_*, gates_*, swiglu_*)
 from . import kda as _kda
 from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update, unsupported_reason

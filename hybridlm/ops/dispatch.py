@@ -1,0 +1,342 @@
+"""The one dispatch path of the delta-rule family's public ops (`hybridlm.ops.recurrence`): the inputs validated
+once into `Inputs`, a table of backends (`BACKENDS`), one function that picks one (`choose`, also behind
+`resolve_impl` for the other ops), one log line per new choice.
+
+Non-standard here:
+- A backend states up front what it covers: the ops it has a kernel for, the device types impl="auto" takes it on,
+  whether it has a backward (`autograd`) and whether it traces under torch.compile. Then `supports(inputs)` judges
+  the inputs themselves: None, or why not in one line. impl="auto" walks the table in order and takes the first
+  backend that covers the call and supports its inputs. A backend passed over for a reason is named in the log
+  line; one that does not cover the call (another device, gradients needed from a forward-only kernel) is not: that
+  is the expected case, not a fallback. An explicit impl asks its backend alone and raises why not in one line.
+- The casts the ops document happen here, after the checks and before any backend: q and k to v's dtype, a
+  narrower initial_state up to the state dtype (float32; float64 for float64 v), cu_seqlens to an int32 tensor
+  with a version counter and its host copy recorded (`hybridlm.ops.offsets`), so that int64 or inference-mode
+  offsets are read back once a call, not once per kernel.
+- A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
+  gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+
+from .chunk import recurrence_chunk
+from .naive import recurrence_naive
+from .norm import l2norm
+from .offsets import host_offsets, remember_offsets
+from .validate import (
+    Dims,
+    check_recurrence_inputs,
+    check_state_dtype,
+    check_state_pool,
+    state_dtype,
+)
+
+log = logging.getLogger("hybridlm.ops")
+
+# op name -> callable with the public signature; filled by hybridlm.ops.triton when its kernels import.
+TRITON_KERNELS: dict[str, Callable] = {}
+# op name -> (q, v) -> None when the kernel takes these inputs, else the reason it does not
+TRITON_SUPPORTS: dict[str, Callable] = {}
+# ops with a forward-only Gluon kernel
+GLUON_OPS = ("gated_delta_rule",)
+# (op, device type, backend, reasons others were passed over): the choices impl="auto" has logged
+_LOGGED: set[tuple] = set()
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One call of a public op, validated and cast (module docstring). `resolve_impl` fills only op, q, v, device
+    and needs_grad, for the choice alone."""
+
+    op: str
+    q: torch.Tensor | None  # [B, T, H, K] in v's dtype
+    v: torch.Tensor | None  # [B, T, HV, V]
+    device: torch.device  # where the call runs ("auto" looks at its type only)
+    needs_grad: bool  # gradients will flow through this call
+    k: torch.Tensor | None = None  # [B, T, H, K] in v's dtype
+    g: torch.Tensor | None = None  # [B, T, HV] or [B, T, HV, K] log-decay, as given
+    beta: torch.Tensor | None = None  # [B, T, HV], as given
+    delta: bool = True  # delta-rule write (else Hebbian)
+    dims: Dims | None = None
+    scale: float | None = None
+    initial_state: torch.Tensor | None = None  # [N, HV, K, V] in the state dtype
+    output_final_state: bool = False
+    cu_seqlens: torch.Tensor | None = None  # int32 [N+1], not an inference tensor, host copy recorded
+    offsets: list[int] | None = None  # cu_seqlens on the host
+    use_qk_l2norm: bool = False
+    chunk_size: int = 64
+    recompute: bool = False
+    state_pool: torch.Tensor | None = None  # [P, HV, K, V] in the state dtype
+    state_indices: torch.Tensor | None = None  # int32/int64 [N]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way to run the ops (module docstring). An explicit impl names a backend; impl="auto" walks `BACKENDS`."""
+
+    name: str  # the impl that asks for it
+    label: str  # how a log line or an error names it
+    run: Callable[[Inputs], tuple]  # (o, final state or None) of prepared inputs with T > 0
+    ops: Callable[[], Collection[str]] | None = None  # ops it has a kernel for (read at each call); None: all
+    unknown_op: Callable[[str], Exception] | None = None  # the error of an explicit impl for another op
+    supports: Callable[[Inputs], str | None] = lambda x: None  # None, or why it does not take these inputs
+    auto: bool = True  # impl="auto" considers it
+    auto_devices: tuple[str, ...] | None = None  # device types "auto" takes it on (None: any)
+    autograd: bool = True  # has a backward (a forward-only backend is asked only where no gradient is needed)
+    traceable: bool = True  # runs under torch.compile ("auto" skips it while compiling otherwise)
+    pool_in_place: bool = False  # reads and writes state_pool's rows itself
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def _versioned(cu_seqlens):
+    """An inference tensor (no version counter, so never recorded by `host_offsets`) as a normal copy, so that the
+    offsets are read once per call and the copy may be saved for a backward; anything else as it is."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_inference():
+        with torch.inference_mode(False):
+            return cu_seqlens.clone()
+    return cu_seqlens
+
+
+def _int32_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """Validated offsets as the int32 tensor the kernels read, the host copy recorded with it: int64 offsets would
+    otherwise be converted, and read back, in every kernel call."""
+    if cu_seqlens is None or cu_seqlens.dtype == torch.int32:
+        return cu_seqlens
+    with torch.inference_mode(False):  # a normal tensor, so that the record holds under inference_mode too
+        cu32 = cu_seqlens.to(torch.int32)
+    return remember_offsets(cu32, host_offsets(cu_seqlens))
+
+
+def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
+            cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute, state_pool, state_indices) -> Inputs:
+    """Check a public op's arguments (one-line errors naming the argument) and cast them as documented."""
+    cu_seqlens = _versioned(cu_seqlens)
+    dims = check_recurrence_inputs(q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state,
+                                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, impl=impl, mixed_qk=True,
+                                   impls=_impls())
+    sd = state_dtype(v.dtype)
+    if state_pool is not None or state_indices is not None:
+        check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims, dtype=sd,
+                         device=q.device)
+    needs_grad = _needs_grad(q, k, v, g, beta, initial_state)
+    if initial_state is not None:
+        check_state_dtype("initial_state", initial_state, v.dtype)
+        initial_state = initial_state.to(sd)
+    cu_seqlens = _int32_offsets(cu_seqlens)
+    return Inputs(op=op, q=q.to(v.dtype), k=k.to(v.dtype), v=v, device=q.device, needs_grad=needs_grad, g=g,
+                  beta=beta, delta=delta, dims=dims, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                  offsets=None if cu_seqlens is None else host_offsets(cu_seqlens), use_qk_l2norm=use_qk_l2norm,
+                  chunk_size=chunk_size, recompute=recompute, state_pool=state_pool, state_indices=state_indices)
+
+
+# ------------------------------------------------------------------------------------------------- the backends
+
+
+def _run_torch(x: Inputs, core: Callable, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The PyTorch paths: everything in the state dtype, q/k normalised (eps inside the rsqrt, as transformers and
+    fla) and q scaled, varlen as one call per sequence; under recompute, autograd's checkpoint keeps the inputs."""
+    d = x.dims
+    cd = state_dtype(x.v.dtype)
+    scale = d.K**-0.5 if x.scale is None else float(x.scale)
+
+    def body(q, k, v, g, beta, h0):
+        q, k, v = q.to(cd), k.to(cd), v.to(cd)
+        if x.use_qk_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        q = q * scale
+        if d.HV != d.H:  # grouped value attention: value head h reads key head h // (HV / H)
+            q, k = q.repeat_interleave(d.HV // d.H, dim=2), k.repeat_interleave(d.HV // d.H, dim=2)
+        if g is not None:
+            g = g.to(cd)
+            if g.dim() == 3:
+                g = g.unsqueeze(-1)  # scalar per head: [B, T, HV, 1]
+        if beta is not None:
+            beta = beta.to(cd)
+        state = h0 if h0 is not None else q.new_zeros(d.N, d.HV, d.K, d.V)
+        if x.offsets is None:
+            o, final = core(q, k, v, g=g, beta=beta, delta=x.delta, state_BHKV=state, **kwargs)
+        else:  # varlen: each packed sequence starts from its own state
+            outs, finals = [], []
+            for n, (s, e) in enumerate(zip(x.offsets, x.offsets[1:])):
+                o_n, f_n = core(q[:, s:e], k[:, s:e], v[:, s:e], g=None if g is None else g[:, s:e],
+                                beta=None if beta is None else beta[:, s:e], delta=x.delta,
+                                state_BHKV=state[n : n + 1], **kwargs)
+                outs.append(o_n)
+                finals.append(f_n)
+            o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+        return o.to(x.v.dtype), (final if x.output_final_state else None)
+
+    args = (x.q, x.k, x.v, x.g, x.beta, x.initial_state)
+    if x.recompute and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=False)
+    return body(*args)
+
+
+def _run_triton(x: Inputs):
+    return TRITON_KERNELS[x.op](x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
+                                output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens,
+                                use_qk_l2norm=x.use_qk_l2norm, recompute=x.recompute)
+
+
+def _triton_supports(x: Inputs) -> str | None:
+    check = TRITON_SUPPORTS.get(x.op)
+    return None if check is None else check(x.q, x.v)
+
+
+def _gdn_fwd():
+    """hybridlm.ops.gluon.gdn_fwd, or None when it does not import (no triton). Imported on first use, not with
+    this module: it pulls in Triton, which CPU-only installs may lack."""
+    try:
+        from .gluon import gdn_fwd
+    except ImportError:
+        return None
+    return gdn_fwd
+
+
+def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when the Gluon GDN forward takes inputs like q and v on this machine, else why not in a few words."""
+    mod = _gdn_fwd()
+    return "triton does not import" if mod is None else mod.unsupported_reason(q, v)
+
+
+def _run_gluon(x: Inputs):
+    """The Hopper forward, its checks skipped (done here); with a pool it reads and writes the rows itself."""
+    return _gdn_fwd().gated_delta_rule_fwd(
+        x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
+        output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens, use_qk_l2norm=x.use_qk_l2norm,
+        state_pool=x.state_pool, state_indices=x.state_indices, checked=True,
+    )
+
+
+def _gluon_other_op(op: str) -> Exception:
+    others = tuple(i for i in _impls() if i != "gluon")
+    return ValueError(f"impl: expected one of {others} for {op} ('gluon' runs {', '.join(GLUON_OPS)} only), "
+                      "got 'gluon'")
+
+
+def _no_triton_kernel(op: str) -> Exception:
+    return RuntimeError(f"impl: 'triton' was asked for {op}, but no Triton kernel is registered for it "
+                        "(import hybridlm.ops.triton on a machine with triton installed)")
+
+
+# impl="auto" tries them in this order. Under torch.compile the Triton kernels trace as custom ops with fake
+# kernels; the Gluon launch is plain Python, so compiled code keeps the Triton path. Training keeps the Triton
+# forward and backward: the Gluon forward does not write what the Triton backward reads.
+BACKENDS: tuple[Backend, ...] = (
+    Backend("gluon", "Gluon forward", _run_gluon, ops=lambda: GLUON_OPS, unknown_op=_gluon_other_op,
+            supports=lambda x: gluon_unsupported_reason(x.q, x.v), auto_devices=("cuda",), autograd=False,
+            traceable=False, pool_in_place=True),
+    Backend("triton", "Triton kernel", _run_triton, ops=lambda: TRITON_KERNELS, unknown_op=_no_triton_kernel,
+            supports=_triton_supports, auto_devices=("cuda",)),
+    Backend("chunk", "chunkwise PyTorch form", lambda x: _run_torch(x, recurrence_chunk, chunk_size=x.chunk_size)),
+    Backend("naive", "token loop", lambda x: _run_torch(x, recurrence_naive), auto=False),
+)
+_BY_NAME = {b.name: b for b in BACKENDS}
+
+
+# ------------------------------------------------------------------------------------------------- the choice
+
+
+def _impls() -> tuple[str, ...]:
+    return ("auto", *_BY_NAME)
+
+
+def _covers(b: Backend, op: str) -> bool:
+    return b.ops is None or op in b.ops()
+
+
+def _ask(b: Backend, x: Inputs) -> Backend:
+    """An explicit impl: its backend, or a one-line error saying why it does not run this call."""
+    if not _covers(b, x.op):
+        raise b.unknown_op(x.op)
+    if x.needs_grad and not b.autograd:
+        raise RuntimeError(f"impl: {b.name!r} was asked for {x.op}, but it is forward only and these inputs need "
+                           "gradients (use impl='triton' or 'auto' for training, or run under torch.no_grad)")
+    why = None if x.q is None else b.supports(x)
+    if why is not None:
+        raise RuntimeError(f"impl: {b.name!r} was asked for {x.op}, but the {b.label} does not take these inputs "
+                           f"here: {why}")
+    return b
+
+
+def choose(x: Inputs, impl: str) -> Backend:
+    """The backend of this call: the one `impl` names, or for "auto" the first in `BACKENDS` that covers the call
+    and supports its inputs, logged once per (op, device type, choice, reasons others were passed over)."""
+    if impl != "auto":
+        if impl not in _BY_NAME:
+            raise ValueError(f"impl: expected one of {_impls()}, got {impl!r}")
+        return _ask(_BY_NAME[impl], x)
+    compiling = torch.compiler.is_compiling()
+    whys = []
+    for b in BACKENDS:
+        if not (b.auto and _covers(b, x.op)) or (b.auto_devices is not None and x.device.type not in b.auto_devices):
+            continue
+        if (x.needs_grad and not b.autograd) or (compiling and not b.traceable):
+            continue
+        why = None if x.q is None else b.supports(x)
+        if why is None:
+            break
+        whys.append(f"{b.label} not used: {why}")
+    why = "; ".join(whys) or None
+    key = (x.op, x.device.type, b.name, why)
+    if key not in _LOGGED and not compiling:  # logged by the first eager call (a log call breaks a compiled graph)
+        _LOGGED.add(key)
+        log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", x.op, b.name, x.device.type,
+                 f" ({why})" if why else "")
+    return b
+
+
+def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None, *, needs_grad: bool = True) -> str:
+    """`choose` for callers that run the op themselves (the other ops, the layers' decode step): the impl's name.
+    With q and v given, backends judge inputs like them; without, only the op, the device type and needs_grad
+    decide. needs_grad's default keeps callers that do not say off forward-only backends."""
+    return choose(Inputs(op=op, q=q, v=v, device=device, needs_grad=needs_grad), impl).name
+
+
+# ------------------------------------------------------------------------------------------------- the run
+
+
+def _run(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = x.dims
+    if d.T == 0:  # nothing to run: empty output, state passed through
+        final = x.initial_state
+        if final is None:
+            final = x.v.new_zeros(d.N, d.HV, d.K, d.V, dtype=state_dtype(x.v.dtype))
+        return x.v.new_zeros(d.B, 0, d.HV, d.V), (final if x.output_final_state else None)
+    return b.run(x)
+
+
+def execute(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run prepared inputs on backend b, a state pool included."""
+    if x.state_pool is None:
+        return _run(b, x)
+    if b.pool_in_place and x.dims.T > 0 and x.state_pool.is_contiguous():
+        return b.run(x)
+    # a pool of states (chunked prefill in a server): sequence n starts from row state_indices[n] and its final
+    # state is written back there; one gather before, one scatter after
+    rows = x.state_indices.long()  # index_copy_ takes int64 rows only
+    h0 = x.state_pool.index_select(0, rows)
+    o, final = _run(b, dataclasses.replace(x, initial_state=h0, output_final_state=True, state_pool=None,
+                                           state_indices=None))
+    x.state_pool.index_copy_(0, rows, final.detach())
+    return o, (final if x.output_final_state else None)
+
+
+def dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, impl: str, **kw) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+    """A public op end to end: prepare, choose, execute."""
+    x = prepare(op, g_kind, delta, q, k, v, impl=impl, **kw)
+    return execute(choose(x, impl), x)
