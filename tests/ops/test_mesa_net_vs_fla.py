@@ -10,10 +10,13 @@ diag(lambda))^{-1} q_t, lambda [H, K], q and k l2-normalised, state pair (h_kk, 
   states in that dtype; our float32 path keeps everything in float32.
 - fla has no q scale: we pass scale=1 (our default K ** -0.5 only rescales o).
 - fla needs V == K (<= 128) and float32 initial states; the inputs here are H 4, K = V = 64.
-Asserted: ours within TOL of the exact float64 reference (o, both final states, every gradient); fla's within
-FLA_TOL of the float64 reference at fla's own approximation (30 CG steps from x = 0: `cg_iters=30`), so that the
-bar measures fla's precision (its float16 q / k), not the truncation, and a wrong definition (a missing ridge,
-beta or decay) is off by O(1). One line per tensor, `PARITY mesa_net <dtype> <case> <ours|fla> <tensor> err=...`.
+Asserted: ours within TOL of the exact float64 reference (o, both final states, every gradient); fla's forward
+(o, both final states) within FLA_TOL of the float64 reference at fla's own approximation (30 CG steps from x = 0:
+`cg_iters=30`), so that the bar measures fla's precision (its float16 q / k), not the truncation, and a wrong
+definition (a missing ridge, beta or decay) is off by O(1). fla's gradients are measured against the exact
+reference: its backward solves the adjoint system by CG instead of differentiating through the forward's CG steps,
+so it approximates the gradient of the exact solve. Differentiating through 30 truncated steps is another function
+of H0: on an H200 its dH0 peaked at 1.2e4 where the exact one peaks at 34, and fla's was 100% off it. One line per tensor, `PARITY mesa_net <dtype> <case> <ours|fla> <tensor> err=...`.
 An fla exception fails the test (no known limitation is named for this op).
 """
 
@@ -89,6 +92,7 @@ def test_mesa_net_matches_fp64_and_fla(dtype, varlen, seed):
     assert not bad, f"seed {seed}: ours over {TOL[dtype]} x max |fp64|: {bad}"
     ref_cg = _run("ours", x, do.double(), fp64=True, impl="naive", cg_iters=30)
     fla = run_fla(lambda: _run("fla", x, do))
-    for n, a, r in zip(NAMES, fla, ref_cg):
-        check(f"{tag} fla", n, a, r, FLA_TOL.get(n, FLA_TOL["grad"]), bad)
-    assert not bad, f"seed {seed}: fla over FLA_TOL x max |fp64 at 30 CG steps|: {bad}"
+    # forward against the reference at fla's 30 CG steps, gradients against the exact one (module docstring)
+    for i, (n, a) in enumerate(zip(NAMES, fla)):
+        check(f"{tag} fla", n, a, ref_cg[i] if i < 3 else ref[i], FLA_TOL.get(n, FLA_TOL["grad"]), bad)
+    assert not bad, f"seed {seed}: fla over FLA_TOL x max |fp64| (forward at 30 CG steps, gradients exact): {bad}"
