@@ -4,7 +4,9 @@
 
 Median ms (triton.testing.do_bench, return_mode="median") of forward and forward+backward at
 B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 (bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
-and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each). KDA
+and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each), and 4 draft
+tokens for 64 sequences (`DRAFT`), keeping every token's state, or writing the pool at accepted counts or after
+the last token; the decode rows' GB/s count the fewest bytes (`bytes_decode`) against the copy ceilings. KDA
 (chunk_kda against fla's) at the first shape, on two kinds of log-decays (`kda_bench_gates`): mild ones, where our
 kernels take one dot per chunk, and those of a freshly initialised layer, where most chunks take the slower 16-row
 block path; fla does the same work on both.
@@ -47,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
                         help="chunked shapes to run instead of the three benchmark shapes (e.g. 1,32768,32,128)")
     parser.add_argument("--parts", default="decode,gdn,kda",
-                        help="comma-separated rows to run, in this order: decode (one-token step), kda (first shape), "
+                        help="comma-separated rows to run, in this order: decode (one-token step, and 4 draft tokens "
+                        "at N 64: every state kept, at accepted counts, the last), kda (first shape), "
                         "gdn (the chunked shapes)")
     parser.add_argument("--kda-gates", default="bench,init",
                         help="comma-separated KDA rows by log-decays: bench (logsigmoid(N(0,1) + 3), about -0.05 a "
@@ -348,6 +351,59 @@ def _bench_decode(dev, gen, fla, args):
     return dec
 
 
+DRAFT = (64, 4, 16, 32, 128, 128)  # multi-token decode rows: N, T, H, HV, K, V (Qwen3-Next's heads, 4 draft tokens)
+
+
+def bytes_decode(N: int, T: int, H: int, HV: int, K: int, V: int, *, written: int, channel: bool = False,
+                 elt: int = 2) -> int:
+    """Fewest bytes of a decode call: N fp32 states read and `written` written; q, k, v, beta read and o written
+    (elt bytes each), g read (fp32, KDA one per key channel); the int32 rows (and accepted counts) read."""
+    state = HV * K * V * 4
+    per_token = 2 * H * K * elt + 2 * HV * V * elt + HV * elt + HV * (K if channel else 1) * 4
+    return (N + written) * state + N * T * per_token + 2 * N * 4
+
+
+def _bench_decode_multi(dev, gen, fla, args) -> list[dict]:
+    """T = 4 draft tokens for 64 sequences on an fp32 state pool [64, 32, 128, 128] (`DRAFT`), as speculative decoding
+    runs it: every token's state kept in a buffer (GDN, KDA), the pool written at random accepted counts 1..4, and
+    the last token's state written back (against fla's fused recurrence, which writes its final state out of place)."""
+    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update, fused_recurrent_kda_update
+
+    N, T, H, HV, K, V = DRAFT
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    pool = r(N, HV, K, V)
+    idx = torch.randperm(N, device=dev, generator=gen).to(torch.int32)
+    q, k, v = (r(N, T, h, d).to(torch.bfloat16) for h, d in ((H, K), (H, K), (HV, V)))
+    g, gk = F.logsigmoid(r(N, T, HV) + 3.0), F.logsigmoid(r(N, T, HV, K) + 3.0)
+    beta = torch.sigmoid(r(N, T, HV)).to(torch.bfloat16)
+    inter = torch.empty(N, T, HV, K, V, device=dev)
+    acc = torch.randint(1, T + 1, (N,), device=dev, generator=gen, dtype=torch.int32)
+    common = dict(beta=beta, state_pool=pool, state_indices=idx, use_qk_l2norm=True)
+    name = f"N{N} T{T} H{H} HV{HV} K{K} V{V}"
+    rows = []
+    for label, fn, gate, kw, written in (
+        ("GDN", fused_recurrent_gated_delta_rule_update, g, dict(intermediate_states=inter), N * T),
+        ("KDA", fused_recurrent_kda_update, gk, dict(intermediate_states=inter), N * T),
+        ("GDN", fused_recurrent_gated_delta_rule_update, g, dict(num_accepted=acc), N),
+        ("GDN", fused_recurrent_gated_delta_rule_update, g, {}, N),
+    ):
+        mode = ("every state to a buffer" if "intermediate_states" in kw else
+                "pool at accepted counts" if kw else "pool after the last token")
+        row = {"shape": f"{label} decode {name}, {mode}",
+               "bytes": bytes_decode(N, T, H, HV, K, V, written=written, channel=label == "KDA")}
+        row["ours_ms"] = _bench(lambda: fn(q, k, v, g=gate, **common, **kw), args.rep)  # noqa: B023
+        if fla is not None and not kw:
+            h0 = r(N, HV, K, V)
+            try:
+                row["fla_ms"] = _bench(lambda: fla[1](q, k, v, g=g, beta=beta, initial_state=h0,  # noqa: B023
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=True),
+                                       args.rep)
+            except Exception as e:  # noqa: BLE001
+                row["fla_error"] = repr(e)[:200]
+        rows.append(row)
+    return rows
+
+
 def _rows_asked(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """--parts and --kda-gates as lists, checked before anything runs."""
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
@@ -404,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
     for part in parts:  # in the order given; the default puts KDA last: fla's chunk_kda autotunes for minutes
         if part == "decode":
             rows.append(_bench_decode(dev, gen, fla, args))
+            for row in _bench_decode_multi(dev, gen, fla, args):
+                print(json.dumps(rows[-1]), flush=True)
+                rows.append(row)  # the last one is printed below
         elif part == "kda":
             for gates in kda_gates:  # fla autotunes on the first row only (same shapes)
                 try:

@@ -211,7 +211,7 @@ def recurrent_decode_step(op: str, impl: str, state: torch.Tensor | None, q: tor
     idx = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
     step = _tk.fused_recurrent_kda_update if op == "kda" else _tk.fused_recurrent_gated_delta_rule_update
     o = step(q[:, 0], k[:, 0], v[:, 0], g=g[:, 0], beta=beta[:, 0], state_pool=state, state_indices=idx,
-             use_qk_l2norm=True)
+             use_qk_l2norm=True, impl="triton")  # decided above: no second choice (or log line) in the step
     return o[:, None]
 
 

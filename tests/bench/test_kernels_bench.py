@@ -95,3 +95,21 @@ def test_gpu_time_counts_side_by_side_kernels_once():
     assert union_length([(0.0, 10.0), (1.0, 4.0), (3.0, 12.0)]) == 12.0
     assert union_length([(5.0, 6.0), (0.0, 1.0)]) == 2.0
     assert union_length([]) == 0.0
+
+
+def test_multi_token_decode_rows_run_and_count_their_bytes(monkeypatch):
+    """The draft-token rows on the CPU (the PyTorch path, a small shape, each call once): four rows, their bytes
+    as counted by hand, and the table shows them against the copy bandwidth. At the bench's shape N 64, T 4,
+    H 16, HV 32, K = V = 128 keeping every state: 64 states read, 256 written (2 MiB each), 24768 bytes of inputs
+    and outputs a token, 512 of rows and counts."""
+    assert kernels.bytes_decode(64, 4, 16, 32, 128, 128, written=256) == 320 * 2**21 + 256 * 24768 + 512
+    calls = []
+    monkeypatch.setattr(kernels, "_bench", lambda fn, rep: calls.append(fn()) or 2.0)
+    monkeypatch.setattr(kernels, "DRAFT", (3, 2, 1, 2, 16, 8))
+    rows = kernels._bench_decode_multi("cpu", torch.Generator().manual_seed(0), None, _args())
+    assert len(rows) == 4 == len(calls) and all(o.shape == (3, 2, 2, 8) for o in calls)
+    assert [r["bytes"] for r in rows[:3]] == [kernels.bytes_decode(3, 2, 1, 2, 16, 8, written=w, channel=c)
+                                              for w, c in ((6, False), (6, True), (3, False))]
+    info = {"device": "H100", "torch": "2.11", "triton": "3.6", "fla_core": None, "date_utc": "now",
+            "copy_GBps": 1.0, "bf16_matmul_TFLOPs": 740.0, "fla_guard_lifted": False}
+    assert f"| {rows[0]['shape']} | decode | 2.000 | - | - | - | - |" in kernels._table(info, rows)

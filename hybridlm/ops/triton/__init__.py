@@ -3,7 +3,7 @@
 
 Needs triton; without it the import raises ImportError and nothing is registered. Entry points:
 `chunk_gated_delta_rule` (differentiable chunked forward/backward), `fused_recurrent_gated_delta_rule_update`
-(one decode step on a state pool, in place), `chunk_kda` (differentiable) and `fused_recurrent_kda_update`.
+(1..8 decode tokens on a state pool), `chunk_kda` (differentiable) and `fused_recurrent_kda_update`.
 See docs/kernels.md.
 """
 

@@ -2,8 +2,9 @@
 
 - `chunk_gated_delta_rule(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.gated_delta_rule`
   (registered there as impl="triton"); differentiable in q, k, v, g, beta and initial_state.
-- `fused_recurrent_gated_delta_rule_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: one decode
-  step for N sequences, each reading and updating `state_pool[state_indices[n]]` in place; returns o.
+- `fused_recurrent_gated_delta_rule_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: T decode
+  tokens (1..8) for N sequences, each reading `state_pool[state_indices[n]]` and writing back the state after its
+  last (or accepted) token, or every token's state to a buffer (`hybridlm.ops.decode`); returns o.
 
 The forward chains the stages of docs/math.md's chunked algorithm, one file each (b = cumsum of g in a chunk,
 gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
@@ -34,7 +35,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from ..validate import Dims, check_state_pool
+from .. import decode as dec
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
@@ -557,77 +558,81 @@ def chunk_gated_delta_rule(
     return o, (ht if output_final_state else None)
 
 
-@custom_op("gdn_decode", mutates_args=("state_pool",))
+@custom_op("gdn_decode", mutates_args=("state_pool", "intermediate_states"))
 def gdn_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
+    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=False)
+    return decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=False,
+                         inter=intermediate_states, acc=num_accepted)
 
 
-def decode_launch(q, k, v, g, beta, state_pool, state_indices, scale: float, l2: bool, *, channel: bool):
-    """`decode._decode_step` over (V blocks, N * HV); any K, V up to MAX_HEAD_DIM (key block the next power of two,
-    V blocks masked at V's end). Returns o [N, HV, V] in q's dtype."""
-    N, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
+def decode_launch(q, k, v, g, beta, state_pool, state_indices, scale: float, l2: bool, *, channel: bool,
+                  inter: torch.Tensor | None = None, acc: torch.Tensor | None = None):
+    """`decode._decode_step` over (V blocks, N * HV) for q [N, T, H, K] (or [N, H, K]: T = 1, the layout is the
+    same); any K, V up to MAX_HEAD_DIM (key block the next power of two, V blocks masked at V's end). Returns
+    o [N, T, HV, V] (or [N, HV, V]) in q's dtype."""
+    one = q.dim() == 3
+    N, T, H, K = (q.shape[0], 1, *q.shape[1:]) if one else q.shape
+    HV, V = v.shape[-2], v.shape[-1]
     BK = max(16, next_pow2(K))
     BV = min(32 if BK <= 128 else 16, max(16, next_pow2(V)))
-    o = _out((N, HV, V), q, q.dtype)
-    if N > 0:
+    o = _out((N, HV, V) if one else (N, T, HV, V), q, q.dtype)
+    if N > 0:  # an unused pointer argument gets a tensor that is never read
         decode._decode_step[(cdiv(V, BV), N * HV)](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
-            state_indices, o, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=l2, CHANNEL=channel, num_warps=4,
+            state_indices, o, o if inter is None else inter, state_indices if acc is None else acc, scale,
+            H=H, HV=HV, T=T, K=K, V=V, BK=BK, BV=BV, L2=l2, CHANNEL=channel, INTER=inter is not None,
+            ACC=acc is not None, num_warps=4,
         )
     return o
 
 
 @gdn_decode.register_fake
-def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm):
-    return q.new_empty(q.shape[0], v.shape[1], v.shape[2])
+def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, intermediate_states=None,
+      num_accepted=None):
+    return decode_fake(q, v)
 
 
-def _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, *, channel: bool) -> int:
-    """Shapes and dtypes of one decode step (GDN: g [N, HV]; KDA, channel: g float32 [N, HV, K]); returns K."""
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q, k: expected [N, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    N, H, K = q.shape
-    if v.dim() != 3 or v.shape[0] != N or v.shape[1] % H != 0:
-        raise ValueError(f"v: expected [N, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
-    HV, V = v.shape[1], v.shape[2]
-    _check_dims(K, V)
-    g_shape = (N, HV, K) if channel else (N, HV)
-    if tuple(g.shape) != g_shape or (channel and g.dtype != torch.float32):
-        want = "float32 [N, HV, K]" if channel else "[N, HV]"
-        raise ValueError(f"g: expected {want} = {g_shape}, got {g.dtype} {tuple(g.shape)}")
-    if tuple(beta.shape) != (N, HV):
-        raise ValueError(f"beta: expected shape {(N, HV)} ([N, HV]), got {tuple(beta.shape)}")
-    check_state_pool(state_pool, state_indices, initial_state=None, dims=Dims(B=N, T=1, H=H, HV=HV, K=K, V=V, N=N),
-                     dtype=torch.float32, device=q.device)
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool: expected a contiguous tensor (it is updated in place)")
+def decode_fake(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(*q.shape[:-2], v.shape[-2], v.shape[-1])
+
+
+def decode_call(op: str, q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, intermediate_states,
+                num_accepted, impl: str, *, channel: bool) -> torch.Tensor:
+    """The public decode entries' body: checks (`hybridlm.ops.decode`), the impl, then the custom op `op` (the
+    kernel) or `decode.decode_torch`."""
+    dims = dec.check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=channel,
+                                   max_dim=MAX_HEAD_DIM, intermediate_states=intermediate_states,
+                                   num_accepted=num_accepted)
+    scale = dims.K**-0.5 if scale is None else float(scale)
+    if dec.resolve_impl(op, impl, q.device) == "torch":
+        xs = [x.unsqueeze(1) if dims.one else x for x in (q, k, v, g, beta)]
+        o = dec.decode_torch(*xs, state_pool, state_indices, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                             intermediate_states=intermediate_states, num_accepted=num_accepted)
+        return o[:, 0] if dims.one else o
     _check_device(q)
-    return K
+    return call(op, q, k, v, g, beta, state_pool, state_indices.contiguous(), scale, bool(use_qk_l2norm),
+                intermediate_states, None if num_accepted is None else num_accepted.contiguous())
 
 
 def fused_recurrent_gated_delta_rule_update(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
+    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None, impl: str = "auto",
 ) -> torch.Tensor:
-    """One decode step for N sequences (one token each).
+    """Decode T tokens (1..8: one step, or speculative draft tokens) for N sequences on a state pool.
 
-    q, k: [N, H, K] (or [N, 1, H, K]); v: [N, HV, V] (or [N, 1, HV, V]); g, beta: [N, HV] (or [N, 1, HV]);
-    state_pool: [P, HV, K, V] float32, updated in place at rows state_indices (int32/int64 [N], distinct, valid).
-    Returns o [N, HV, V] (or [N, 1, HV, V] when given 4-d inputs) in q's dtype. Not differentiable."""
-    four = q.dim() == 4
-    if four:
-        if q.shape[1] != 1:
-            raise ValueError(f"q: expected one token per sequence ([N, 1, H, K]), got {tuple(q.shape)}")
-        q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-    K = _check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=False)
-    scale = K**-0.5 if scale is None else float(scale)
-    o = call("gdn_decode", q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
-                                      bool(use_qk_l2norm))
-    return o.unsqueeze(1) if four else o
+    q, k: [N, T, H, K] (or [N, H, K], one token each: then every input and o drop the T axis); v: [N, T, HV, V];
+    g, beta: [N, T, HV]; state_pool: [P, HV, K, V] float32 contiguous, read at rows state_indices (int32/int64 [N],
+    distinct, valid). What is written (`hybridlm.ops.decode`): intermediate_states (float32 [N, T, HV, K, V]) gets
+    the state after every token and leaves the pool as it was, unless num_accepted (int [N], 0..T) is given: then
+    pool row n gets the state after token num_accepted[n] - 1 (0: unchanged); with neither, the state after the
+    last token. impl: "auto" (the kernel on CUDA or under TRITON_INTERPRET=1, else PyTorch; logged once), "triton"
+    or "torch". Returns o [N, T, HV, V] in q's dtype. Not differentiable."""
+    return decode_call("gdn_decode", q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm,
+                       intermediate_states, num_accepted, impl, channel=False)
 
 
 def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> float:

@@ -2,8 +2,9 @@
 
 - `chunk_kda(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.kda` (g [B, T, HV, K] per-channel
   log-decay, float32); differentiable in q, k, v, g, beta and initial_state.
-- `fused_recurrent_kda_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: one decode token for N
-  sequences on a state pool, in place (g [N, HV, K]).
+- `fused_recurrent_kda_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: T decode tokens (1..8) for
+  N sequences on a state pool (g [N, T, HV, K]), in place, or keeping every token's state
+  (`hybridlm.ops.decode`).
 
 The stages are GDN's (`gdn.py`) where the per-channel decay allows: the UT solve (`ut_solve._solve_blocks`), the
 serial state passes (`state_pass`, CHANNEL) and the decode step; the chunk-local work with the decay inside
@@ -312,29 +313,32 @@ def chunk_kda(
     return o, (ht if output_final_state else None)
 
 
-@custom_op("kda_decode", mutates_args=("state_pool",))
+@custom_op("kda_decode", mutates_args=("state_pool", "intermediate_states"))
 def kda_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
+    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return gdn.decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=True)
+    return gdn.decode_launch(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, channel=True,
+                             inter=intermediate_states, acc=num_accepted)
 
 
 @kda_decode.register_fake
-def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm):
-    return q.new_empty(q.shape[0], v.shape[1], v.shape[2])
+def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, intermediate_states=None,
+      num_accepted=None):
+    return gdn.decode_fake(q, v)
 
 
 def fused_recurrent_kda_update(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
+    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None, impl: str = "auto",
 ) -> torch.Tensor:
-    """One KDA decode step for N sequences: q, k [N, H, K]; v [N, HV, V]; g [N, HV, K] (float32); beta [N, HV];
-    state_pool fp32 [P, HV, K, V] updated in place at rows state_indices. Returns o [N, HV, V]."""
-    K = gdn._check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=True)
-    scale = K**-0.5 if scale is None else float(scale)
-    return call("kda_decode", q, k, v, g, beta, state_pool, state_indices.contiguous(), scale,
-                                         bool(use_qk_l2norm))
+    """KDA decode of T tokens (1..8) for N sequences on a state pool: as
+    `gdn.fused_recurrent_gated_delta_rule_update` with g float32 [N, T, HV, K] (or [N, HV, K] with 3-d inputs),
+    one log-decay per key channel. Returns o [N, T, HV, V] (or [N, HV, V])."""
+    return gdn.decode_call("kda_decode", q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm,
+                           intermediate_states, num_accepted, impl, channel=True)
 
 
 __all__ = ["chunk_kda", "fused_recurrent_kda_update", "kda_chunk_fwd", "kda_chunk_bwd", "kda_decode",
