@@ -123,7 +123,7 @@ def absolute_data(paths: list[str] | None) -> list[str] | None:
 
 def _show(value) -> str:
     text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= 60 else "..." + text[-57:]  # a path's end names the file
 
 
 def differences(saved: dict, saved_model: dict, current: dict, current_model: dict) -> list[str]:
