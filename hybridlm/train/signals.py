@@ -4,7 +4,9 @@ Non-standard here: the handler only records the signal; the training loop looks 
 (`hybridlm.train.trainer.Trainer.should_stop`), so a step is never cut in half and the checkpoint it writes is one
 an uninterrupted run would also have reached. A second signal, when the first one's save is too slow for the person
 or the cluster, ends the process with `os._exit` there and then: checkpoints are written atomically, so at worst
-the save under way is lost, and the run folder's lock goes with the process.
+the save under way is lost, and the run folder's lock goes with the process. A repeat within `REPEAT_S` of the first
+is the same request, not a second one: a cluster's scheduler signals every process of a job, and torchrun passes
+the signal it got on to its workers, so each worker may get one stop twice.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 1.0  # a signal this soon after the first one is the same request
 
 
 def exit_code(signum: int) -> int:
@@ -26,6 +30,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum = 0
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -40,8 +45,10 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        if self.signum and time.monotonic() - self._first_at < REPEAT_S:
+            return
         if self.signum:
             os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a checkpoint of this step\n"
                      .encode())
             os._exit(exit_code(signum))
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()

@@ -9,7 +9,8 @@ Non-standard here:
 - A stop (SIGINT / SIGTERM, `signals.StopSignals`) is taken between steps. One process stops after the step under
   way. Under torchrun the ranks must stop at the same step and all save, and asking each other every step would add
   a collective and a host wait to each: each rank's flag rides in the flush's all-reduce (one more number in the
-  loss sums), so the ranks agree at the next flush, at most --log-every steps later, at no extra cost.
+  loss sums), so the ranks agree at the next flush, at most --log-every steps later, at no extra cost. (torchrun
+  passes a SIGINT or SIGTERM on to its workers and kills them 30 s later: enough for --log-every steps and a save.)
 - The loss of a step is the sum over its micro-batches of token losses divided by the step's total target count
   (all ranks), so grad accumulation and sharding give the same gradient as one big batch.
 """

@@ -166,13 +166,16 @@ def test_sigterm_saves_the_step_and_exits_143(tmp_path, small_corpus, micro_args
 
 
 def test_a_second_signal_exits_at_once():
-    """The first SIGINT is only recorded; the second ends the process there and then (exit 130, one line)."""
+    """The first SIGINT is only recorded, and so is a repeat within a second (torchrun passing on a signal its
+    workers got too); a second one after that ends the process there and then (exit 130, one line)."""
     code = ("import os, signal, time\n"
-            "from hybridlm.train.signals import StopSignals\n"
+            "from hybridlm.train.signals import REPEAT_S, StopSignals\n"
             "with StopSignals() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(0.05)\n"
             "    print('first', s.signum, flush=True)\n"
+            "    time.sleep(REPEAT_S)\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\n"
             "    print('not reached', flush=True)\n")
