@@ -1,14 +1,17 @@
 """torchrun + FSDP2 on CPU (gloo, 2 ranks): same loss as one process at the same global batch, DCP resume exact,
-the exported weights load with from_pretrained."""
+a SIGINT saves on every rank and the rerun finishes exactly, the exported weights load with from_pretrained."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -55,7 +58,7 @@ def _summary(out):
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
-def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
+def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus, seed):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "hybridlm.train"]
     fsdp = str(tmp_path / "fsdp")
@@ -75,6 +78,33 @@ def test_fsdp2_two_ranks_cpu(tmp_path, small_corpus):
     shutil.rmtree(os.path.join(fsdp, "checkpoints", "step_000006"))
     _run([*torchrun, *ARGS, "--data", small_corpus, "--batch-size", "4", "--out", fsdp, "--resume"])
     assert abs(_summary(fsdp)["final_train_loss"] - a["final_train_loss"]) <= 1e-6
+    # SIGINT to torchrun (which passes it on to both ranks) at a random early step: the ranks agree on the step at
+    # the next flush, both save it (DCP shards, each rank's RNG) and exit; the same command again finishes the run
+    # with the uninterrupted run's loss
+    cmd = [*torchrun, *ARGS, "--data", small_corpus, "--batch-size", "4", "--out", str(tmp_path / "int")]
+    target = random.Random(seed).randint(1, 2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    t0 = time.time()
+    while p.poll() is None and time.time() - t0 < 600:
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
+        if any("loss" in r and r["step"] >= target for r in map(json.loads, lines)):
+            break
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    said = p.communicate(timeout=600)[0]
+    stops = [ln for ln in said.splitlines() if "interrupted at step" in ln]
+    assert len(stops) == 1, f"target step {target} (seed {seed}):\n{said[-3000:]}"
+    step = int(stops[0].split("interrupted at step ")[1].split(";")[0])
+    assert target <= step < 6
+    saved = ckpt.resolve_resume(str(tmp_path / "int"))
+    assert os.path.basename(saved) == ckpt.step_name(step)
+    assert {"rng_rank0.pt", "rng_rank1.pt", "dcp"} <= set(os.listdir(saved)), os.listdir(saved)
+    _run(cmd)
+    assert abs(_summary(str(tmp_path / "int"))["final_train_loss"] - a["final_train_loss"]) <= 1e-6
+    steps = [json.loads(line)["step"] for line in open(metrics) if "loss" in json.loads(line)]
+    assert steps == list(range(1, 7)), steps
 
 
 def test_median_tokens_per_s_drops_the_warm_up_steps():

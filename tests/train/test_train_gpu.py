@@ -65,7 +65,9 @@ def test_fsdp2_two_gpus_matches_one(tmp_path):
     assert abs(two["final_train_loss"] - one32["final_train_loss"]) <= 1e-2, (two, one32)
 
 
-STEP_CODE = ("one_step", "_forward_calls", "_to_device", "_loss_sum", "_clip_grad_norm", "clip_grad_norm")
+STEP_FILES = (os.path.join("train", "trainer.py"), os.path.join("train", "step.py"))
+STEP_CODE = ("train_step", "forward_calls", "to_device", "offsets_to_device", "loss_sum", "clip_gradients",
+             "clip_grad_norm")
 
 
 @pytest.mark.gpu
@@ -73,7 +75,7 @@ STEP_CODE = ("one_step", "_forward_calls", "_to_device", "_loss_sum", "_clip_gra
 def test_training_step_does_not_wait_for_the_gpu(tmp_path, small_corpus, micro_args):
     """Under CUDA's sync debug mode every host wait (a copy to the host, .item(), a blocking copy from the host, a
     stream synchronize) warns. Each warning is attributed to the innermost frame of the hybridlm package on its
-    stack: none may be the training step's own code (main.one_step and the helpers it calls; syncs replayed at its
+    stack: none may be the training step's own code (Trainer.train_step and the helpers it calls; syncs replayed at its
     `.backward()` line come from the model's backward graph and are counted with the model's), and the flushes make
     exactly one each (6 steps, --log-every 3: two)."""
     import traceback
@@ -104,7 +106,7 @@ def test_training_step_does_not_wait_for_the_gpu(tmp_path, small_corpus, micro_a
     step, flushes, other = [], [], []
     for stack in hits:
         f = owner(stack)
-        if f is not None and f.filename.endswith(os.path.join("train", "main.py")) and f.name in STEP_CODE \
+        if f is not None and f.filename.endswith(STEP_FILES) and f.name in STEP_CODE \
                 and ".backward()" not in (f.line or ""):
             step.append("".join(traceback.format_list(stack[-8:])))
         elif f is not None and f.name == "flush":
