@@ -112,11 +112,12 @@ def begin_checkpoint(out_dir: str, step: int, tag: str | None = None) -> str:
 
 def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.Tensor] | None, config_json: str,
                            optimizer_state: dict | None, train_state: dict, rng: dict | None = None,
-                           export: Callable[[str], None] | None = None) -> None:
+                           export: Callable[[str], None] | None = None, tokenizer=None) -> None:
     """Write the parts into the temp folder, each fsync'd (model/optimizer may be None when DCP holds them).
 
     `export(folder)`, when given, writes the weights as a `HybridLM.from_pretrained` folder (config.json +
-    safetensors in transformers' layout) instead of the plain state dict."""
+    safetensors in transformers' layout) instead of the plain state dict. `tokenizer` (the run's) is saved beside
+    the weights as files `transformers.AutoTokenizer` loads (`model.tokenizer.save_tokenizer_files`)."""
     files = {HYBRID_CONFIG: lambda p: _write_text(p, config_json)}
     if export is not None:
         export(tmp)
@@ -127,6 +128,10 @@ def write_checkpoint_files(tmp: str, step: int, *, model_state: dict[str, torch.
     files["rng.pt"] = lambda p: torch.save(rng if rng is not None else rng_state(), p)
     for name, write in files.items():
         write(os.path.join(tmp, name))
+    if tokenizer is not None:
+        from hybridlm.model.tokenizer import save_tokenizer_files
+
+        save_tokenizer_files(tokenizer, tmp)
     for root, _, names in os.walk(tmp):
         for name in names:
             fsync_file(os.path.join(root, name))

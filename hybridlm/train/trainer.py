@@ -155,7 +155,8 @@ class Trainer:
                 if cfg.hf_model_type:
                     export = lambda folder: _cpu_model(cfg, full).save_pretrained(folder)  # noqa: E731
                 ckpt.write_checkpoint_files(tmp, at_step, model_state=full, config_json=cfg.to_json(),
-                                            optimizer_state=None, train_state=train_state, rng=rng, export=export)
+                                            optimizer_state=None, train_state=train_state, rng=rng, export=export,
+                                            tokenizer=p.tokenizer)
                 ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
             barrier(dist)
         else:
@@ -163,7 +164,7 @@ class Trainer:
             ckpt.write_checkpoint_files(
                 tmp, at_step, model_state=None if cfg.hf_model_type else ckpt.plain_state_dict(p.model),
                 config_json=cfg.to_json(), optimizer_state=p.optimizer.state_dict(), train_state=train_state,
-                rng=rng, export=p.model.save_pretrained if cfg.hf_model_type else None)
+                rng=rng, export=p.model.save_pretrained if cfg.hf_model_type else None, tokenizer=p.tokenizer)
             ckpt.commit_checkpoint(args.out, at_step, tmp, args.keep)
 
     # --- one step, the flush, evaluation ---

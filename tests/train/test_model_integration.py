@@ -1,13 +1,15 @@
 """The trainer with the real HybridLM: packed documents never see each other, checkpoints load with
-from_pretrained, a tokenizer.json corpus trains."""
+from_pretrained and carry a tokenizer that transformers loads with our ids, a tokenizer.json corpus trains."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from hybridlm.model.hybrid import HybridLM
+from hybridlm.model.tokenizer import tokenizer_from_spec
 from hybridlm.train import checkpoint as ckpt
 from hybridlm.train.data import Stream, make_batch
 from hybridlm.train.main import _loss_sum, train
@@ -59,6 +61,15 @@ def test_checkpoint_is_a_from_pretrained_folder(tmp_path, small_corpus, micro_ar
     for k, v in m.state_dict().items():
         assert torch.equal(v, st["model"][k]), k
     assert s["final_step"] == 2
+    _assert_tokenizer_travels(path, tokenizer_from_spec("bytes"))
+
+
+def _assert_tokenizer_travels(folder: str, ours) -> None:
+    """transformers' AutoTokenizer loads the checkpoint's tokenizer files and gives our tokenizer's ids."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in ("ROMEO.\nWhat light through yonder window breaks?", "caf\u00e9 \u6f22 \u2014 ok"):
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text), text
 
 
 def test_tokenizer_json_corpus(tmp_path, small_corpus, micro_args):
@@ -73,6 +84,7 @@ def test_tokenizer_json_corpus(tmp_path, small_corpus, micro_args):
                          "--tokenizer", path, "--sample-tokens", "5"))
     assert s["final_step"] == 2 and s["unigram_nats_per_byte"] > 0
     assert os.path.exists(tmp_path / "r" / "sample.txt")
+    _assert_tokenizer_travels(ckpt.resolve_resume(str(tmp_path / "r")), tokenizer_from_spec(path))
 
 
 def test_training_presets_have_the_sizes_their_names_say():
