@@ -3,8 +3,9 @@ channel) for N sequences of T tokens each (T = 1: one decode step; T > 1: specul
 tokens), each sequence on its own row of a state pool. Per token:
     S <- e^{g} S,   S <- S + k (beta (v - S^T k))^T,   o = scale S^T q.
 Non-standard: the state rows are picked by state_indices (a serving engine's slots), one program per (V block,
-sequence, value head); the fp32 state block is read once, the T tokens run on it in registers (the loop unrolled:
-T is a constexpr, so T = 1 is the one-step kernel with no loop), and it is written where the caller keeps it:
+sequence, value head); the fp32 state block is read once, every token's inputs are loaded beside it as [T, *]
+tiles before the first update (so their latencies overlap instead of adding up token by token), the T tokens run
+on it in registers (the loop unrolled: T is a constexpr), and it is written where the caller keeps it:
 - INTER: after every token to inter [N, T, HV, K, V] (the pool is then only read, unless ACC);
 - ACC: to the pool row after token acc[n] - 1 only (acc[n] = 0 or out of 1..T: the row is not written);
 - neither: to the pool row after the last token.
@@ -19,10 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _row(x, rows, t: tl.constexpr):
+    """Row t of a [TP, B] tile as a [B] vector (a masked sum: T is at most 8, so this is a few adds a channel)."""
+    return tl.sum(tl.where(rows[:, None] == t, x, 0.0), 0)
+
+
+@triton.jit
 def _decode_step(
     q, k, v, g, beta, pool, idx, o, inter, acc, scale,
-    H, HV, T: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, CHANNEL: tl.constexpr = False, INTER: tl.constexpr = False, ACC: tl.constexpr = False,
+    H, HV, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, L2: tl.constexpr, CHANNEL: tl.constexpr = False, INTER: tl.constexpr = False,
+    ACC: tl.constexpr = False,
 ):
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -31,35 +39,50 @@ def _decode_step(
     ih = ihv // (HV // H)
     offs_k = tl.arange(0, BK)
     offs_v = iv * BV + tl.arange(0, BV)
+    rows = tl.arange(0, TP)
     mk = offs_k < K
     mv = offs_v < V
+    mt = rows < T
     ms = mk[:, None] & mv[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
+    # every token's inputs first, as [TP, *] tiles (rows past T read 0): their loads are in flight together with
+    # the state's, instead of one token's latency after another inside the token loop
+    nt = n.to(tl.int64) * T + rows  # the rows of this sequence's tokens in the [N, T, ...] inputs
+    qk_off = (nt[:, None] * H + ih) * K + offs_k[None, :]
+    m_tk = mt[:, None] & mk[None, :]
+    Q = tl.load(q + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+    Kt = tl.load(k + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+    Vt = tl.load(v + (nt[:, None] * HV + ihv) * V + offs_v[None, :], mask=mt[:, None] & mv[None, :],
+                 other=0.0).to(tl.float32)
+    if CHANNEL:  # KDA: one log-decay per key channel, g [N, T, HV, K]
+        G = tl.load(g + (nt[:, None] * HV + ihv) * K + offs_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    else:
+        G = tl.load(g + nt * HV + ihv, mask=mt, other=0.0).to(tl.float32)
+    Bt = tl.load(beta + nt * HV + ihv, mask=mt, other=0.0).to(tl.float32)
+    if L2:
+        Q = Q * tl.rsqrt(tl.sum(Q * Q, 1) + 1e-6)[:, None]
+        Kt = Kt * tl.rsqrt(tl.sum(Kt * Kt, 1) + 1e-6)[:, None]
     slot = tl.load(idx + n).to(tl.int64)
     sp = pool + (slot * HV + ihv) * K * V + tile
     S = tl.load(sp, mask=ms, other=0.0)
     if ACC:
         na = tl.load(acc + n).to(tl.int32)
     for t in tl.static_range(T):
-        nt = n.to(tl.int64) * T + t  # row of token t in the [N, T, ...] inputs
-        qq = tl.load(q + (nt * H + ih) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        kk = tl.load(k + (nt * H + ih) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        if L2:
-            qq = qq * tl.rsqrt(tl.sum(qq * qq, 0) + 1e-6)
-            kk = kk * tl.rsqrt(tl.sum(kk * kk, 0) + 1e-6)
-        vv = tl.load(v + (nt * HV + ihv) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-        if CHANNEL:  # KDA: one log-decay per key channel, g [N, T, HV, K]
-            dec = tl.exp(tl.load(g + (nt * HV + ihv) * K + offs_k, mask=mk, other=0.0).to(tl.float32))[:, None]
+        qq = _row(Q, rows, t)
+        kk = _row(Kt, rows, t)
+        vv = _row(Vt, rows, t)
+        if CHANNEL:
+            S = S * tl.exp(_row(G, rows, t))[:, None]
         else:
-            dec = tl.exp(tl.load(g + nt * HV + ihv).to(tl.float32))
-        bb = tl.load(beta + nt * HV + ihv).to(tl.float32)
-        S = S * dec
+            S = S * tl.exp(tl.sum(tl.where(rows == t, G, 0.0), 0))
+        bb = tl.sum(tl.where(rows == t, Bt, 0.0), 0)
         u = bb * (vv - tl.sum(S * kk[:, None], 0))
         S = S + kk[:, None] * u[None, :]
         oo = tl.sum(S * qq[:, None], 0) * scale
-        tl.store(o + (nt * HV + ihv) * V + offs_v, oo.to(o.dtype.element_ty), mask=mv)
+        row = n.to(tl.int64) * T + t
+        tl.store(o + (row * HV + ihv) * V + offs_v, oo.to(o.dtype.element_ty), mask=mv)
         if INTER:
-            tl.store(inter + (nt * HV + ihv) * K * V + tile, S, mask=ms)
+            tl.store(inter + (row * HV + ihv) * K * V + tile, S, mask=ms)
         if ACC:  # a predicated-off store moves no bytes: the row is written once, at the accepted token
             tl.store(sp, S, mask=ms & (na == t + 1))
     if not INTER and not ACC:
