@@ -16,7 +16,8 @@ Asserted: ours within TOL of the exact float64 reference (o, both final states, 
 definition (a missing ridge, beta or decay) is off by O(1). fla's gradients are measured against the exact
 reference: its backward solves the adjoint system by CG instead of differentiating through the forward's CG steps,
 so it approximates the gradient of the exact solve. Differentiating through 30 truncated steps is another function
-of H0: on an H200 its dH0 peaked at 1.2e4 where the exact one peaks at 34, and fla's was 100% off it. One line per tensor, `PARITY mesa_net <dtype> <case> <ours|fla> <tensor> err=...`.
+of H0: on an H200 its dH0 peaked at 1.2e4 where the exact one peaks at 34, and fla's was 100% off it.
+One line per tensor, `PARITY mesa_net <dtype> <case> <ours|fla> <tensor> err=...`.
 An fla exception fails the test (no known limitation is named for this op).
 """
 
