@@ -115,6 +115,24 @@ def _conv_case(rank: int, R: int, group, seed: int) -> None:
         _check(f"{case} d{n}", got, want, seed)
 
 
+def _bad_input_case(rank: int, R: int, group) -> None:
+    """One-line errors naming the argument; raised on every rank alike, before any exchange."""
+    x = _inputs("gated_delta_rule", 1, 8, 1, torch.Generator().manual_seed(0))
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    cases = [
+        ({"cu_seqlens": torch.tensor([0, 8], dtype=torch.int32)}, ValueError,
+         f"cu_seqlens: expected to end at T={R * 8}"),
+        ({"state_pool": x["initial_state"], "state_indices": torch.zeros(1, dtype=torch.long)}, ValueError,
+         "cp_group: expected no state_pool"),
+        ({"initial_state": x["initial_state"][:, :1]}, ValueError, "initial_state: expected shape"),
+    ]
+    for kw, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            gated_delta_rule(q, k, v, g=g, beta=beta, impl="chunk", cp_group=group, **kw)
+    with pytest.raises(ValueError, match="x: expected at least W=4 positions a rank with cp_group, got T=3"):
+        causal_conv1d(torch.zeros(1, 3, 2, dtype=F64), torch.zeros(2, 4, dtype=F64), cp_group=group)
+
+
 def _worker(rank: int, R: int, store: str, seed: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=R)
@@ -124,6 +142,7 @@ def _worker(rank: int, R: int, store: str, seed: int) -> None:
             for varlen in (False, True):
                 _recurrence_case(op, varlen, rank, R, group, seed)
         _conv_case(rank, R, group, seed)
+        _bad_input_case(rank, R, group)
     finally:
         dist.destroy_process_group()
 
@@ -139,3 +158,10 @@ def test_context_parallel_matches_whole_sequence(world, tmp_path, seed):
     finally:
         os.environ.clear()
         os.environ.update(env)
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="a process group is initialised here")
+def test_cp_group_without_a_process_group_is_refused():
+    x = _inputs("kda", 1, 4, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="cp_group: torch.distributed is not initialised"):
+        kda(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], cp_group=object())
