@@ -6,8 +6,8 @@ Non-standard here:
   A_t = (I - beta_t k_t k_t^T) diag(e^{g_t}) (docs/math.md, "Context parallelism"). Each rank computes its M and C
   with the op itself (C from a zero state; M by running it with v = 0 from the identity, where the update is linear
   in S), all-gathers them in the state dtype (float32; float64 for float64 values) and chains them, so every rank
-  knows every rank's initial state; then it runs the op on its slice from its own. Three local calls instead of
-  one: correctness first, the exchange is one [K, K + V] pair per head and rank.
+  knows every rank's initial state; then it runs the op on its slice from its own. Two more local calls (M,
+  C) than without: correctness first, the exchange is one [K, K + V] pair per head and rank.
 - Gradients are exact: M and C come from the differentiable op, the gather's backward sums the gradients of the
   gathered pieces over the ranks (an all-reduce, which gloo has; its reduce-scatter it has not) and hands each
   rank its own. That backward is a collective: every rank must backpropagate through its output, as training does.
@@ -124,6 +124,9 @@ def run(local: Callable, q, k, v, *, g, beta, initial_state, output_final_state,
         starts = ends = list(range(B))  # one row per sequence, each running through every rank
         n_docs = B
     else:
+        if T == 0:
+            raise ValueError("v: expected a slice of at least one position a rank with cp_group and cu_seqlens, "
+                             "got T=0")
         n_docs = check_cu_seqlens(cu_seqlens, B=B, T=R * T)
         offsets = host_offsets(cu_seqlens)
         starts, ends = offsets[:-1], offsets[1:]
