@@ -20,6 +20,7 @@ Non-standard here:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
+from . import context_parallel
 from .chunk import recurrence_chunk
 from .naive import recurrence_naive
 from .norm import l2norm
@@ -335,8 +337,12 @@ def execute(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, (final if x.output_final_state else None)
 
 
-def dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, impl: str, **kw) -> tuple[torch.Tensor,
-                                                                                         torch.Tensor | None]:
-    """A public op end to end: prepare, choose, execute."""
+def dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, impl: str, cp_group=None, **kw) -> tuple[
+        torch.Tensor, torch.Tensor | None]:
+    """A public op end to end: prepare, choose, execute. With cp_group, this rank's slice of a sequence split over
+    the group (`hybridlm.ops.context_parallel`), each local piece dispatched as a call of its own."""
+    if cp_group is not None:
+        local = functools.partial(dispatch, op, g_kind, delta, impl=impl, state_pool=None, state_indices=None)
+        return context_parallel.run(local, q, k, v, group=cp_group, **kw)
     x = prepare(op, g_kind, delta, q, k, v, impl=impl, **kw)
     return execute(choose(x, impl), x)

@@ -60,6 +60,11 @@ _COMMON_DOC = """
     recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
     activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch
     paths run under torch.utils.checkpoint). Outputs and gradients are the same.
+    cp_group (gated_delta_rule, kda): a torch.distributed ProcessGroup over which the sequence is split (context
+    parallelism, `hybridlm.ops.context_parallel`): each rank passes its contiguous slice in rank order (under varlen
+    equal slices and the global cu_seqlens) and gets its slice of o; initial_state applies at the start of the whole
+    sequence, is passed by every rank and its gradient is the sum over ranks; the final state is the last rank's,
+    returned on every rank (count its gradient on one); every rank must backpropagate through its o. No state pool.
     Returns (o [B, T, HV, V] in v's dtype, final_state or None).
 """
 
@@ -81,6 +86,7 @@ def gated_delta_rule(
     recompute: bool = False,
     state_pool: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    cp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet: S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - e^{g_t} S_{t-1}^T k_t)^T,  o_t = S_t^T q_t.
 
@@ -89,7 +95,7 @@ def gated_delta_rule(
     return dispatch("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices, cp_group=cp_group)
 
 
 def kda(
@@ -109,6 +115,7 @@ def kda(
     recompute: bool = False,
     state_pool: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    cp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention: the gated delta rule with one log-decay per key channel,
     S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t (v_t - (diag(e^{g_t}) S_{t-1})^T k_t)^T.
@@ -117,7 +124,7 @@ def kda(
     return dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
-                     recompute=recompute, state_pool=state_pool, state_indices=state_indices)
+                     recompute=recompute, state_pool=state_pool, state_indices=state_indices, cp_group=cp_group)
 
 
 def delta_rule(

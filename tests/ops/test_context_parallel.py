@@ -1,0 +1,195 @@
+"""Context parallelism of the ops on the CPU (gloo, 2 and 4 processes): each rank's slice against the whole sequence
+in float64 -- the output, the final state (the same on every rank), every gradient (those of the inputs every rank
+shares, initial_state and the conv's weight and bias, summed over the ranks) -- for gated_delta_rule and kda with
+GVA and the l2 norm on, equal-length rows and packed documents that cross rank boundaries, and the short conv.
+
+The reference is the token loop (impl="naive") on the whole sequence; the ranks run impl="chunk". The processes are
+started with torch.multiprocessing (spawn) and meet through a file store in tmp_path: no ports. One spawn per world
+size runs every case, since the start-up of the processes costs more than the cases.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from float64_check import rel
+
+from hybridlm.ops.conv import causal_conv1d
+from hybridlm.ops.recurrence import gated_delta_rule, kda
+
+TOL = 1e-10  # float64: rounding only; a missing chain term or gradient share is O(1)
+F64 = torch.float64
+H, HV, K, V = 2, 4, 8, 6  # GVA: two value heads per key head; V != K so a transposed state fails
+# packed documents of each world size (T positions a rank): one crossing a boundary, one starting on a boundary,
+# one spanning ranks, one empty, one inside a rank ending on a boundary
+OFFSETS = {2: (16, [0, 3, 11, 16, 21, 26, 26, 32]), 4: (12, [0, 5, 12, 15, 41, 41, 48])}
+
+
+def _inputs(op: str, B: int, T: int, N: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    gshape = (B, T, HV) if op == "gated_delta_rule" else (B, T, HV, K)
+    return {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, V),
+            "g": torch.nn.functional.logsigmoid(r(*gshape)) * 0.5, "beta": torch.sigmoid(r(B, T, HV)) * 1.5,
+            "initial_state": r(N, HV, K, V)}
+
+
+def _check(what: str, got: torch.Tensor, want: torch.Tensor, seed: int, tol: float = TOL) -> None:
+    err = rel(got.double(), want)
+    assert err <= tol, f"{what}: rel error {err:.3g} > {tol} (seed {seed})"
+
+
+def _recurrence_case(op: str, varlen: bool, rank: int, R: int, group, seed: int, impl: str = "chunk",
+                     dtype: torch.dtype = F64, device: str = "cpu", tol: float = TOL) -> None:
+    fn = gated_delta_rule if op == "gated_delta_rule" else kda
+    gen = torch.Generator().manual_seed(seed)
+    if varlen:
+        T, offs = OFFSETS[R]
+        B, N, cu = 1, len(offs) - 1, torch.tensor(offs, dtype=torch.int32)
+    else:
+        T, B, cu = 10, 2, None
+        N = B
+    x = _inputs(op, B, R * T, N, gen)
+    do, dfinal = torch.randn(B, R * T, HV, V, generator=gen, dtype=F64), torch.randn(N, HV, K, V, generator=gen,
+                                                                                     dtype=F64)
+    x, do, dfinal = {n: t.to(device) for n, t in x.items()}, do.to(device), dfinal.to(device)
+    cu = None if cu is None else cu.to(device)
+    names = list(x)
+    kw = {"use_qk_l2norm": True, "output_final_state": True, "cu_seqlens": cu}
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    o_ref, f_ref = fn(leaves["q"], leaves["k"], leaves["v"], g=leaves["g"], beta=leaves["beta"],
+                      initial_state=leaves["initial_state"], impl="naive", **kw)
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (f_ref * dfinal).sum(), [leaves[n] for n in names])
+
+    sl = slice(rank * T, (rank + 1) * T)
+    mine = {n: (t if n == "initial_state" else t[:, sl]).to(dtype).requires_grad_(True) for n, t in x.items()}
+    o, final = fn(mine["q"], mine["k"], mine["v"], g=mine["g"], beta=mine["beta"],
+                  initial_state=mine["initial_state"], impl=impl, chunk_size=16, cp_group=group, **kw)
+    # the final state is replicated: its gradient is counted on one rank
+    loss = (o * do[:, sl].to(dtype)).sum() + ((final * dfinal.to(final.dtype)).sum() if rank == R - 1 else 0)
+    grads = torch.autograd.grad(loss, [mine[n] for n in names], allow_unused=True, materialize_grads=True)
+    case = f"{op} varlen={varlen} rank {rank}/{R}"
+    _check(f"{case} o", o, o_ref[:, sl], seed, tol)
+    _check(f"{case} final state", final, f_ref, seed, tol)
+    for n, got, want in zip(names, grads, grads_ref):
+        if n == "initial_state":
+            got = got.clone()
+            dist.all_reduce(got, group=group)
+        else:
+            want = want[:, sl]
+        _check(f"{case} d{n}", got, want, seed, 5 * tol)
+
+
+def _conv_case(rank: int, R: int, group, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    B, T, C, W = 2, 5, 3, 4
+    x = {"x": torch.randn(B, R * T, C, generator=gen, dtype=F64), "weight": torch.randn(C, W, generator=gen,
+                                                                                         dtype=F64),
+         "bias": torch.randn(C, generator=gen, dtype=F64), "initial_state": torch.randn(B, C, W, generator=gen,
+                                                                                         dtype=F64)}
+    dy, dfinal = torch.randn(B, R * T, C, generator=gen, dtype=F64), torch.randn(B, C, W, generator=gen, dtype=F64)
+    names = list(x)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    y_ref, f_ref = causal_conv1d(leaves["x"], leaves["weight"], leaves["bias"], activation="silu",
+                                 initial_state=leaves["initial_state"], output_final_state=True)
+    grads_ref = torch.autograd.grad((y_ref * dy).sum() + (f_ref * dfinal).sum(), [leaves[n] for n in names])
+
+    sl = slice(rank * T, (rank + 1) * T)
+    mine = {n: (t[:, sl] if n == "x" else t).clone().requires_grad_(True) for n, t in x.items()}
+    y, final = causal_conv1d(mine["x"], mine["weight"], mine["bias"], activation="silu",
+                             initial_state=mine["initial_state"], output_final_state=True, cp_group=group)
+    loss = (y * dy[:, sl]).sum() + ((final * dfinal).sum() if rank == R - 1 else 0)
+    grads = torch.autograd.grad(loss, [mine[n] for n in names], allow_unused=True, materialize_grads=True)
+    case = f"conv rank {rank}/{R}"
+    _check(f"{case} y", y, y_ref[:, sl], seed)
+    _check(f"{case} final state", final, f_ref, seed)
+    for n, got, want in zip(names, grads, grads_ref):
+        if n == "x":
+            want = want[:, sl]
+        else:  # shared by the ranks: each holds its share
+            got = got.clone()
+            dist.all_reduce(got, group=group)
+        _check(f"{case} d{n}", got, want, seed)
+
+
+def _bad_input_case(rank: int, R: int, group) -> None:
+    """One-line errors naming the argument; raised on every rank alike, before any exchange."""
+    x = _inputs("gated_delta_rule", 1, 8, 1, torch.Generator().manual_seed(0))
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    cases = [
+        ({"cu_seqlens": torch.tensor([0, 8], dtype=torch.int32)}, ValueError,
+         f"cu_seqlens: expected to end at T={R * 8}"),
+        ({"state_pool": x["initial_state"], "state_indices": torch.zeros(1, dtype=torch.long)}, ValueError,
+         "cp_group: expected no state_pool"),
+        ({"initial_state": x["initial_state"][:, :1]}, ValueError, "initial_state: expected shape"),
+    ]
+    for kw, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            gated_delta_rule(q, k, v, g=g, beta=beta, impl="chunk", cp_group=group, **kw)
+    with pytest.raises(ValueError, match="x: expected at least W=4 positions a rank with cp_group, got T=3"):
+        causal_conv1d(torch.zeros(1, 3, 2, dtype=F64), torch.zeros(2, 4, dtype=F64), cp_group=group)
+
+
+def _worker(rank: int, R: int, store: str, seed: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=R)
+    try:
+        group = dist.new_group(list(range(R)))  # a group of its own, as a context-parallel mesh dimension gives
+        for op in ("gated_delta_rule", "kda"):
+            for varlen in (False, True):
+                _recurrence_case(op, varlen, rank, R, group, seed)
+        _conv_case(rank, R, group, seed)
+        _bad_input_case(rank, R, group)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_whole_sequence(world, tmp_path, seed):
+    env = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world, join=True,
+                           start_method="spawn")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="a process group is initialised here")
+def test_cp_group_without_a_process_group_is_refused():
+    x = _inputs("kda", 1, 4, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="cp_group: torch.distributed is not initialised"):
+        kda(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], cp_group=object())
+
+
+def _gpu_worker(rank: int, R: int, store: str, seed: int) -> None:
+    import hybridlm.ops.triton  # noqa: F401  (registers the kernels)
+
+    global K, V  # this process's own copy: head sizes the Triton kernels' tiles take (the CPU cases keep 8, 6)
+    K, V = 32, 64
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=R)
+    try:
+        for op in ("gated_delta_rule", "kda"):
+            for varlen in (False, True):
+                _recurrence_case(op, varlen, rank, R, dist.group.WORLD, seed, impl="triton", dtype=torch.float32,
+                                 device=f"cuda:{rank}", tol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_context_parallel_triton_two_gpus(tmp_path, seed):
+    """The Triton kernels run the local pieces: fp32 on 2 GPUs (NCCL) against the whole-sequence float64 loop."""
+    mp.start_processes(_gpu_worker, args=(2, str(tmp_path / "store"), seed), nprocs=2, join=True,
+                       start_method="spawn")
