@@ -2,7 +2,9 @@
 
 Non-standard here:
 - The forget gate is low rank: f = f_b_proj(f_a_proj(x)) + dt_bias (float32, [B, T, H, dk]),
-  g = -exp(A_log) * softplus(f) with softplus(f) = f for f > 20 (as Kimi writes it).
+  g = -exp(A_log) * softplus(f) with softplus(f) = f for f > 20 (as Kimi writes it). The op computes it from the
+  raw projection (`kda(..., A_log=, dt_bias=)`, `hybridlm.ops.kda_gate`); only a cached decode token computes g
+  here, for the fused step kernel.
 - The output gate is low rank too: gate = g_b_proj(g_a_proj(x)); the output norm is RMSNorm in float32 with a
   sigmoid gate (not SiLU).
 - One short conv over cat(q, k, v) (checkpoints store three convs; `hybridlm.model.hf` concatenates them).
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from hybridlm.ops import glue, kda
+from hybridlm.ops.kda_gate import kda_gate
 
 from .conv import ShortConv
 from .norm import GatedRMSNorm
@@ -45,11 +48,11 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> g [B, T, H, dk] float32 (<= 0), on PyTorch."""
-        return self._gates(x, "torch")[0]
+        return kda_gate(self._raw_gate(x), self.A_log.view(self.H), self.dt_bias)
 
-    def _gates(self, x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, D] -> (g [B, T, H, dk] float32, beta [B, T, H])."""
-        return glue.kda_gates(self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.A_log, self.dt_bias, impl=impl)
+    def _raw_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> the forget gate's input before dt_bias, [B, T, H, dk]."""
+        return self.f_b_proj(self.f_a_proj(x)).view(*x.shape[:-1], self.H, self.dk)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -62,13 +65,20 @@ class KimiDeltaAttention(nn.Module):
         # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
         q, k, v = (t.view(B, T, self.H, self.dk)
                    for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3))
-        g, beta = self._gates(x, self.impl)
+        raw, beta = self._raw_gate(x), torch.sigmoid(self.b_proj(x))
+        A_log = self.A_log.view(self.H)
         h0 = None if cache is None else cache.recurrent
-        o = glue.recurrent_decode_step("kda", self.impl, h0, q, k, v, g, beta)  # in place, or None
+        o = None
+        if h0 is not None and T == 1:  # a cached decode token: the fused step kernel takes g itself
+            g = kda_gate(raw, A_log, self.dt_bias, fused=glue.use_triton("kda_gates", self.impl, raw))
+            o = glue.recurrent_decode_step("kda", self.impl, h0, q, k, v, g, beta)  # in place, or None
+            if o is None:
+                raw, A_log = g, None
         if o is None:
-            o, state = kda(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens, initial_state=h0,
-                           output_final_state=cache is not None, impl=glue.step_impl(self.impl, cache is not None, T),
-                           recompute=self.recompute)
+            gate = dict(A_log=A_log, dt_bias=self.dt_bias) if A_log is not None else {}
+            o, state = kda(q, k, v, g=raw, beta=beta, **gate, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+                           initial_state=h0, output_final_state=cache is not None,
+                           impl=glue.step_impl(self.impl, cache is not None, T), recompute=self.recompute)
             if cache is not None:
                 cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)

@@ -13,6 +13,9 @@ Non-standard here:
   narrower initial_state up to the state dtype (float32; float64 for float64 v), cu_seqlens to an int32 tensor
   with a version counter and its host copy recorded (`hybridlm.ops.offsets`), so that int64 or inference-mode
   offsets are read back once a call, not once per kernel.
+- KDA's gate from raw inputs (`A_log`, `dt_bias`, `lower_bound`; `hybridlm.ops.kda_gate`) is checked in
+  `prepare` and computed in `execute`, once the backend is known: on the Triton gates kernel for the Triton
+  backend, in PyTorch (compute dtype, under autograd) for the others. Backends see only the log-decay.
 - A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
   gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
 """
@@ -30,6 +33,7 @@ import torch.utils.checkpoint
 
 from . import context_parallel
 from .chunk import recurrence_chunk
+from .kda_gate import check_kda_gate, kda_gate
 from .naive import recurrence_naive
 from .norm import l2norm
 from .offsets import host_offsets, remember_offsets
@@ -66,6 +70,9 @@ class Inputs:
     k: torch.Tensor | None = None  # [B, T, H, K] in v's dtype
     g: torch.Tensor | None = None  # [B, T, HV] or [B, T, HV, K] log-decay, as given
     beta: torch.Tensor | None = None  # [B, T, HV], as given
+    A_log: torch.Tensor | None = None  # [HV]: with it (or lower_bound) g is the raw gate input (`kda_gate`)
+    dt_bias: torch.Tensor | None = None  # [HV * K] added to the raw gate input
+    lower_bound: float | None = None  # the sigmoid form of the gate, bounded below by it
     delta: bool = True  # delta-rule write (else Hebbian)
     dims: Dims | None = None
     scale: float | None = None
@@ -120,24 +127,28 @@ def _int32_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
     return remember_offsets(cu32, host_offsets(cu_seqlens))
 
 
-def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, scale, initial_state, output_final_state,
+def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, A_log=None, dt_bias=None, lower_bound=None,
+            scale, initial_state, output_final_state,
             cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute, state_pool, state_indices) -> Inputs:
     """Check a public op's arguments (one-line errors naming the argument) and cast them as documented."""
     cu_seqlens = _versioned(cu_seqlens)
     dims = check_recurrence_inputs(q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state,
                                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, impl=impl, mixed_qk=True,
                                    impls=_impls())
+    if A_log is not None or dt_bias is not None or lower_bound is not None:
+        check_kda_gate(g, A_log, dt_bias, lower_bound)
     sd = state_dtype(v.dtype)
     if state_pool is not None or state_indices is not None:
         check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims, dtype=sd,
                          device=q.device)
-    needs_grad = _needs_grad(q, k, v, g, beta, initial_state)
+    needs_grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if initial_state is not None:
         check_state_dtype("initial_state", initial_state, v.dtype)
         initial_state = initial_state.to(sd)
     cu_seqlens = _int32_offsets(cu_seqlens)
     return Inputs(op=op, q=q.to(v.dtype), k=k.to(v.dtype), v=v, device=q.device, needs_grad=needs_grad, g=g,
-                  beta=beta, delta=delta, dims=dims, scale=scale, initial_state=initial_state,
+                  beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, delta=delta, dims=dims,
+                  scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                   offsets=None if cu_seqlens is None else host_offsets(cu_seqlens), use_qk_l2norm=use_qk_l2norm,
                   chunk_size=chunk_size, recompute=recompute, state_pool=state_pool, state_indices=state_indices)
@@ -323,6 +334,9 @@ def _run(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def execute(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run prepared inputs on backend b, a state pool included."""
+    if x.A_log is not None or x.lower_bound is not None:
+        g = kda_gate(x.g, x.A_log, x.dt_bias, x.lower_bound, dtype=state_dtype(x.v.dtype), fused=b.name == "triton")
+        x = dataclasses.replace(x, g=g, A_log=None, dt_bias=None, lower_bound=None)
     if x.state_pool is None:
         return _run(b, x)
     if b.pool_in_place and x.dims.T > 0 and x.state_pool.is_contiguous():

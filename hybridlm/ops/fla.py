@@ -7,9 +7,10 @@ Non-standard here (everything else is `gated_delta_rule` / `kda` / `delta_rule` 
   (some are bare `assert`s, `head_first` raises DeprecationWarning as an exception) and the unknown keywords it
   ignores through `**kwargs`. These functions take gates positionally, after v: `g` then `beta`.
 - What our ops do not take is done here in PyTorch, under autograd: the sigmoid on beta
-  (`use_beta_sigmoid_in_kernel`, x2 with `allow_neg_eigval`), the gate from raw inputs (`use_gate_in_kernel` with
-  A_log / dt_bias / lower_bound), the V-first state layout (`state_v_first`), a beta or decay per value channel
-  (fused_recurrent only), and chunk_kda's `return_intermediate_states` (the op is run chunk by chunk).
+  (`use_beta_sigmoid_in_kernel`, x2 with `allow_neg_eigval`), GDN's gate from raw inputs (`use_gate_in_kernel`
+  with A_log / dt_bias; KDA's goes to `kda`'s own gate arguments), the V-first state layout (`state_v_first`),
+  a beta or decay per value channel (fused_recurrent only), and chunk_kda's `return_intermediate_states` (the op
+  is run chunk by chunk).
 - Input casts that only exist because our ops refuse them today, kept in `_common_dtype` and `_state_in`: q, k, v
   of different dtypes are promoted to one, and an initial state not in the compute dtype is cast to it.
   `_offsets_for_op` clones a `cu_seqlens` made under torch.inference_mode, whose version counter our offset cache
@@ -27,6 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .kda_gate import check_kda_gate, kda_gate
 from .offsets import host_offsets, remember_offsets
 from .recurrence import delta_rule, gated_delta_rule, kda
 
@@ -96,18 +98,10 @@ def _gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None
 
 def _kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
               lower_bound: float | None, cd: torch.dtype) -> torch.Tensor:
-    """KDA's per-channel decay from raw inputs g [B, T, HV, K], A_log [HV], dt_bias [HV * K]:
-    -exp(A_log) * softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) when lower_bound is
-    set (then A_log may be None: lower_bound * sigmoid(g + dt_bias))."""
-    HV, K = g.shape[-2], g.shape[-1]
-    x = g.to(cd)
-    if dt_bias is not None:
-        x = x + dt_bias.to(cd).view(HV, K)
-    if lower_bound is None:
-        return -A_log.to(cd).exp().view(HV, 1) * F.softplus(x)
-    if A_log is not None:
-        x = A_log.to(cd).exp().view(HV, 1) * x
-    return lower_bound * torch.sigmoid(x)
+    """KDA's per-channel decay from raw inputs, for the paths that cannot hand the gate to `kda` itself (one call
+    per chunk, one value head per value channel): the op's own gate function, checked as the op checks it."""
+    check_kda_gate(g, A_log, dt_bias, lower_bound)
+    return kda_gate(g, A_log, dt_bias, lower_bound, dtype=cd)
 
 
 def _renamed_layout_flag(state_v_first: bool, kwargs: dict) -> bool:
@@ -438,18 +432,20 @@ def chunk_kda(
     out_dtype, h_dtype = q.dtype, k.dtype
     q, k, v = _common_dtype(q, k, v)
     cd = _compute_dtype(q)
-    if use_gate_in_kernel:
-        g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if use_gate_in_kernel else {}
     beta = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     h0 = _state_in(initial_state, state_v_first, cd)
     cu = _offsets_for_op(cu_seqlens, cu_seqlens_cpu)
     if return_intermediate_states:
+        if use_gate_in_kernel:
+            g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
         o, ht, h = _run_with_chunk_states(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, cu_seqlens=cu,
                                           use_qk_l2norm=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
         h = (h.transpose(-1, -2) if state_v_first else h).to(h_dtype).contiguous()
         return o.to(out_dtype), (_state_out(ht, state_v_first) if output_final_state else None), h
-    o, ht = kda(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
-                cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    o, ht = kda(q, k, v, g=g, beta=beta, **gate, scale=scale, initial_state=h0,
+                output_final_state=output_final_state, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                chunk_size=chunk_size)
     return o.to(out_dtype), _state_out(ht, state_v_first)
 
 
@@ -487,16 +483,17 @@ def fused_recurrent_kda(
     out_dtype = v.dtype
     q, k, v = _common_dtype(q, k, v)
     cd = _compute_dtype(q)
-    if use_gate_in_kernel:
-        g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if use_gate_in_kernel else {}
     beta = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     h0 = _state_in(initial_state, state_v_first, cd)
     cu = _offsets_for_op(cu_seqlens, None)
     if beta.dim() == 4:
+        if use_gate_in_kernel:
+            g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
         o, ht = _run_per_value_channel(q, k, v, g_head=None, g_key=g, g_value=None, beta=beta, scale=scale,
                                        initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu,
                                        use_qk_l2norm=use_qk_l2norm_in_kernel)
     else:
-        o, ht = kda(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
-                    cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm_in_kernel)
+        o, ht = kda(q, k, v, g=g, beta=beta, **gate, scale=scale, initial_state=h0,
+                    output_final_state=output_final_state, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm_in_kernel)
     return o.to(out_dtype), _state_out(ht, state_v_first)

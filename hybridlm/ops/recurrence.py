@@ -105,6 +105,9 @@ def kda(
     *,
     g: torch.Tensor,
     beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -120,8 +123,13 @@ def kda(
     """Kimi Delta Attention: the gated delta rule with one log-decay per key channel,
     S_t = diag(e^{g_t}) S_{t-1} + beta_t k_t (v_t - (diag(e^{g_t}) S_{t-1})^T k_t)^T.
 
-    g: [B, T, HV, K] log-decay (<= 0); beta: [B, T, HV]."""
-    return dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, scale=scale,
+    g: [B, T, HV, K] log-decay (<= 0); beta: [B, T, HV].
+    Kimi's gate inside the op: with A_log ([HV]) or lower_bound given, g is the raw gate input and the log-decay
+    is -exp(A_log) * softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) with lower_bound
+    (< 0; A_log may then be None: exp(A_log) = 1); dt_bias: [HV * K] or None (`hybridlm.ops.kda_gate`). Gradients
+    reach g, A_log and dt_bias."""
+    return dispatch("kda", "channel", True, q, k, v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                     lower_bound=lower_bound, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, impl=impl,
                      recompute=recompute, state_pool=state_pool, state_indices=state_indices, cp_group=cp_group)

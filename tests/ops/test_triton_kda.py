@@ -6,7 +6,8 @@ log-decays from mild to -30 a step, so that every launch of the K-blocked kernel
 one dot, its diagonal blocks by one dot, by their 8-row halves, exactly), also within one call (strong and mild
 decay in different chunks and heads) and at a decay cliff, T = 1, 65, 70, K = 64 with V = 64/128, K = V = 256, the
 head dims 48, 96/192 and 32/16 (chunk ops zero-padded, decode masked), expanded o and final-state gradients, the
-public `kda(..., impl="triton")`, fp16 and bf16 inputs, and the decode step on a state pool.
+public `kda(..., impl="triton")` (also with Kimi's gate inside it, GVA 4), fp16 and bf16 inputs, and the decode
+step on a state pool.
 Tolerances (relative RMS): 2e-6 for o and the states (against the naive recurrence and the chunk path), 1e-5 (the
 fp32 bar of the GPU check) for every gradient (q, k, v, g, beta, initial_state; against the float64 chunk path's
 autograd), the strong-decay cases included. Measured: outputs 2.9e-7, gradients 1.9e-6 (dbeta at K=V=256), dg at
@@ -61,6 +62,17 @@ def test_kda_forward_and_gradients_match_float64(interp_results, case):
     grads = [n for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0") if n in res]
     assert len(grads) >= 5
     for name in grads:
+        assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+
+
+def test_kda_gate_in_op_gva4_every_gradient(interp_results):
+    """Kimi's gate inside the public op on the Triton path (the gates kernel writes g, GVA 4): o and the final state
+    within 2e-6, every gradient (raw, A_log, dt_bias included) within 1e-5 of the float64 chunk path."""
+    case = "gate_in_op_gva4_T70"
+    res, seed = interp_results[case], interp_results["seed"]
+    for name in ("o", "final_state"):
+        assert res[name] <= TOL, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+    for name in ("dq", "dk", "dv", "draw", "dbeta", "dA_log", "ddt_bias", "dh0"):
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 

@@ -8,6 +8,8 @@ Non-standard here:
   Kimi's KDA has one per key channel (KG = head dim: a = f [.., H * KG] before the bias, dt_bias [H * KG],
   A_log one per head). softplus(x) = x for x > 20, log1p(e^x) else, as F.softplus and Kimi's code write it
   (log1p computed stably in fp32: e^x is rounded away from 1 + e^x for very negative x).
+- `kda_decay` is g alone (the KDA op's gate, `hybridlm.ops.kda_gate`): b has no columns, so the beta part of
+  both kernels is masked off; the decay's head count is A_log's, not b's.
 - beta_scale 2 is OLMo-Hybrid's layout (negative eigenvalues); the scale multiplies in fp32 before the cast.
 - Backward: da, db per element; dA_log and ddt_bias are row sums, reduced through per-program fp32 partials
   summed on the host (deterministic).
@@ -97,7 +99,7 @@ def _out(shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _blocks(D: int, HV: int) -> tuple[int, int, int]:
-    BD, BH = next_pow2(D), next_pow2(HV)
+    BD, BH = next_pow2(D), next_pow2(max(HV, 1))
     return BD, BH, max(1, min(64, 4096 // BD))
 
 
@@ -106,12 +108,12 @@ def gates_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """a: [M, HV * KG]; b: [M, HV]; A_log: [HV]; dt_bias: [HV * KG]. Returns (g [M, HV * KG] fp32, beta [M, HV])."""
     M, D = a.shape
-    HV = b.shape[1]
+    HV, NA = b.shape[1], A_log.numel()
     BD, BH, BM = _blocks(D, HV)
     g = _out((M, D), a, torch.float32)
     beta = _out((M, HV), a, b.dtype)
     if M > 0:
-        _gates_fwd[(cdiv(M, BM),)](a, A_log, dt_bias, b, g, beta, M, D, HV, D // HV, scale, BM=BM, BD=BD,
+        _gates_fwd[(cdiv(M, BM),)](a, A_log, dt_bias, b, g, beta, M, D, HV, D // NA, scale, BM=BM, BD=BD,
                                           BH=BH, num_warps=4)
     return g, beta
 
@@ -126,7 +128,7 @@ def gates_bwd(dg: torch.Tensor, dbeta: torch.Tensor, a: torch.Tensor, b: torch.T
               dt_bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (da, db, dA_log, ddt_bias), each in its input's dtype."""
     M, D = a.shape
-    HV = b.shape[1]
+    HV, NA = b.shape[1], A_log.numel()
     BD, BH, BM = _blocks(D, HV)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.device.type == "cuda" else 1
     NP = max(1, min(cdiv(M, BM), 4 * sms))
@@ -136,8 +138,8 @@ def gates_bwd(dg: torch.Tensor, dbeta: torch.Tensor, a: torch.Tensor, b: torch.T
     ddtp = torch.zeros(NP, D, device=a.device, dtype=torch.float32)
     if M > 0:
         _gates_bwd[(NP,)](a, A_log, dt_bias, b, dg.contiguous(), dbeta.contiguous(), da, db, dAp, ddtp, M, D, HV,
-                          D // HV, scale, NP, BM=BM, BD=BD, BH=BH, num_warps=4)
-    dA = dAp.sum(0).view(HV, D // HV).sum(1).to(A_log.dtype)
+                          D // NA, scale, NP, BM=BM, BD=BD, BH=BH, num_warps=4)
+    dA = dAp.sum(0).view(NA, D // NA).sum(1).to(A_log.dtype)
     return da, db, dA, ddtp.sum(0).to(dt_bias.dtype)
 
 
@@ -213,4 +215,14 @@ def kda_gates(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return g.view(*f.shape[:-1], H, K), beta.view(b.shape)
 
 
-__all__ = ["gdn_gates", "kda_gates", "gates_fwd", "gates_bwd"]
+def kda_decay(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Kimi's log-decay alone: raw [..., HV, K]; A_log [HV]; dt_bias [HV * K] (checked by the caller,
+    `hybridlm.ops.kda_gate`). Returns g [..., HV, K] fp32; differentiable in all three."""
+    HV, K = raw.shape[-2], raw.shape[-1]
+    _check_device("g", raw)
+    a = raw.reshape(-1, HV * K).contiguous()
+    g, _ = _Gates.apply(a, a.new_empty(a.shape[0], 0), A_log.contiguous(), dt_bias.contiguous(), 1.0)
+    return g.view(raw.shape)
+
+
+__all__ = ["gdn_gates", "kda_gates", "kda_decay", "gates_fwd", "gates_bwd"]

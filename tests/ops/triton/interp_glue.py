@@ -316,14 +316,20 @@ SUMS = ("A_log", "dt_bias")  # the gate parameters: few numbers, each a sum over
 
 @contextlib.contextmanager
 def _keep_gate(kept: list):
-    """While active, the layers' recurrence calls (GDN, KDA) append their log-decay g (the gates' output) to kept."""
+    """While active, the layers' recurrence calls (GDN, KDA) append their log-decay g (the gates' output) to kept.
+    KDA hands its raw gate to the op (A_log, dt_bias): the wrapper computes the op's gate itself (the same function,
+    in the op's compute dtype) and passes the log-decay on, so that g is a tensor of the graph."""
     from hybridlm.layers import gdn as gdn_mod
     from hybridlm.layers import kda as kda_mod
+    from hybridlm.ops.kda_gate import kda_gate
 
     saved = gdn_mod.gated_delta_rule, kda_mod.kda
 
     def wrap(f):
-        def call(*a, g, **kw):
+        def call(*a, g, A_log=None, dt_bias=None, **kw):
+            if A_log is not None:
+                cd = torch.float64 if a[2].dtype == torch.float64 else torch.float32
+                g = kda_gate(g, A_log, dt_bias, dtype=cd)
             kept.append(g)
             return f(*a, g=g, **kw)
         return call

@@ -84,6 +84,31 @@ def decode_case(gen, *, N, P, H, HV, K, V):
             "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
 
 
+def gate_case(gen, *, B, T, H, HV, K, V) -> dict:
+    """Kimi's gate inside the public op, `kda(..., impl="triton", g=raw, A_log=, dt_bias=)` (the gates kernel
+    computes g, the KDA kernels run on it), against the float64 chunk path with the same gate arguments: o, the
+    final state and every gradient (q, k, v, raw, beta, A_log, dt_bias, initial_state)."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    xs = [r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), 2.0 * r(B, T, HV, K), 2.0 * torch.rand(B, T, HV, generator=gen),
+          torch.rand(HV, generator=gen) * 2 - 1, r(HV * K), r(B, HV, K, V)]
+    names = ["dq", "dk", "dv", "draw", "dbeta", "dA_log", "ddt_bias", "dh0"]
+
+    def run(leaf, impl):
+        return kda(*leaf[:3], g=leaf[3], beta=leaf[4], A_log=leaf[5], dt_bias=leaf[6], initial_state=leaf[7],
+                   output_final_state=True, use_qk_l2norm=True, impl=impl)
+
+    leaf = [x.clone().requires_grad_() for x in xs]
+    o, ht = run(leaf, "triton")
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaf)
+    ref = [x.to(F64).requires_grad_() for x in xs]
+    o2, ht2 = run(ref, "chunk")
+    grads2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref)
+    out = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    out.update({n: rel(a, b) for n, a, b in zip(names, grads, grads2)})
+    return out
+
+
 def main() -> int:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
@@ -122,6 +147,7 @@ def main() -> int:
     res["half_blocks_decay20_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                       decay=20.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
+    res["gate_in_op_gva4_T70"] = gate_case(gen, B=1, T=70, H=1, HV=4, K=64, V=64)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # 16-bit inputs: W, U, states, Vn, Qg, Kd, P stored in 16 bits, 16-bit dot operands in the recurrences and the
