@@ -1,7 +1,8 @@
 """Context parallelism of the ops on the CPU (gloo, 2 and 4 processes): each rank's slice against the whole sequence
 in float64 -- the output, the final state (the same on every rank), every gradient (those of the inputs every rank
-shares, initial_state and the conv's weight and bias, summed over the ranks) -- for gated_delta_rule and kda with
-GVA and the l2 norm on, equal-length rows and packed documents that cross rank boundaries, and the short conv.
+shares, initial_state, KDA's A_log and dt_bias, the conv's weight and bias, summed over the ranks) -- for
+gated_delta_rule and kda (also with Kimi's gate inside the op) with GVA and the l2 norm on, equal-length rows and
+packed documents that cross rank boundaries, and the short conv.
 
 The reference is the token loop (impl="naive") on the whole sequence; the ranks run impl="chunk". The processes are
 started with torch.multiprocessing (spawn) and meet through a file store in tmp_path: no ports. One spawn per world
@@ -34,9 +35,15 @@ def _inputs(op: str, B: int, T: int, N: int, gen: torch.Generator) -> dict[str, 
         return torch.randn(*shape, generator=gen, dtype=F64)
 
     gshape = (B, T, HV) if op == "gated_delta_rule" else (B, T, HV, K)
-    return {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, V),
-            "g": torch.nn.functional.logsigmoid(r(*gshape)) * 0.5, "beta": torch.sigmoid(r(B, T, HV)) * 1.5,
-            "initial_state": r(N, HV, K, V)}
+    x = {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, V),
+         "g": torch.nn.functional.logsigmoid(r(*gshape)) * 0.5, "beta": torch.sigmoid(r(B, T, HV)) * 1.5,
+         "initial_state": r(N, HV, K, V)}
+    if op == "kda_gate":  # Kimi's gate inside the op: g is the raw gate input, A_log and dt_bias shared by the ranks
+        x.update(g=r(*gshape), A_log=r(HV) * 0.5, dt_bias=r(HV * K))
+    return x
+
+
+SHARED = ("initial_state", "A_log", "dt_bias")  # every rank passes the same one: its gradient is the ranks' sum
 
 
 def _check(what: str, got: torch.Tensor, want: torch.Tensor, seed: int, tol: float = TOL) -> None:
@@ -47,6 +54,7 @@ def _check(what: str, got: torch.Tensor, want: torch.Tensor, seed: int, tol: flo
 def _recurrence_case(op: str, varlen: bool, rank: int, R: int, group, seed: int, impl: str = "chunk",
                      dtype: torch.dtype = F64, device: str = "cpu", tol: float = TOL) -> None:
     fn = gated_delta_rule if op == "gated_delta_rule" else kda
+    gate = lambda t: {n: t[n] for n in ("A_log", "dt_bias") if n in t}  # noqa: E731
     gen = torch.Generator().manual_seed(seed)
     if varlen:
         T, offs = OFFSETS[R]
@@ -64,13 +72,13 @@ def _recurrence_case(op: str, varlen: bool, rank: int, R: int, group, seed: int,
 
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
     o_ref, f_ref = fn(leaves["q"], leaves["k"], leaves["v"], g=leaves["g"], beta=leaves["beta"],
-                      initial_state=leaves["initial_state"], impl="naive", **kw)
+                      initial_state=leaves["initial_state"], impl="naive", **gate(leaves), **kw)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (f_ref * dfinal).sum(), [leaves[n] for n in names])
 
     sl = slice(rank * T, (rank + 1) * T)
-    mine = {n: (t if n == "initial_state" else t[:, sl]).to(dtype).requires_grad_(True) for n, t in x.items()}
+    mine = {n: (t if n in SHARED else t[:, sl]).to(dtype).requires_grad_(True) for n, t in x.items()}
     o, final = fn(mine["q"], mine["k"], mine["v"], g=mine["g"], beta=mine["beta"],
-                  initial_state=mine["initial_state"], impl=impl, chunk_size=16, cp_group=group, **kw)
+                  initial_state=mine["initial_state"], impl=impl, chunk_size=16, cp_group=group, **gate(mine), **kw)
     # the final state is replicated: its gradient is counted on one rank
     loss = (o * do[:, sl].to(dtype)).sum() + ((final * dfinal.to(final.dtype)).sum() if rank == R - 1 else 0)
     grads = torch.autograd.grad(loss, [mine[n] for n in names], allow_unused=True, materialize_grads=True)
@@ -78,7 +86,7 @@ def _recurrence_case(op: str, varlen: bool, rank: int, R: int, group, seed: int,
     _check(f"{case} o", o, o_ref[:, sl], seed, tol)
     _check(f"{case} final state", final, f_ref, seed, tol)
     for n, got, want in zip(names, grads, grads_ref):
-        if n == "initial_state":
+        if n in SHARED:
             got = got.clone()
             dist.all_reduce(got, group=group)
         else:
@@ -141,7 +149,7 @@ def _worker(rank: int, R: int, store: str, seed: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=R)
     try:
         group = dist.new_group(list(range(R)))  # a group of its own, as a context-parallel mesh dimension gives
-        for op in ("gated_delta_rule", "kda"):
+        for op in ("gated_delta_rule", "kda", "kda_gate"):
             for varlen in (False, True):
                 _recurrence_case(op, varlen, rank, R, group, seed)
         _conv_case(rank, R, group, seed)
