@@ -17,6 +17,12 @@ Non-standard here:
   dims padded with zeros), or where torch has none (< 2.10) a compiled `flex_attention` with a document block
   mask; otherwise (CPU, float32/64) causal SDPA per document, O(sum of document length^2) at most. The choice is
   logged once per (device type, dtype, path).
+- Context parallelism (`cp_group`: the sequence split over a process group, each rank holding a contiguous
+  slice): K and V are all-gathered in one differentiable collective (post-norm, post-RoPE; the backward sums the
+  gradients over the ranks), and the rank's queries attend to the whole sequence through a dense boolean
+  [1, 1, T, R*T] mask (`cp_attention_mask`: causal on global positions, inside documents of the global
+  cu_seqlens, which may cross rank boundaries). The dense mask is the reference path (CPU, tests); it costs
+  T * R*T bools a rank.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.context_parallel import gather
 from hybridlm.ops.offsets import host_offsets
 
 from .norm import RMSNorm, autocast_dtype
@@ -55,6 +62,29 @@ def build_attention_mask(T: int, *, attention_mask: torch.Tensor | None = None,
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]
     return allowed | (ki[None, :] == qi[:, None])[None, None]
+
+
+def cp_attention_mask(T: int, rank: int, R: int, cu_seqlens: torch.Tensor | None = None,
+                      device=None) -> torch.Tensor:
+    """-> bool [1, 1, T, R*T]: rank's queries (global positions rank*T + i) against every key of a sequence split
+    into R slices of T: causal, and inside the documents of the global offsets cu_seqlens [N+1] if given."""
+    qi = torch.arange(rank * T, (rank + 1) * T, device=device)
+    ki = torch.arange(R * T, device=device)
+    allowed = ki[None, :] <= qi[:, None]
+    if cu_seqlens is not None:
+        ends = cu_seqlens.to(device=device, dtype=torch.long)[1:]
+        allowed = allowed & (torch.bucketize(ki, ends, right=True)[None, :]
+                             == torch.bucketize(qi, ends, right=True)[:, None])
+    return allowed[None, None]
+
+
+def cp_gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [B, h, T, dk], v [B, h, T, dv] of this rank's slice -> those of the whole sequence [B, h, R*T, d], in one
+    collective (two could run their backwards in different orders on different ranks)."""
+    dk = k.shape[-1]
+    kv = gather(torch.cat([k, v], dim=-1), group)  # [R, B, h, T, dk + dv]
+    k, v = kv.permute(1, 2, 0, 3, 4).flatten(2, 3).split([dk, v.shape[-1]], dim=-1)
+    return k, v
 
 
 def positions_for(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -296,6 +326,8 @@ def normed_heads(q: torch.Tensor, k: torch.Tensor, layer: nn.Module) -> tuple[to
 class GatedAttention(nn.Module):
     """x: [B, T, D] -> [B, T, D]. impl: the model's, for the q/k RMSNorms (fused Triton norm when it resolves so)."""
 
+    supports_cp = True  # forward takes cp_group (context parallelism)
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  gate: str = "elementwise", qk_norm: str = "head", norm_kind: str = "zero_centered",
                  norm_eps: float = 1e-6, rotary_dim: int = 0, rope_theta: float | None = 10000.0,
@@ -316,10 +348,12 @@ class GatedAttention(nn.Module):
         self.rotary = Rotary(rotary_dim, rope_theta) if rotary_dim and rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | Documents | None, position_ids: torch.Tensor,
-                cache=None) -> torch.Tensor:
+                cache=None, cp_group=None) -> torch.Tensor:
         """x: [B, T, D]; mask: bool [B|1, 1, T, S] from build_attention_mask, a `Documents` (packed, B == 1), or
         None (causal, no cache);
-        position_ids: [B|1, T]. cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V."""
+        position_ids: [B|1, T]. cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V.
+        cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, position_ids global,
+        mask the `cp_attention_mask` of this rank [1, 1, T, R*T]."""
         B, T, _ = x.shape
         q = self.q_proj(x)
         gate = None
@@ -332,7 +366,11 @@ class GatedAttention(nn.Module):
             cos, sin = self.rotary(position_ids)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
+            if cp_group is not None:
+                raise ValueError("cp_group: expected no generation cache with context parallelism, got one")
             k, v = cache.append(k, v)
+        if cp_group is not None:
+            k, v = cp_gather_kv(k, v, cp_group)
         o = sdpa(q, k, v, mask, self.hd**-0.5).transpose(1, 2)  # [B, T, nH, hd]
         if gate is not None:
             o = o * torch.sigmoid(gate)  # headwise gate [.., 1] broadcasts over hd

@@ -35,6 +35,8 @@ def decay_parameters(num_value_heads: int) -> tuple[nn.Parameter, nn.Parameter]:
 
 
 class GatedDeltaNet(nn.Module):
+    supports_cp = True  # forward takes cp_group (context parallelism)
+
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, *, conv_kernel: int = 4, layout: str = "split", beta_scale: float = 1.0,
                  norm_eps: float = 1e-6, impl: str = "auto", recompute: bool = False):
@@ -95,16 +97,18 @@ class GatedDeltaNet(nn.Module):
         return glue.gdn_gates(a, b, self.A_log, self.dt_bias, beta_scale=self.beta_scale, impl=self.impl)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, cache=None, cp_group=None) -> torch.Tensor:
         """x: [B, T, D] (already normed); attention_mask: [B, T] (1 = token, 0 = pad); cu_seqlens: [N+1] (B == 1).
-        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place."""
+        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place.
+        cp_group: a ProcessGroup over which the sequence is split (context parallelism): x is this rank's slice,
+        cu_seqlens the global offsets; the conv and the recurrence exchange their states over it."""
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
         # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
         q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl,
-                              split=(self.key_dim, self.key_dim, self.value_dim))
+                              split=(self.key_dim, self.key_dim, self.value_dim), cp_group=cp_group)
         q, k = q.view(B, T, self.H, self.dk), k.view(B, T, self.H, self.dk)
         v = v.view(B, T, self.HV, self.dv)
         g, beta = self.gates(a, b)
@@ -114,7 +118,7 @@ class GatedDeltaNet(nn.Module):
             o, state = gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
                                         initial_state=h0, output_final_state=cache is not None,
                                         impl=glue.step_impl(self.impl, cache is not None, T),
-                                        recompute=self.recompute)
+                                        recompute=self.recompute, cp_group=cp_group)
             if cache is not None:
                 cache.recurrent = state
         norm, out = (self.o_norm, self.o_proj) if self.layout == "olmo" else (self.norm, self.out_proj)

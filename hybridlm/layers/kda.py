@@ -24,6 +24,8 @@ from .norm import GatedRMSNorm
 
 
 class KimiDeltaAttention(nn.Module):
+    supports_cp = True  # forward takes cp_group (context parallelism)
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, *, conv_kernel: int = 4,
                  norm_eps: float = 1e-5, impl: str = "auto", recompute: bool = False):
         super().__init__()
@@ -55,16 +57,18 @@ class KimiDeltaAttention(nn.Module):
         return self.f_b_proj(self.f_a_proj(x)).view(*x.shape[:-1], self.H, self.dk)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, cache=None, cp_group=None) -> torch.Tensor:
         """x: [B, T, D] (normed); attention_mask [B, T]; cu_seqlens [N+1] with B == 1.
-        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place."""
+        cache: a LinearState (hybridlm.model.cache): conv + float32 recurrent state, updated in place.
+        cp_group: a ProcessGroup over which the sequence is split (context parallelism, as in GatedDeltaNet)."""
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
         q, k, v = (t.view(B, T, self.H, self.dk)
-                   for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3))
+                   for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3,
+                                             cp_group=cp_group))
         raw, beta = self._raw_gate(x), torch.sigmoid(self.b_proj(x))
         A_log = self.A_log.view(self.H)
         h0 = None if cache is None else cache.recurrent
@@ -78,7 +82,8 @@ class KimiDeltaAttention(nn.Module):
             gate = dict(A_log=A_log, dt_bias=self.dt_bias) if A_log is not None else {}
             o, state = kda(q, k, v, g=raw, beta=beta, **gate, use_qk_l2norm=True, cu_seqlens=cu_seqlens,
                            initial_state=h0, output_final_state=cache is not None,
-                           impl=glue.step_impl(self.impl, cache is not None, T), recompute=self.recompute)
+                           impl=glue.step_impl(self.impl, cache is not None, T), recompute=self.recompute,
+                           cp_group=cp_group)
             if cache is not None:
                 cache.recurrent = state
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)

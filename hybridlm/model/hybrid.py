@@ -17,6 +17,13 @@ Non-standard here:
   (`hybridlm.ops.linear_ce`): the output has the loss sum and no logits, so training never holds [B, T, vocab].
 - Attention gets an explicit mask only when something needs one (padding, a cache, packed documents with
   padding); otherwise None, i.e. SDPA with is_causal, so that SDPA may use its FlashAttention backend.
+- `cp_group` (context parallelism): each rank of the process group passes its contiguous slice [B, T] of a
+  sequence of R*T positions, in rank order; cu_seqlens are the global offsets (documents may cross ranks) and
+  position_ids the global ones (default: those of the whole sequence, restarting per document, at rank*T + i).
+  The linear layers' conv and recurrence exchange states, attention all-gathers K / V (hybridlm.layers.attention).
+  Logits, hidden states and the loss are the rank's slice's: the loss of the whole sequence is the sum over the
+  ranks (an all-reduce the caller does), and every rank must backpropagate, since the exchanges' backwards are
+  collectives. GDN, KDA, gated / plain attention and MLA take it; other mixers, padding masks and a cache are refused.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from hybridlm.layers import (
     build_attention_mask,
     positions_for,
 )
-from hybridlm.layers.attention import Documents
+from hybridlm.layers.attention import Documents, cp_attention_mask
+from hybridlm.ops.context_parallel import check_group
 from hybridlm.ops.linear_ce import linear_cross_entropy
+from hybridlm.ops.offsets import host_offsets
 
 from . import hf
 from .config import HybridConfig
@@ -114,11 +123,13 @@ class HybridBlock(nn.Module):
         self.norm1, self.norm2 = norm(), norm()  # pre-norms, or post-norms of an OLMo attention block
 
     def forward(self, x: torch.Tensor, *, attention_mask, cu_seqlens, attn_mask, position_ids,
-                cache=None) -> torch.Tensor:
+                cache=None, cp_group=None) -> torch.Tensor:
+        cp = {} if cp_group is None else {"cp_group": cp_group}  # only mixers with supports_cp take it
         if self.linear:
-            mix = lambda h: self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=cache)  # noqa
+            mix = lambda h: self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=cache,  # noqa
+                                       **cp)
         else:
-            mix = lambda h: self.mixer(h, attn_mask, position_ids, cache=cache)  # noqa: E731
+            mix = lambda h: self.mixer(h, attn_mask, position_ids, cache=cache, **cp)  # noqa: E731
         if self.post_norm:
             x = x + self.norm1(mix(x))
             return x + self.norm2(self.mlp(x))
@@ -154,12 +165,17 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache=None, targets: torch.Tensor | None = None) -> HybridOutput:
+                cache=None, targets: torch.Tensor | None = None, cp_group=None) -> HybridOutput:
         """input_ids: [B, T] int; attention_mask: [B, T] (1 token / 0 pad, left padding), or [B, past + T] (the whole
         history) with a cache; cu_seqlens: int32 [N+1] offsets of documents packed in one row (B must be 1);
         position_ids: [B, T]; cache: a HybridCache (hybridlm.model.cache), updated in place; targets: int [B, T]
-        next-token ids, -100 where there is none: the output gets `loss` (sum over targets) and no logits."""
+        next-token ids, -100 where there is none: the output gets `loss` (sum over targets) and no logits.
+        cp_group: a torch.distributed ProcessGroup over which the sequence is split (module docstring): input_ids,
+        position_ids and targets are this rank's slice, cu_seqlens global."""
         B, T = input_ids.shape
+        if cp_group is not None:
+            return self._forward_cp(input_ids, cu_seqlens, position_ids, targets, cp_group,
+                                    attention_mask=attention_mask, cache=cache)
         past = cache.seen_tokens if cache is not None else 0
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"cu_seqlens: packed documents need batch size 1, got input_ids of shape {(B, T)}")
@@ -184,6 +200,41 @@ class HybridLM(nn.Module):
                     position_ids=position_ids, cache=None if cache is None else cache[i])
         if cache is not None:
             cache.seen_tokens += T
+        return self._head(x, targets, cache)
+
+    def _forward_cp(self, input_ids, cu_seqlens, position_ids, targets, group, *, attention_mask,
+                    cache) -> HybridOutput:
+        """forward with cp_group: this rank's slice of a sequence split over group (module docstring)."""
+        rank, R = check_group(group)
+        B, T = input_ids.shape
+        if cache is not None:
+            raise ValueError("cache: expected None with cp_group (context parallelism is for training), got a cache")
+        if attention_mask is not None:
+            raise ValueError("attention_mask: expected None with cp_group (no padding; pack documents with "
+                             "cu_seqlens), got a mask")
+        refused = sorted({type(b.mixer).__name__ for b in self.layers if not getattr(b.mixer, "supports_cp", False)})
+        if refused:
+            raise ValueError("cp_group: context parallelism covers GatedDeltaNet, KimiDeltaAttention, GatedAttention "
+                             f"and MLA layers, got {', '.join(refused)}")
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens: packed documents need batch size 1, got input_ids of shape {(B, T)}")
+            bounds = host_offsets(cu_seqlens)
+            if bounds[0] != 0 or bounds[-1] != R * T:
+                raise ValueError(f"cu_seqlens: expected global offsets from 0 to {R * T} (T={T} positions on each "
+                                 f"of {R} ranks), got {bounds[0]}..{bounds[-1]}")
+        x = self.embed_tokens(input_ids)
+        attn_mask = cp_attention_mask(T, rank, R, cu_seqlens, x.device)
+        if position_ids is None:
+            position_ids = positions_for(R * T, cu_seqlens, x.device)[:, rank * T : (rank + 1) * T]
+        for blk in self.layers:
+            x = blk(x, attention_mask=None, cu_seqlens=cu_seqlens, attn_mask=attn_mask, position_ids=position_ids,
+                    cp_group=group)
+        return self._head(x, targets, None)
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None, cache) -> HybridOutput:
+        """The final norm and the lm head (logits), or with targets the fused linear + cross-entropy (loss sum)."""
+        B, T = x.shape[:2]
         h = self.norm(x)
         if targets is not None:
             if tuple(targets.shape) != (B, T):
