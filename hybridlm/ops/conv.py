@@ -61,6 +61,8 @@ def causal_conv1d(
         past = initial_state.to(x.dtype)
     if cp_group is not None:
         past, cp_final = _cp_past(x, past, W, cp_group)
+    elif T == 0:  # an empty document of a packed row: no output, and its state passes through unchanged
+        return x.new_empty(B, 0, C), (past.contiguous() if output_final_state else None)
     # Prepend the last W-1 past inputs, then a valid depthwise conv gives exactly T outputs.
     xt = torch.cat([past[:, :, 1:], x.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
     y = F.conv1d(xt, weight.unsqueeze(1).to(x.dtype), bias=None if bias is None else bias.to(x.dtype), groups=C)

@@ -44,6 +44,26 @@ def test_conv_matches_definition_and_state_chains(T, W, with_bias, with_state):
         torch.testing.assert_close(y_t, y_all[:, T + t], rtol=1e-12, atol=1e-12)
 
 
+def test_packed_conv_with_empty_documents_matches_definition():
+    """Packed documents of 3, 0, 7, 0 positions (the glue's packed path, one call per document): each document's
+    output is its conv by definition from its own initial state, an empty one passes its state through unchanged,
+    and gradients reach every initial state."""
+    from hybridlm.ops.glue import causal_conv1d as packed_conv1d
+
+    C, W, bounds = 5, 4, [0, 3, 3, 10, 10]
+    x, w, bias = torch.randn(1, 10, C, dtype=F64), torch.randn(C, W, dtype=F64), torch.randn(C, dtype=F64)
+    h0 = torch.randn(4, C, W, dtype=F64, requires_grad=True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    y, ht = packed_conv1d(x, w, bias, initial_state=h0, output_final_state=True, cu_seqlens=cu, impl="torch")
+    for n, (s, e) in enumerate(zip(bounds, bounds[1:])):
+        torch.testing.assert_close(y[:, s:e], conv_by_definition(x[:, s:e], w, bias, h0[n : n + 1].detach()),
+                                   rtol=1e-12, atol=1e-12)
+    for n in (1, 3):
+        assert torch.equal(ht[n], h0[n]), f"empty document {n}: its state must pass through"
+    (dh0,) = torch.autograd.grad(ht.sum() + y.sum(), [h0])
+    assert torch.equal(dh0[1], torch.ones_like(dh0[1])) and torch.equal(dh0[3], torch.ones_like(dh0[3]))
+
+
 def test_norms_match_definitions():
     x, z, w = torch.randn(4, 16, dtype=F64), torch.randn(4, 16, dtype=F64), torch.randn(16, dtype=F64)
     rms = (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
