@@ -21,6 +21,8 @@
 #   family     the GPU parity tests of Comba, MesaNet, PaTH and DeltaFormer against fla (tests/ops/test_*_vs_fla.py), one
 #              process a file (fla autotunes every kernel on its first call: minutes each on a fresh machine); the
 #              PARITY lines go to $OUT/family/parity.txt
+#   tests      every gpu-marked test outside the family's and the float64 check's (the Gluon forward, the dispatch,
+#              callers' inputs, determinism, multi-token decode, KDA's gate, training), one process a file
 #   mqar       `hybridlm bench mqar --preset paper` with CUDA graphs, resuming from results/mqar-paper/results.json
 #              until the step's limit (copy the returned results.json there and commit it to go on later)
 # Any other STEP runs as a bash command (its log is $OUT/cmdN.log, N counting such steps from 1).
@@ -64,6 +66,11 @@ for spec in "$@"; do
       cmd=(bash -c "for f in comba mesa_net path_attn deltaformer; do python3 -m pytest -q -s -p no:cacheprovider \
              tests/ops/test_\${f}_vs_fla.py > $OUT/family/\$f.log 2>&1 & done; wait; tail -n 2 $OUT/family/*.log; \
              grep -h PARITY $OUT/family/*.log | tee $OUT/family/parity.txt") ;;
+    tests) mkdir -p "$OUT/tests"
+      cmd=(bash -c "for f in ops/test_gluon_gdn ops/test_gdn_dispatch_gpu ops/test_caller_inputs_gpu \
+             ops/test_deterministic_gpu ops/test_multi_token_decode train/test_train_gpu; do \
+             python3 -m pytest -q -rxs -m gpu -p no:cacheprovider tests/\$f.py > $OUT/tests/\${f//\//_}.log 2>&1 & \
+             done; wait; tail -n 1 $OUT/tests/*.log") ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results.json "$OUT/mqar/" 2>/dev/null
           cmd=(python3 -m hybridlm bench mqar --preset paper --cuda-graphs --out "$OUT/mqar" \
                --max-minutes $(((secs - 60) / 60))) ;;
