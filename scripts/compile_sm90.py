@@ -96,8 +96,14 @@ def gdn_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
                                dict(chunks, q=dt, k=dt, g=f32, hbuf=sd, vnbuf=sd, do=dt, dq=dt, dk=dt, dkp=f32,
                                     dg=f32, dKKbuf=sd, dsk=f32), dict(scale=f32, H=i32, HV=i32),
                                dict(common, BK=BK, BV=BVb, LOWP=lowp), T.bwd_warps, T.bwd_stages),
-        "_decode_step": (decode._decode_step, dict(q=dt, k=dt, v=dt, g=f32, beta=f32, pool=f32, idx=i32, o=dt),
-                         dict(scale=f32, H=i32, HV=i32), dict(K=DK, V=DV, BK=dbk, BV=dbv, L2=True), 4, 1),
+        "_decode_step": (decode._decode_step, dict(q=dt, k=dt, v=dt, g=f32, beta=f32, pool=f32, idx=i32, o=dt,
+                                                   inter=f32, acc=i32),
+                         dict(scale=f32, H=i32, HV=i32), dict(T=1, TP=2, K=DK, V=DV, BK=dbk, BV=dbv, L2=True), 4, 1),
+        # draft tokens, every state kept (gdn.decode_launch: one warp a program for T > 1)
+        "_decode_step T4": (decode._decode_step, dict(q=dt, k=dt, v=dt, g=f32, beta=f32, pool=f32, idx=i32, o=dt,
+                                                      inter=f32, acc=i32),
+                            dict(scale=f32, H=i32, HV=i32),
+                            dict(T=4, TP=4, K=DK, V=DV, BK=dbk, BV=dbv, L2=True, INTER=True), 1, 1),
     }
     for store_p in (False, True):  # inference; training (P stored for the backward)
         jobs[f"_out_fwd_raw{' store P' if store_p else ''}"] = (
