@@ -40,7 +40,15 @@ from . import checkpoint as ckpt
 from .data import RowSampler, load_corpus, unigram_nats
 from .errors import TrainError, TrainInterrupted
 from .optim import build_optimizer
-from .parallel import Dist, all_reduce_sum, apply_activation_checkpointing, apply_fsdp, barrier, init_distributed
+from .parallel import (
+    Dist,
+    all_reduce_sum,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    barrier,
+    init_context_parallel,
+    init_distributed,
+)
 from .presets import TrainDefaults, build_config
 from .profile import parse_profile_steps
 from .run_folder import MetricsLog, RunLock, absolute_data, find_continuation, keep_aside
@@ -137,8 +145,9 @@ def set_up(args, dist: Dist) -> SetUp:
                          f"(max_position_embeddings = {cfg.max_position_embeddings} in {preset_name}); "
                          f"use --seq-len <= {cfg.max_position_embeddings} or a --config with a larger "
                          "max_position_embeddings")
-    if args.no_reshard_after_forward and not dist.enabled:
-        raise TrainError("--no-reshard-after-forward: applies to FSDP2 runs under torchrun; this run has one process")
+    if args.no_reshard_after_forward and dist.dp_world == 1:
+        raise TrainError("--no-reshard-after-forward: applies to FSDP2 runs under torchrun; this run has one data rank "
+                         "(no FSDP)")
     if cfg.hf_model_type:  # checkpoints are exported in that format: refuse now, not at the first save
         from ..model.hf import config_to_hf
 
@@ -199,8 +208,8 @@ def load_data(args, dist: Dist, su: SetUp) -> Data:
     if corpus.val.n_rows(args.seq_len) < 1:
         raise TrainError(f"the val split ({corpus.val.n_tokens} tokens) is shorter than one row of --seq-len "
                          f"{args.seq_len}; raise --val-fraction, lower --seq-len, or give more --data")
-    sampler = RowSampler(corpus.train.n_rows(args.seq_len), args.batch_size, args.seed, dist.rank, dist.world)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dist.world
+    sampler = RowSampler(corpus.train.n_rows(args.seq_len), args.batch_size, args.seed, dist.dp_rank, dist.dp_world)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dist.dp_world
     if args.max_tokens is not None:
         max_steps = max(1, math.ceil(args.max_tokens / tokens_per_step))
     else:
@@ -242,9 +251,9 @@ def build_model(args, su: SetUp, dist: Dist):
     n_params = sum(p.numel() for p in model.parameters())
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dist.enabled:
+    if dist.dp_world > 1:  # with context parallelism over the "dp" dimension; dp = 1: replicated, no FSDP
         apply_fsdp(model, su.bf16, reshard_after_forward=not args.no_reshard_after_forward,
-                   min_unit_params=int(args.fsdp_min_unit_params))
+                   min_unit_params=int(args.fsdp_min_unit_params), mesh=dist.dp_mesh)
     fwd_model = torch.compile(model) if args.compile else model
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
     return model, fwd_model, optimizer, n_params
@@ -254,7 +263,7 @@ def train(args) -> dict:
     """The training job; returns a summary dict (also written to OUT/summary.json). Raises TrainError on bad input
     and TrainInterrupted after saving when SIGINT / SIGTERM stopped it."""
     t_start = time.time()
-    dist = init_distributed(args.device)
+    dist = init_context_parallel(init_distributed(args.device), args.context_parallel)
     su = set_up(args, dist)
     with locked_run_folder(args.out, dist):
         data = load_data(args, dist, su)
@@ -299,7 +308,8 @@ def _log_header(args, dist: Dist, su: SetUp, data: Data, n_params: int, tokens_p
               f"{corpus.val.n_tokens:,} val tokens ({su.tokenizer.name} tokenizer)")
     log(dist, f"device {su.device} x{dist.world}, {'bf16 autocast' if su.bf16 else 'fp32'}, threads "
               f"{torch.get_num_threads()}, {data.max_steps} steps of {tokens_per_step:,} tokens "
-              f"(batch {args.batch_size} x seq {args.seq_len} x accum {args.grad_accum} x {dist.world} rank(s)), "
+              f"(batch {args.batch_size} x seq {args.seq_len} x accum {args.grad_accum} x {dist.dp_world} data "
+              f"rank(s){f', context parallel {dist.cp}' if dist.cp > 1 else ''}), "
               f"lr {args.lr:g} warmup {args.warmup} cosine, {args.packing} packing, "
               f"unigram baseline {data.unigram:.3f} nats/byte")
 

@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 (torchrun): keep each block's gathered parameters from the forward to the backward "
                    "(one all-gather per block a step instead of two; the whole model's parameters stay in memory "
                    "on every GPU)")
+    g.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                   help="torchrun: split each sequence over N ranks (N divides the number of ranks and --seq-len); "
+                   "a 2-D mesh of ranks / N data x N context ranks, FSDP2 over the data ranks (default 1: off)")
     g.add_argument("--profile-steps", default=None, metavar="FIRST:COUNT",
                    help="profile COUNT optimizer steps from step FIRST with torch.profiler: a Chrome trace and a "
                    "summary (GPU busy / NCCL / idle time a step, top ops) per rank under OUT/profile")
@@ -165,5 +168,8 @@ def check_args(args) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not ok(value):
             raise _fail(flag, expected, value)
+    if args.seq_len % args.context_parallel:
+        raise TrainError(f"--seq-len: expected a multiple of --context-parallel {args.context_parallel} (each rank "
+                         f"runs an equal slice), got {args.seq_len}")
     if args.fresh and args.resume is not None:
         raise TrainError("--fresh: starts over, --resume continues; pass one of them")

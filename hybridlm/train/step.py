@@ -4,6 +4,8 @@ Non-standard here: nothing in a step waits for the device. Host tensors go to th
 offsets of packed rows carry their host values (hybridlm.ops.offsets) so that the varlen ops need not read them
 back, and every rank makes the same number of forward calls (FSDP's collectives), padding with a call that has no
 target.
+With context parallelism each call is cut into the cp group's slices (`cp_slice`): every rank of the group has the
+same rows and runs its contiguous share of each one, cu_seqlens staying global.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ def forward_calls(batch, packing: str, n_calls: int):
     return calls
 
 
+def cp_slice(ids: torch.Tensor, tg: torch.Tensor, dist: Dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contiguous slice of a call's ids and targets [b, L] -> [b, L / cp] (L is a multiple of --seq-len,
+    which the flags' check makes a multiple of cp). A flattened call's documents cross the slices: the model
+    chains them (HybridLM's cp_group), so the slices compute what the whole row computes."""
+    if dist.cp == 1:
+        return ids, tg
+    n = ids.shape[1] // dist.cp
+    sl = slice(dist.cp_rank * n, (dist.cp_rank + 1) * n)
+    return ids[:, sl], tg[:, sl]
+
+
 def to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """A host tensor onto `device` without blocking the host: pinned first on CUDA (an asynchronous copy from
     pageable memory may wait for the device)."""
@@ -51,33 +64,38 @@ def offsets_to_device(cu: torch.Tensor | None, device: torch.device) -> torch.Te
     return remember_offsets(to_device(cu, device), cu)
 
 
-def loss_sum(model, ids, tg, cu, device, bf16) -> torch.Tensor:
+def loss_sum(model, ids, tg, cu, device, bf16, cp_group=None) -> torch.Tensor:
     """The sum of token losses of one forward call: the model's head and loss fused (hybridlm.ops.linear_ce), so
-    the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered."""
+    the [tokens, vocab] logits are never held; inside the forward, so FSDP has the head's weight gathered.
+    cp_group: ids and tg are this rank's slice (`cp_slice`) and the sum is over its own targets."""
+    cp = {} if cp_group is None else {"cp_group": cp_group}
     with autocast(device, bf16):
-        return model(ids, cu_seqlens=cu, targets=tg).loss
+        return model(ids, cu_seqlens=cu, targets=tg, **cp).loss
 
 
 @torch.no_grad()
 def evaluate(model, stream, args, dist: Dist, device, bf16, layout: RowLayout | None = None) -> tuple[float, int]:
-    """Sum of val token losses / count over the first --eval-tokens of the val split (rows split over ranks).
+    """Sum of val token losses / count over the first --eval-tokens of the val split (rows split over the data
+    ranks, each call over a cp group's ranks).
     The sums stay on the device until the end (one all-reduce and one host copy per evaluation)."""
     was_training = model.training
     model.eval()
     T = args.seq_len
     layout = layout or RowLayout.of(stream, T)
     n_rows = min(stream.n_rows(T), max(1, args.eval_tokens // T))
-    n_rows = max(dist.world, n_rows - n_rows % dist.world)  # the same number of batches on every rank
+    dp = dist.dp_world
+    n_rows = max(dp, n_rows - n_rows % dp)  # the same number of batches on every rank
     all_rows = [r % stream.n_rows(T) for r in range(n_rows)]
-    per_rank = [all_rows[k :: dist.world] for k in range(dist.world)]
+    per_rank = [all_rows[k :: dp] for k in range(dp)]
     tot = torch.zeros(2, dtype=torch.float64, device=device)
     eb = args.batch_size * 4  # no activations kept: bigger batches
-    for i in range(0, len(per_rank[dist.rank]), eb):
-        b = make_batch(stream, per_rank[dist.rank][i : i + eb], T)
+    for i in range(0, len(per_rank[dist.dp_rank]), eb):
+        b = make_batch(stream, per_rank[dist.dp_rank][i : i + eb], T)
         n_calls = max(layout.n_calls(rows[i : i + eb], args.packing) for rows in per_rank)
         for ids, tg, cu in forward_calls(b, args.packing, n_calls):
+            ids, tg = cp_slice(ids, tg, dist)
             ids, tg, cu = to_device(ids, device), to_device(tg, device), offsets_to_device(cu, device)
-            tot[0] += loss_sum(model, ids, tg, cu, device, bf16).double()
+            tot[0] += loss_sum(model, ids, tg, cu, device, bf16, dist.cp_group).double()
             tot[1] += (tg != IGNORE).sum()
     all_reduce_sum(tot, dist)
     model.train(was_training)

@@ -12,7 +12,9 @@ Non-standard here:
   loss sums), so the ranks agree at the next flush, at most --log-every steps later, at no extra cost. (torchrun
   passes a SIGINT or SIGTERM on to its workers and kills them 30 s later: enough for --log-every steps and a save.)
 - The loss of a step is the sum over its micro-batches of token losses divided by the step's total target count
-  (all ranks), so grad accumulation and sharding give the same gradient as one big batch.
+  (all ranks), so grad accumulation and sharding give the same gradient as one big batch. With context parallelism
+  the rows are those of the data rank (`Dist.dp_rank`), each rank's loss is that of its slice, and the gradients of
+  a cp group are summed after the backward (parallel.all_reduce_cp_grads).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from . import checkpoint as ckpt
 from .data import RowLayout, make_batch
 from .errors import TrainError, TrainInterrupted
 from .optim import lr_at, set_lr
-from .parallel import Dist, all_reduce_sum, barrier, dcp_load, dcp_save, full_model_state
+from .parallel import Dist, all_reduce_cp_grads, all_reduce_sum, barrier, dcp_load, dcp_save, full_model_state
 from .profile import StepProfiler
 from .signals import StopSignals
-from .step import clip_gradients, evaluate, forward_calls, loss_sum, offsets_to_device, oom_message, to_device
+from .step import clip_gradients, cp_slice, evaluate, forward_calls, loss_sum, offsets_to_device, oom_message, to_device
 
 
 def log(dist: Dist, msg: str, bar=None) -> None:
@@ -81,7 +83,7 @@ class Trainer:
         self.args, self.dist, self.device = parts.args, parts.dist, parts.dist.device
         self.state = TrainState()
         a = self.args
-        self.tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * self.dist.world
+        self.tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * self.dist.dp_world
         corpus = parts.corpus
         self.bytes_per_token = corpus.val.n_bytes / max(1, corpus.val.n_tokens)
         self.layout = RowLayout.of(corpus.train, a.seq_len)
@@ -106,10 +108,12 @@ class Trainer:
         state = ckpt.load_checkpoint(path)
         ts = state["train_state"]
         if ts.get("seq_len") != args.seq_len or ts.get("batch_size") != args.batch_size \
-                or ts.get("world") != dist.world or ts.get("grad_accum") != args.grad_accum:
+                or ts.get("world") != dist.world or ts.get("grad_accum") != args.grad_accum \
+                or ts.get("context_parallel", 1) != dist.cp:
             raise TrainError(f"--resume: {path} was written with seq_len={ts.get('seq_len')}, batch_size="
-                             f"{ts.get('batch_size')}, grad_accum={ts.get('grad_accum')}, world={ts.get('world')}; "
-                             "resume with the same --seq-len, --batch-size, --grad-accum and number of ranks")
+                             f"{ts.get('batch_size')}, grad_accum={ts.get('grad_accum')}, world={ts.get('world')}, "
+                             f"context_parallel={ts.get('context_parallel', 1)}; resume with the same --seq-len, "
+                             "--batch-size, --grad-accum, --context-parallel and number of ranks")
         if dist.enabled:
             dcp_load(os.path.join(path, "dcp"), p.model, p.optimizer)
         else:
@@ -131,8 +135,8 @@ class Trainer:
         p, a, s = self.p, self.args, self.state
         return {"step": at_step, "micro": s.micro, "tokens_seen": s.tokens_seen, "best_val": s.best_val,
                 "seq_len": a.seq_len, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
-                "world": self.dist.world, "preset": p.preset_name, "tokenizer": p.tokenizer.name,
-                "max_steps": p.max_steps, "seed": a.seed, **p.settings}
+                "world": self.dist.world, "context_parallel": self.dist.cp, "preset": p.preset_name,
+                "tokenizer": p.tokenizer.name, "max_steps": p.max_steps, "seed": a.seed, **p.settings}
 
     def save(self, at_step: int) -> None:
         """Checkpoint `at_step` atomically (every rank takes part under torchrun)."""
@@ -177,8 +181,8 @@ class Trainer:
         set_lr(optimizer, lr_at(s.step, lr=args.lr, warmup=args.warmup, total=p.max_steps,
                                 min_ratio=args.min_lr_ratio))
         # every rank's rows are known here: the global target count and FSDP's call counts need no communication
-        rows = [[sampler.rows(m, r) for r in range(dist.world)] for m in range(s.micro, s.micro + args.grad_accum)]
-        batches = [make_batch(p.corpus.train, rr[dist.rank], args.seq_len) for rr in rows]
+        rows = [[sampler.rows(m, r) for r in range(dist.dp_world)] for m in range(s.micro, s.micro + args.grad_accum)]
+        batches = [make_batch(p.corpus.train, rr[dist.dp_rank], args.seq_len) for rr in rows]
         n_tg = sum(self.layout.n_targets(r) for rr in rows for r in rr)
         n_calls = [max(self.layout.n_calls(r, args.packing) for r in rr) for rr in rows]
         # the scale of each micro-batch's loss, filled on the device (torch.tensor(x, device=cuda) would copy from
@@ -188,11 +192,13 @@ class Trainer:
         try:
             for b, nc in zip(batches, n_calls):
                 for ids, tg, cu in forward_calls(b, args.packing, nc):
+                    ids, tg = cp_slice(ids, tg, dist)
                     ids, tg, cu = to_device(ids, device), to_device(tg, device), offsets_to_device(cu, device)
-                    loss = loss_sum(p.fwd_model, ids, tg, cu, device, p.bf16)
-                    # FSDP averages gradients over ranks: scale by the world size so that the gradient is the
-                    # global token mean, as on one process (the same norm, so the same clipping)
-                    (loss * dist.world / n_tg_dev).backward()
+                    loss = loss_sum(p.fwd_model, ids, tg, cu, device, p.bf16, dist.cp_group)
+                    # FSDP averages gradients over the data ranks: scale by their number so that the gradient is
+                    # the global token mean, as on one process (the same norm, so the same clipping); a cp group's
+                    # gradients are summed below
+                    (loss * dist.dp_world / n_tg_dev).backward()
                     total += loss.detach().double()
         except torch.OutOfMemoryError as e:
             raise TrainError(oom_message(args, e)) from e
@@ -200,6 +206,7 @@ class Trainer:
             if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():
                 raise TrainError(oom_message(args, e)) from e
             raise
+        all_reduce_cp_grads(list(p.model.parameters()), dist)
         grad_norm = clip_gradients(p.model, args.grad_clip if args.grad_clip > 0 else float("inf"), dist)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
