@@ -96,6 +96,17 @@ def _gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None
     return -A_log.to(cd).exp() * F.softplus(x)
 
 
+def _gate_args(A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+               on: bool) -> dict:
+    """KDA's gate keywords for `kda`, A_log flattened to [HV] and dt_bias to [HV * K]: fla reads them through
+    `.view(H, 1)` and `.view(H, K)`, so its callers pass any shape of that many elements (its tests: A_log
+    [1, 1, H, 1])."""
+    if not on:
+        return {}
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    return dict(A_log=flat(A_log), dt_bias=flat(dt_bias), lower_bound=lower_bound)
+
+
 def _kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
               lower_bound: float | None, cd: torch.dtype) -> torch.Tensor:
     """KDA's per-channel decay from raw inputs, for the paths that cannot hand the gate to `kda` itself (one call
@@ -432,13 +443,13 @@ def chunk_kda(
     out_dtype, h_dtype = q.dtype, k.dtype
     q, k, v = _common_dtype(q, k, v)
     cd = _compute_dtype(q)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if use_gate_in_kernel else {}
+    gate = _gate_args(A_log, dt_bias, lower_bound, use_gate_in_kernel)
     beta = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     h0 = _state_in(initial_state, state_v_first, cd)
     cu = _offsets_for_op(cu_seqlens, cu_seqlens_cpu)
     if return_intermediate_states:
         if use_gate_in_kernel:
-            g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
+            g = _kda_gate(g, **_gate_args(A_log, dt_bias, lower_bound, True), cd=cd)
         o, ht, h = _run_with_chunk_states(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, cu_seqlens=cu,
                                           use_qk_l2norm=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
         h = (h.transpose(-1, -2) if state_v_first else h).to(h_dtype).contiguous()
@@ -483,13 +494,13 @@ def fused_recurrent_kda(
     out_dtype = v.dtype
     q, k, v = _common_dtype(q, k, v)
     cd = _compute_dtype(q)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound) if use_gate_in_kernel else {}
+    gate = _gate_args(A_log, dt_bias, lower_bound, use_gate_in_kernel)
     beta = _beta_in(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     h0 = _state_in(initial_state, state_v_first, cd)
     cu = _offsets_for_op(cu_seqlens, None)
     if beta.dim() == 4:
         if use_gate_in_kernel:
-            g = _kda_gate(g, A_log, dt_bias, lower_bound, cd)
+            g = _kda_gate(g, **_gate_args(A_log, dt_bias, lower_bound, True), cd=cd)
         o, ht = _run_per_value_channel(q, k, v, g_head=None, g_key=g, g_value=None, beta=beta, scale=scale,
                                        initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu,
                                        use_qk_l2norm=use_qk_l2norm_in_kernel)

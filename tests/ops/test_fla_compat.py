@@ -242,7 +242,13 @@ def test_chunk_kda_matches_reference(gate, bias, logits, neg, v_first, varlen, c
     leaves = kda_leaves(x, gate, bias, logits)
 
     def ours(y):
-        kw = dict(A_log=y.get("A_log"), dt_bias=y.get("dt_bias")) if gate else {}
+        kw = {}
+        if gate:
+            A, dt = y.get("A_log"), y.get("dt_bias")
+            if chunk_size == 64:  # fla reads them by view: its own tests pass A_log [1, 1, HV, 1], dt_bias [HV, K]
+                A = None if A is None else A.view(1, 1, -1, 1)
+                dt = None if dt is None else dt.view(-1, y["q"].shape[-1])
+            kw = dict(A_log=A, dt_bias=dt)
         return chunk_kda(
             y["q"], y["k"], y["v"], y["g"], y["logit"] if logits else y["beta"],
             initial_state=vk(y["h0"]) if v_first else y["h0"], output_final_state=True,
