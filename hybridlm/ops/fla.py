@@ -11,10 +11,11 @@ Non-standard here (everything else is `gated_delta_rule` / `kda` / `delta_rule` 
   with A_log / dt_bias; KDA's goes to `kda`'s own gate arguments), the V-first state layout (`state_v_first`),
   a beta or decay per value channel (fused_recurrent only), and chunk_kda's `return_intermediate_states` (the op
   is run chunk by chunk).
-- Input casts that only exist because our ops refuse them today, kept in `_common_dtype` and `_state_in`: q, k, v
-  of different dtypes are promoted to one, and an initial state not in the compute dtype is cast to it.
-  `_offsets_for_op` clones a `cu_seqlens` made under torch.inference_mode, whose version counter our offset cache
-  cannot read.
+- Input dtypes follow fla, not our ops' rule: q, k, v of different dtypes are promoted to the widest
+  (`_common_dtype`; our ops would cast q and k to v's dtype, rounding an fp32 q that fla reads whole), and the
+  initial state goes in the compute dtype (`_state_in`). A `cu_seqlens_cpu` is recorded as the host copy of
+  `cu_seqlens` (`_offsets_for_op`; one made under torch.inference_mode is cloned first, since our offset record
+  keeps no inference tensor).
 - Outputs come back in fla's dtypes (q's for the chunk functions, v's for the fused_recurrent ones); the final
   state is float32, or float64 for float64 inputs (fla's kernels take no float64; ours do).
 - fused_recurrent_* are differentiable (fla's have no backward); cp_context (context parallelism) is refused.
@@ -45,8 +46,8 @@ def _compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
 
 
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q, k, v in one dtype (the widest of the three). Our ops take one dtype for all three; fla reads each in its
-    own dtype and computes in float32, so promoting loses nothing."""
+    """q, k, v in one dtype (the widest of the three): fla reads each in its own dtype and computes in float32, so
+    promoting loses nothing, where our ops' own rule (q and k cast to v's dtype) would round a wider q or k."""
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     return q.to(dt), k.to(dt), v.to(dt)
 
@@ -67,17 +68,15 @@ def _state_out(state: torch.Tensor | None, state_v_first: bool) -> torch.Tensor 
 
 
 def _offsets_for_op(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None):
-    """cu_seqlens as our ops can read it. A tensor made under inference_mode has no version counter, which our
-    host-offset cache needs, so it is cloned outside inference mode. cu_seqlens_cpu, when given, is recorded as the
-    host copy (no device sync)."""
-    if cu_seqlens is None:
-        return None
+    """cu_seqlens with cu_seqlens_cpu, when given, recorded as its host copy, so the op reads no offsets back from
+    the device. The record keeps no inference tensor (it has no version counter), so one made under
+    inference_mode is cloned outside it first; without cu_seqlens_cpu the ops take it as it is."""
+    if cu_seqlens is None or cu_seqlens_cpu is None:
+        return cu_seqlens
     if torch.is_inference(cu_seqlens):
         with torch.inference_mode(False):
             cu_seqlens = cu_seqlens.clone()
-    if cu_seqlens_cpu is not None:
-        remember_offsets(cu_seqlens, cu_seqlens_cpu.detach().cpu())
-    return cu_seqlens
+    return remember_offsets(cu_seqlens, cu_seqlens_cpu.detach().cpu())
 
 
 def _beta_in(beta: torch.Tensor, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> torch.Tensor:
