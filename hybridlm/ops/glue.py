@@ -143,23 +143,6 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return g, beta
 
 
-def kda_gates(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
-              beta_scale: float = 1.0, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Kimi's channel-wise gates: g = -exp(A_log) * softplus(f + dt_bias) with softplus(u) = u for u > 20 (as Kimi
-    writes it), in float32; beta = beta_scale * sigmoid(b). f: [B, T, H * K] (the low-rank projection);
-    b: [B, T, H]; A_log: H elements (any shape); dt_bias: [H * K].
-    Returns (g [B, T, H, K] float32, beta [B, T, H] in b's dtype)."""
-    if use_triton("kda_gates", impl, f):
-        return _tgates.kda_gates(f, b, A_log, dt_bias, beta_scale=beta_scale)
-    H = b.shape[-1]
-    u = (f.float() + dt_bias.float()).view(*f.shape[:-1], H, f.shape[-1] // H)
-    g = -A_log.float().reshape(H, 1).exp() * torch.where(u > 20.0, u, torch.log1p(torch.exp(u)))
-    beta = torch.sigmoid(b)
-    if beta_scale != 1.0:
-        beta = beta * beta_scale
-    return g, beta
-
-
 # ---------------------------------------------------------------------------------------------------- SwiGLU
 
 

@@ -1,6 +1,6 @@
 """KimiDeltaAttention hands its forget gate to the op (`kda(..., A_log=, dt_bias=)`): the layer's output and every
 parameter gradient equal those of the same layer with the gate computed outside the op (the layer's former
-path, Kimi's formula written here: the glue's PyTorch `kda_gates` rounds it to float32), in float64 (relative
+path, Kimi's formula written here, in float64 instead of the float32 the glue rounded it to), in float64 (relative
 error <= 1e-12 per tensor); with a cache, a prefill and a decode token give the same outputs and states."""
 
 from __future__ import annotations
