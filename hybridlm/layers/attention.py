@@ -19,10 +19,12 @@ Non-standard here:
   logged once per (device type, dtype, path).
 - Context parallelism (`cp_group`: the sequence split over a process group, each rank holding a contiguous
   slice): K and V are all-gathered in one differentiable collective (post-norm, post-RoPE; the backward sums the
-  gradients over the ranks), and the rank's queries attend to the whole sequence through a dense boolean
-  [1, 1, T, R*T] mask (`cp_attention_mask`: causal on global positions, inside documents of the global
-  cu_seqlens, which may cross rank boundaries). The dense mask is the reference path (CPU, tests); it costs
-  T * R*T bools a rank.
+  gradients over the ranks). The rank's queries get a `ContextSlice` instead of a mask: each (row, document) that
+  meets the slice is one query block attending to the keys from its document's start to the block's end, causal
+  aligned at the bottom right (query i of a block of n against m keys sees keys j <= i + m - n). On CUDA in
+  fp16/bf16 that is one `varlen_attn` call (FlashAttention aligns causal masks that way); elsewhere SDPA per
+  block with that mask. No [T, R*T] tensor is made; rank r reads at most (r + 1) T keys, so the last rank does
+  the most attention work (contiguous slices, no load balancing).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,18 +67,35 @@ def build_attention_mask(T: int, *, attention_mask: torch.Tensor | None = None,
     return allowed | (ki[None, :] == qi[:, None])[None, None]
 
 
-def cp_attention_mask(T: int, rank: int, R: int, cu_seqlens: torch.Tensor | None = None,
-                      device=None) -> torch.Tensor:
-    """-> bool [1, 1, T, R*T]: rank's queries (global positions rank*T + i) against every key of a sequence split
-    into R slices of T: causal, and inside the documents of the global offsets cu_seqlens [N+1] if given."""
-    qi = torch.arange(rank * T, (rank + 1) * T, device=device)
-    ki = torch.arange(R * T, device=device)
-    allowed = ki[None, :] <= qi[:, None]
-    if cu_seqlens is not None:
-        ends = cu_seqlens.to(device=device, dtype=torch.long)[1:]
-        allowed = allowed & (torch.bucketize(ki, ends, right=True)[None, :]
-                             == torch.bucketize(qi, ends, right=True)[:, None])
-    return allowed[None, None]
+@dataclass(frozen=True)
+class ContextSlice:
+    """This rank's T queries of a sequence split into `ranks` slices of T (rank r holds global positions
+    [r T, (r + 1) T)), against the all-gathered keys of the whole sequence: causal on global positions, and inside
+    the documents of the global offsets cu_seqlens [N+1] if given (then batch size 1)."""
+
+    rank: int  # this rank's place in the group
+    ranks: int  # the group's size R
+    T: int  # positions a rank holds
+    cu_seqlens: torch.Tensor | None = None  # global document offsets, 0 .. R*T, or None (one sequence a row)
+
+    def blocks(self) -> tuple[int, list[int], list[int]]:
+        """(lo, query offsets, key offsets) of one row: query block i is [q[i], q[i+1]) of the slice, its keys
+        [lo + k[i], lo + k[i+1]) of the gathered sequence, lo the start of the document the slice begins in."""
+        a, z = self.rank * self.T, (self.rank + 1) * self.T
+        if self.cu_seqlens is None:
+            return 0, [0, self.T], [0, z]
+        docs = [(s, e) for s, e in _pairs(host_offsets(self.cu_seqlens)) if s < z and e > a]
+        lo = docs[0][0]
+        return lo, [0] + [min(e, z) - a for _, e in docs], [0] + [min(e, z) - lo for _, e in docs]
+
+
+def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
+    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+
+
+def _lower_right(n: int, m: int, device) -> torch.Tensor:
+    """bool [n, m]: query i of n sees key j of m when j <= i + m - n (causal, the last query seeing every key)."""
+    return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + (m - n)
 
 
 def cp_gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +267,48 @@ def _params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
+def _varlen_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """`varlen_causal` on q [B, h, n, dk], k [B, hkv, m, dk], v [B, hkv, m, dv] whose rows are flattened into one
+    packed sequence (offsets cu_q / cu_k over B*n / B*m) -> [B, h, n, dv]."""
+    # FlashAttention takes one head dim, a multiple of 8, for q, k and v: zero channels appended to q and k leave
+    # the scores as they are (scale is explicit), appended to v give zero outputs that are cut off (MLA: dk 192,
+    # dv 128)
+    B, n, dv = q.shape[0], q.shape[2], v.shape[-1]
+    d = -(-max(q.shape[-1], dv) // 8) * 8
+    q3, k3, v3 = (F.pad(t.transpose(1, 2).flatten(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
+    o = varlen_causal(q3, k3, v3, cu_q, cu_k, max_q, max_k, scale=scale)
+    return o[..., :dv].unflatten(0, (B, n)).transpose(1, 2)  # [B*n, h, d] -> [B, h, n, dv]
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: ContextSlice, scale: float,
+                 impl: str = "auto") -> torch.Tensor:
+    """This rank's queries q [B, h, T, dk] against the whole sequence's keys k [B, hkv, R*T, dk] and values
+    v [B, hkv, R*T, dv] -> [B, h, T, dv] (module docstring: one bottom-right causal block a document)."""
+    R, T = sl.ranks, sl.T
+    if q.shape[2] != T or k.shape[2] != R * T:
+        raise ValueError(f"q, k: expected {T} queries and {R * T} keys (a slice of {T} on each of {R} ranks), got "
+                         f"{q.shape[2]} and {k.shape[2]}")
+    if sl.cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"q: packed documents need batch size 1, got shape {tuple(q.shape)}")
+    q, k, v = _autocast_dtype(q, k, v)
+    lo, cq, ck = sl.blocks()
+    k, v = k[:, :, lo : lo + ck[-1]], v[:, :, lo : lo + ck[-1]]
+    if resolve_document_impl(q, v, impl) == "varlen":
+        B, n, m = q.shape[0], cq[-1], ck[-1]
+        rows = [(b * n + x, b * m + y) for b in range(B) for x, y in zip(cq[int(b > 0):], ck[int(b > 0):])]
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=q.device) for c in zip(*rows))
+        lens = [(x1 - x0, y1 - y0) for (x0, y0), (x1, y1) in zip(rows[:-1], rows[1:])]
+        return _varlen_rows(q, k, v, cu_q, cu_k, max(a for a, _ in lens), max(b for _, b in lens), scale)
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:])):
+        mask = _lower_right(q1 - q0, k1 - k0, q.device)
+        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=mask,
+                                                   scale=scale, enable_gqa=groups > 1))
+    return torch.cat(outs, dim=2)
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
                        impl: str = "auto") -> torch.Tensor:
     """Causal attention inside each packed document, none across. q: [1, h, N, dk]; k: [1, hkv, N, dk];
@@ -263,14 +325,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     if impl == "varlen":
         cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
         m = docs.max_len
-        # FlashAttention takes one head dim, a multiple of 8, for q, k and v: zero channels appended to q and k
-        # leave the scores as they are (scale is explicit), appended to v give zero outputs that are cut off
-        # (MLA: dk 192, dv 128)
-        dv = v.shape[-1]
-        d = -(-max(q.shape[-1], dv) // 8) * 8
-        q3, k3, v3 = (F.pad(t[0].transpose(0, 1), (0, d - t.shape[-1])).contiguous() for t in (q, k, v))
-        o = varlen_causal(q3, k3, v3, cu, cu, m, m, scale=scale)
-        return o[..., :dv].transpose(0, 1)[None]  # [N, h, d] -> [1, h, N, dv]
+        return _varlen_rows(q, k, v, cu, cu, m, m, scale)
     if impl == "flex":
         bm = docs.block_mask(n, q.device)
         return _compiled("flex_attention")(q, k, v, block_mask=bm, scale=scale, enable_gqa=groups > 1)
@@ -280,13 +335,16 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     return torch.cat(outs, dim=2)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Documents | None,
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Documents | ContextSlice | None,
          scale: float) -> torch.Tensor:
     """q: [B, h, T, d]; k, v: [B, hkv, S, d]; query head i reads kv head i // groups. mask: bool [B|1, 1, T, S];
-    a `Documents` (B == 1, packed documents: `document_attention`); or None for plain causal attention with S == T
+    a `Documents` (B == 1, packed documents: `document_attention`); a `ContextSlice` (this rank's queries against
+    the gathered keys: `cp_attention`); or None for plain causal attention with S == T
     (is_causal; GQA by enable_gqa, else by repeat_interleave)."""
     if isinstance(mask, Documents):
         return document_attention(q, k, v, mask, scale)
+    if isinstance(mask, ContextSlice):
+        return cp_attention(q, k, v, mask, scale)
     groups = q.shape[1] // k.shape[1]
     if mask is None:
         if k.shape[2] != q.shape[2]:
@@ -353,7 +411,7 @@ class GatedAttention(nn.Module):
         None (causal, no cache);
         position_ids: [B|1, T]. cache: a KVState (hybridlm.model.cache) that receives this call's post-RoPE K / V.
         cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, position_ids global,
-        mask the `cp_attention_mask` of this rank [1, 1, T, R*T]."""
+        mask this rank's `ContextSlice`."""
         B, T, _ = x.shape
         q = self.q_proj(x)
         gate = None

@@ -40,8 +40,8 @@ class MLA(nn.Module):
                 cache=None, cp_group=None) -> torch.Tensor:
         """x: [B, T, D]; mask bool [B|1, 1, T, S], or None (causal, no cache); position_ids unused (no rotary).
         cache: a LatentState (hybridlm.model.cache) that receives the normed latent and k_rot.
-        cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, mask the
-        `cp_attention_mask` of this rank [1, 1, T, R*T]."""
+        cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, mask this
+        rank's `ContextSlice`."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)

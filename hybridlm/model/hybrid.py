@@ -48,7 +48,7 @@ from hybridlm.layers import (
     build_attention_mask,
     positions_for,
 )
-from hybridlm.layers.attention import Documents, cp_attention_mask
+from hybridlm.layers.attention import ContextSlice, Documents
 from hybridlm.ops.context_parallel import check_group
 from hybridlm.ops.linear_ce import linear_cross_entropy
 from hybridlm.ops.offsets import host_offsets
@@ -224,7 +224,7 @@ class HybridLM(nn.Module):
                 raise ValueError(f"cu_seqlens: expected global offsets from 0 to {R * T} (T={T} positions on each "
                                  f"of {R} ranks), got {bounds[0]}..{bounds[-1]}")
         x = self.embed_tokens(input_ids)
-        attn_mask = cp_attention_mask(T, rank, R, cu_seqlens, x.device)
+        attn_mask = ContextSlice(rank, R, T, cu_seqlens)
         if position_ids is None:
             position_ids = positions_for(R * T, cu_seqlens, x.device)[:, rank * T : (rank + 1) * T]
         for blk in self.layers:

@@ -129,11 +129,12 @@ PRESETS: dict[str, Callable[[], HybridConfig]] = {
         max_position_embeddings=8192,
     ),
     # ~325M parameters: the shape of `hybridlm bench train`'s 357M model (hidden 1024, 24 blocks, 8 GDN heads of
-    # 128) with the byte vocabulary; for multi-GPU scaling, where the 30M model is too small to keep a GPU busy
+    # 128) with the byte vocabulary; for multi-GPU scaling, where the 30M model is too small to keep a GPU busy, and
+    # context parallelism (RoPE has no table: max_position_embeddings only bounds --seq-len)
     "gpu-325m": _train_shape(
         hidden_size=1024, num_hidden_layers=24, intermediate_size=2816, linear_num_key_heads=8,
         linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=262144,
     ),
     # the smallest thing that runs: tests
     "test-micro": _train_shape(

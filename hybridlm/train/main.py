@@ -318,13 +318,15 @@ def finish(trainer: Trainer, su: SetUp, n_params: int) -> dict:
     """The last evaluation and checkpoint, the sample, the loss curve and summary.json."""
     args, dist, s, p = trainer.args, trainer.dist, trainer.state, trainer.p
     step, unigram, tokenizer, last_loss = s.step, trainer.unigram, su.tokenizer, trainer.last_loss
+    # the training steps' peak, before the last evaluation adds its own (rank 0's GPU: ranks differ little)
+    peak = torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None
     val = trainer.evaluate(step)
     trainer.save(step)
     best_val = s.best_val
     summary = {"final_step": step, "final_train_loss": last_loss, "final_val_nats_per_byte": val,
                "best_val_nats_per_byte": best_val, "unigram_nats_per_byte": unigram,
                "below_unigram": unigram - val, "params": n_params, "tokens_seen": s.tokens_seen,
-               "wall_s": time.time() - p.t_start, "preset": su.preset_name}
+               "wall_s": time.time() - p.t_start, "preset": su.preset_name, "peak_gpu_memory_gib": peak}
     summary["tokens_per_s"], summary["tokens_per_s_steps"] = median_tokens_per_s(trainer.rates)
     if args.sample_tokens > 0:
         if args.prompt is not None:

@@ -1,0 +1,165 @@
+"""Context-parallel ops on several GPUs: the GDN and KDA ops with the sequence split over every rank (cp_group)
+against one GPU running the whole sequence, for agreement and fwd+bwd time.
+
+    torchrun --nproc_per_node 4 -m hybridlm.bench.context_parallel [--seq-len 32768] [--heads 16] [--dim 128]
+             [--out DIR]
+
+Non-standard here: every rank draws the same whole-sequence inputs from one seed and runs the whole sequence on its
+own GPU too (the "CP 1" run: R independent copies, so its time is one GPU's), then its slice with cp_group. The
+agreement is the float64 check's measure (`scripts/gpu_check_gdn.py`): the relative Frobenius error of CP R
+against CP 1 for the output, the final state and every gradient (slices gathered by summing squared norms over the
+ranks; the initial state's gradient summed over the ranks), held to that check's bf16 bars (5e-3 for outputs and
+states, 1e-2 for gradients). Time: the median over --rep of one fwd+bwd between two barriers (wall, synchronised),
+and its CUDA-event time on each rank (the slowest rank's). Writes cp.json and cp.md under --out on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridlm.files import atomic_write_text
+from hybridlm.ops import gated_delta_rule, kda
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (gloo) only to try the script out
+BARS = {"o": 5e-3, "final_state": 5e-3}  # every other tensor: a gradient, 1e-2
+GRAD_BAR = 1e-2
+
+
+def _inputs(op: str, T: int, H: int, D: int, seed: int, device) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    gk = (1, T, H, D) if op == "kda" else (1, T, H)
+    x = dict(q=r(1, T, H, D), k=r(1, T, H, D), v=r(1, T, H, D), g=F.logsigmoid(r(*gk) + 3.0),
+             beta=torch.sigmoid(r(1, T, H)))
+    x = {n: t.bfloat16() for n, t in x.items()}
+    x["h0"] = r(1, H, D, D) * 0.1
+    return x
+
+
+def _run(op: str, x: dict[str, torch.Tensor], group) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = kda if op == "kda" else gated_delta_rule
+    return fn(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], initial_state=x["h0"], output_final_state=True,
+              use_qk_l2norm=True, cp_group=group)
+
+
+def _fwd_bwd(op, x, s, group, cot_o, cot_f, last: bool):
+    """o, final state and the gradients of sum(o * cot_o) (+ sum(final * cot_f) on the last rank)."""
+    leaves = {n: (t if n == "h0" else t[:, s]).detach().requires_grad_() for n, t in x.items()}
+    o, f = _run(op, leaves, group)
+    loss = (o.float() * cot_o).sum()
+    if last:
+        loss = loss + (f * cot_f).sum()
+    loss.backward()
+    grads = {f"d{n}": t.grad for n, t in leaves.items()}
+    return {"o": o.detach(), "final_state": f.detach(), **grads}
+
+
+def _rel(got: dict, want: dict, s: slice, group) -> dict[str, float]:
+    """Relative Frobenius errors of this rank's results against the whole-sequence ones, over all ranks: sliced
+    tensors by their squared norms summed over the ranks; the final state (the same on every rank) counted once;
+    the initial state's gradient summed over the ranks first."""
+    sliced = [n for n in got if n not in ("final_state", "dh0")]
+    sums = torch.zeros(2 * len(sliced), dtype=torch.float64, device=got["o"].device)
+    for i, n in enumerate(sliced):
+        w = want[n][:, s].double()
+        sums[2 * i], sums[2 * i + 1] = (got[n].double() - w).norm() ** 2, w.norm() ** 2
+    dist.all_reduce(sums, group=group)
+    dh0 = got["dh0"].clone()
+    dist.all_reduce(dh0, group=group)
+    out = {n: (sums[2 * i] / sums[2 * i + 1].clamp_min(1e-300)).sqrt().item() for i, n in enumerate(sliced)}
+    for n, t in (("final_state", got["final_state"]), ("dh0", dh0)):
+        w = want[n].double()
+        out[n] = ((t.double() - w).norm() / w.norm().clamp_min(1e-300)).item()
+    return out
+
+
+def _time(fn, rep: int, group) -> tuple[float, float]:
+    """(median wall ms between barriers, median CUDA-event ms of the slowest rank) of fn()."""
+    walls, gpus = [], []
+    cuda = DEVICE == "cuda"
+    for _ in range(rep):
+        dist.barrier(group)
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            b.record()
+            torch.cuda.synchronize()
+        dist.barrier(group)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        gpus.append(a.elapsed_time(b) if cuda else walls[-1])
+    gpu = torch.tensor([statistics.median(gpus)], device=DEVICE)
+    dist.all_reduce(gpu, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(walls), gpu.item()
+
+
+def _op_row(op: str, a, group) -> dict:
+    """One op: CP R against the whole sequence on one GPU, agreement and time."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    T = a.seq_len // R
+    s, last = slice(rank * T, (rank + 1) * T), rank == R - 1
+    x = _inputs(op, a.seq_len, a.heads, a.dim, a.seed, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(a.seed + 1)
+    cot_o = torch.randn(1, a.seq_len, a.heads, a.dim, device=DEVICE, generator=gen)
+    cot_f = torch.randn(1, a.heads, a.dim, a.dim, device=DEVICE, generator=gen)
+    err = _rel(_fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last),
+               _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True), s, group)
+    one = _time(lambda: _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True), a.rep, group)
+    cp = _time(lambda: _fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last), a.rep, group)
+    return dict(op=op, ranks=R, seq_len=a.seq_len, heads=a.heads, dim=a.dim, errors=err,
+                pass_=all(v <= BARS.get(n, GRAD_BAR) for n, v in err.items()), one_gpu_ms=one[0],
+                one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1], ratio=cp[0] / one[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=32768, help="tokens of the whole sequence (default 32768)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128, help="key = value head dim")
+    p.add_argument("--rep", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--out", default="out/cp")
+    a = p.parse_args(argv)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    rank, R = dist.get_rank(), dist.get_world_size()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    if a.seq_len % R:
+        raise SystemExit(f"--seq-len: expected a multiple of the {R} ranks, got {a.seq_len}")
+    rows = [_op_row(op, a, group) for op in a.ops.split(",")]
+    if rank == 0:
+        name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+        lines = [f"{name} x {R}, torch {torch.__version__}, bf16, B1 T{a.seq_len} "
+                 f"H{a.heads} D{a.dim}, l2norm, initial state", "",
+                 "| op | worst rel. error vs CP 1 (tensor) | pass | 1 GPU fwd+bwd ms (event) | "
+                 f"CP {R} fwd+bwd ms (event) | CP {R} / 1 GPU |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            worst = max(r["errors"], key=lambda n: r["errors"][n] / BARS.get(n, GRAD_BAR))
+            lines.append(f"| {r['op']} | {r['errors'][worst]:.2e} ({worst}) | {'PASS' if r['pass_'] else 'FAIL'} | "
+                         f"{r['one_gpu_ms']:.2f} ({r['one_gpu_event_ms']:.2f}) | {r['cp_ms']:.2f} "
+                         f"({r['cp_event_ms']:.2f}) | {r['ratio']:.2f} |")
+        table = "\n".join(lines)
+        print(table, flush=True)
+        os.makedirs(a.out, exist_ok=True)
+        atomic_write_text(os.path.join(a.out, "cp.md"), table + "\n")
+        atomic_write_text(os.path.join(a.out, "cp.json"), json.dumps(rows, indent=1))
+    ok = all(r["pass_"] for r in rows)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
