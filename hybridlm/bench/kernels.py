@@ -18,7 +18,10 @@ fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (its #640); i
 its tuned configs are cleared before each chunked shape (`--no-fla-retune` keeps them: then a shape inherits the
 choice made at an earlier shape with the same heads). --gpu-time adds each call's GPU time (its kernels' time,
 side-by-side kernels counted once), ours and fla's: fla's host work per call (many small launches) shows in the
-median ms at the smaller shapes and not there. Writes kernels.json, kernels.md and kernels.png to --out.
+median ms at the smaller shapes and not there. `--parts prefill` (not in the default) times the Gluon forward at
+the few-heads prefill shapes (`PREFILL_SHAPES`), split into segments as impl="auto" chooses
+(`hybridlm.ops.split_prefill`) and unsplit, against fla's forward: median ms, CUDA-graph replay ms and (with
+--gpu-time) GPU time. Writes kernels.json, kernels.md and kernels.png to --out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from hybridlm.bench.cuda_profile import busy_ms, print_kernel_times
 from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
+# one long prompt with few heads per GPU (tensor parallelism): where the Gluon forward's grid is small
+PREFILL_SHAPES = [(1, 32768, 8, 128), (2, 16384, 8, 128), (1, 8192, 16, 128), (1, 4096, 16, 128),
+                  (4, 4096, 16, 128)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step, and 4 draft tokens "
                         "at N 64: every state kept, at accepted counts, the last), kda (first shape), "
-                        "gdn (the chunked shapes)")
+                        "gdn (the chunked shapes), prefill (the Gluon forward split and unsplit at the few-heads "
+                        "shapes; not in the default)")
     parser.add_argument("--kda-gates", default="bench,init",
                         help="comma-separated KDA rows by log-decays: bench (logsigmoid(N(0,1) + 3), about -0.05 a "
                         "step: every chunk within the whole-chunk dot) and init (those of a freshly initialised "
@@ -254,6 +261,60 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
     return res
 
 
+def _graph_ms(fn, rep) -> float:
+    """Median ms of replaying a CUDA graph of fn (captured after warm-up calls): its GPU time plus one launch."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _bench(graph.replay, rep)
+
+
+def _bench_prefill(B, T, H, D, dev, gen, fla, args) -> dict:
+    """The Gluon forward (inference, q/k l2norm) split as impl="auto" chooses ("split") and unsplit ("whole"),
+    and fla's forward: median ms, graph replay ms (an error recorded as *_graph_error), GPU ms with --gpu-time."""
+    from hybridlm.ops import dispatch, gated_delta_rule, split_prefill
+    from hybridlm.ops.gluon import gdn_fwd
+
+    row = {"prefill": True, "shape": f"B{B} T{T} H{H} D{D}"}
+    if not gdn_fwd.gluon_available() or torch.cuda.get_device_capability() != (9, 0):
+        row["error"] = "the Gluon forward needs sm_90 and Triton's Gluon API"
+        return row
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(r(B, T, H) + 3.0)
+    beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
+    x = dispatch.prepare("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=None,
+                         initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True,
+                         chunk_size=64, impl="gluon", recompute=False, state_pool=None, state_indices=None)
+    length = split_prefill.auto_length(x, gdn_fwd._multiprocessors(dev), gdn_fwd.SUPPORTED_V)
+    row["segments"] = -(-T // length) if length else 1
+    calls = {"split": lambda: gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, impl="gluon")[0],
+             "whole": lambda: split_prefill.split_prefill(q, k, v, g=g, beta=beta, use_qk_l2norm=True, segments=1,
+                                                          impl="gluon")[0]}
+    if fla is not None:
+        if not getattr(args, "no_fla_retune", False):
+            _fla_retune()
+        calls["fla"] = lambda: fla[0](q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    with torch.no_grad():
+        for who, f in calls.items():
+            row[f"{who}_ms"] = _bench(f, args.rep)
+            try:
+                row[f"{who}_graph_ms"] = _graph_ms(f, args.rep)
+            except Exception as e:  # noqa: BLE001
+                row[f"{who}_graph_error"] = repr(e)[:200]
+            if getattr(args, "gpu_time", False):
+                row[f"{who}_gpu_ms"] = _gpu_ms(f)
+        a, b = calls["split"]().float(), calls["whole"]().float()
+    row["split_vs_whole_rel"] = ((a - b).norm() / b.norm()).item()
+    return row
+
+
 KDA_GATES = ("bench", "init")
 
 
@@ -407,9 +468,9 @@ def _bench_decode_multi(dev, gen, fla, args) -> list[dict]:
 def _rows_asked(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """--parts and --kda-gates as lists, checked before anything runs."""
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    unknown = set(parts) - {"decode", "kda", "gdn"}
+    unknown = set(parts) - {"decode", "kda", "gdn", "prefill"}
     if unknown:
-        raise SystemExit(f"--parts: unknown {sorted(unknown)}; expected a subset of decode,kda,gdn")
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; expected a subset of decode,kda,gdn,prefill")
     kda_gates = [x.strip() for x in args.kda_gates.split(",") if x.strip()]
     if not kda_gates or set(kda_gates) - set(KDA_GATES):
         raise SystemExit(f"--kda-gates: expected a subset of {','.join(KDA_GATES)}, got {args.kda_gates!r}")
@@ -463,6 +524,12 @@ def run(args: argparse.Namespace) -> int:
             for row in _bench_decode_multi(dev, gen, fla, args):
                 print(json.dumps(rows[-1]), flush=True)
                 rows.append(row)  # the last one is printed below
+        elif part == "prefill":
+            for shape in PREFILL_SHAPES:
+                rows.append(_bench_prefill(*shape, dev, gen, fla, args))
+                print(json.dumps(rows[-1]), flush=True)
+                torch.cuda.empty_cache()
+            continue
         elif part == "kda":
             for gates in kda_gates:  # fla autotunes on the first row only (same shapes)
                 try:
@@ -507,6 +574,8 @@ def _table(info, rows):
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("prefill"):
+            continue
         if r.get("kda"):
             for mode, key in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")):
                 o, fl = r.get(f"ours_{key}_ms"), r.get(f"fla_{key}_ms")
@@ -545,6 +614,7 @@ def _table(info, rows):
             lines.append(f"| {r['shape']} | {ms:.3f} | {r['ours_fwd_ms'] / ms:.2f} | {_fmt(ratio(fl, ms), '.2f')} "
                          f"| {_fmt(gm)} | {_fmt(ratio(og, gm), '.2f')} | {_fmt(ratio(fg, gm), '.2f')} "
                          f"| {r['gluon_vs_ours_rel']:.1e} |")
+    lines += _prefill_table([r for r in rows if r.get("prefill")])
     gpu = [r for r in rows if "ours_fwd_gpu_ms" in r]
     if gpu:
         lines += ["", "GPU time of the kernels per call (torch profiler, 5 calls; no host launch overhead):",
@@ -555,6 +625,32 @@ def _table(info, rows):
                 lines.append(f"| {r['shape']} | {mode} | {o:.3f} | {_fmt(fl)} | "
                              f"{_fmt(None if fl is None else fl / o, '.2f')} |")
     return "\n".join(lines)
+
+
+def _prefill_table(rows: list[dict]) -> list[str]:
+    """The prefill rows: the Gluon forward split (as impl="auto" chooses) and whole, against fla; ratios over the
+    split call (median ms, graph replay ms, GPU ms)."""
+    if not rows:
+        return []
+    lines = ["", "Few-heads prefill, Gluon forward split into segments as impl=\"auto\" chooses vs unsplit, and fla "
+             "(whole/split and fla/split: speed-ups of the split call):", "",
+             "| shape | segments | split ms | whole/split | fla/split | split graph ms | whole/split graph "
+             "| fla/split graph | split GPU ms | whole/split GPU | fla/split GPU | rel split vs whole |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['error']} |" + " |" * 10)
+            continue
+        cells = [r["shape"], str(r["segments"])]
+        for kind in ("", "_graph", "_gpu"):
+            split = r.get(f"split{kind}_ms")
+            cells.append(_fmt(split))
+            for who in ("whole", "fla"):
+                other = r.get(f"{who}{kind}_ms")
+                cells.append(_fmt(None if other is None or split is None else other / split, ".2f"))
+        cells.append(f"{r['split_vs_whole_rel']:.1e}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _plot(rows, path):
