@@ -4,8 +4,9 @@ the glue dispatch) against float64.
 CPU (CI): the kernel runs under TRITON_INTERPRET=1 in a child process (tests/ops/triton/interp_add_norm.py, seeded
 from the suite's seed) with NaN-poisoned outputs: every norm kind (zero-centred, llama, fp32 weight, no weight),
 float32 residual with float32 / bf16 branches, bf16 residual with a bf16 branch, an out_dtype (autocast's) either
-way, an unused x_new (the final norm: no d(x_new)), several row blocks per backward program, and the RMSNorm
-module's (x, branch) call under CPU autocast against the same module on PyTorch.
+way, an unused x_new (the final norm: no d(x_new)), several row blocks per backward program, the RMSNorm
+module's (x, branch) call under CPU autocast against the same module on PyTorch, and two chained calls under
+torch.compile(fullgraph=True, aot_eager).
 Tolerances (relative L2 vs float64): float32 results 2e-6 (outputs) and 5e-6 (gradients), as the other glue
 kernels (measured ~1e-7); a bf16 dbranch is d_total rounded to bf16 once: 2^-9 (measured 1.6e-3); with a bf16
 x_new, or a bf16 y, the glue's bf16 bars, 5e-3 outputs and 1e-2 gradients (measured up to 3.5e-3). float64 adds
@@ -88,6 +89,12 @@ def test_triton_module_call_under_autocast(interp_results, kind):
     assert res["y_bf16_xn_f32"] == 1.0 and res["x_new_equal"] == 1.0, (res, seed)
     assert res["y_ulps"] <= 2.0**-8, (res, seed)
     assert res["dx"] <= TOL_GRAD and res["dbranch"] <= 2.0**-8, (res, seed)
+
+
+def test_compiled_fullgraph_matches_eager(interp_results):
+    """Two chained fused norms under torch.compile(fullgraph=True, aot_eager): output and every gradient as eager."""
+    res, seed = interp_results["compiled"], interp_results["seed"]
+    assert len(res) == 5 and all(v <= TOL_OUT for v in res.values()), (res, seed)
 
 
 @pytest.mark.parametrize("kind", NORM_KINDS)

@@ -98,6 +98,26 @@ def module_case(gen, kind: str) -> dict:
             "dx": rel(dx, dx2), "dbranch": rel(db, db2)}
 
 
+def compiled_case(gen) -> dict:
+    """Two fused norms in a row (one's x_new feeding the next, the last x_new unused, as in the model) under
+    torch.compile(fullgraph=True, aot_eager) against eager: the custom ops' fake kernels trace, both ways."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x, b1, w = r(2, 7, 48).requires_grad_(), r(2, 7, 48).to(BF16).requires_grad_(), r(48).requires_grad_()
+    b2 = r(2, 7, 48).to(BF16).requires_grad_()
+
+    def f(x, b1, b2, w):
+        h, xn = tadd.add_rms_norm(x, b1, w, out_dtype=BF16)
+        return tadd.add_rms_norm(xn, b2 * h, w, zero_centered=True)[0]
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, b1, b2, w)
+    ref = f(x, b1, b2, w)
+    res = {"y": rel(out, ref)}
+    gr = torch.autograd.grad(out.sum(), [x, b1, b2, w])
+    gr2 = torch.autograd.grad(ref.sum(), [x, b1, b2, w])
+    res.update({n: rel(p, q) for n, p, q in zip(["dx", "dbranch1", "dbranch2", "dweight"], gr, gr2)})
+    return res
+
+
 def cases(gen) -> dict:
     res = {}
     for kind in ("zero_centered", "llama", "fp32_weight", "noweight"):
@@ -112,6 +132,7 @@ def cases(gen) -> dict:
         res["llama_f32_bf16_looped"] = case(gen, "llama", (61, 48), F32, BF16)
     for kind in ("zero_centered", "llama", "fp32_weight"):
         res[f"module_autocast_{kind}"] = module_case(gen, kind)
+    res["compiled"] = compiled_case(gen)
     return res
 
 
