@@ -2,7 +2,8 @@
 
 Non-standard here: it knows nothing about either library. The caller passes the two lists of block modules
 (`ours.layers` and `hf.model.layers`) and a function that runs each model; the hooks record every block's
-output hidden state and the report names the first block whose output differs by more than `atol`.
+output hidden state (`out.hidden_state` where a block has one, else its first output) and the report names the
+first block whose output differs by more than `atol`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def _record(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor | None], li
     handles = []
     for i, m in enumerate(modules):
         def hook(_mod, _inp, out, i=i):
-            t = out[0] if isinstance(out, (tuple, list)) else out
+            # a block that hands its last branch on to the next one (hybridlm's BlockOutput) has its output as
+            # hidden_state; a transformers block returns a tuple whose first entry is it
+            t = out.hidden_state if hasattr(out, "hidden_state") else out[0] if isinstance(out, (tuple, list)) else out
             outs[i] = t.detach().float().clone()
         handles.append(m.register_forward_hook(hook))
     return outs, handles

@@ -9,6 +9,8 @@ Under autocast (on x's device) `RMSNorm` returns autocast's dtype, as a torch op
 float32 as without autocast and rounded once at the end (for float32 x: the value each following Linear would
 have made of a float32 output, without every Linear casting the same activation again); the gradient of x comes
 back in x's dtype. Nothing changes without autocast, and the residual stream (the norm's input) stays float32.
+`RMSNorm(x, branch)` is the pre-norm with the residual add before it (`hybridlm.ops.add_rms_norm`): it returns
+(y, x + branch), the blocks pass their last output on to the next norm instead of adding it themselves.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ class RMSNorm(nn.Module):
         self.kind, self.eps, self.impl = kind, eps, impl
         self.weight = nn.Parameter(torch.zeros(dim) if kind == "zero_centered" else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = autocast_dtype(x)
-        if self.kind == "zero_centered":
-            return glue.rms_norm(x, self.weight, self.eps, zero_centered=True, out_dtype=out, impl=self.impl)
-        return glue.rms_norm(x, self.weight, self.eps, cast_before_weight=self.kind == "llama", out_dtype=out,
-                             impl=self.impl)
+    def forward(self, x: torch.Tensor, branch: torch.Tensor | None = None):
+        """x: [..., D] -> y. With branch ([..., D], a block's output not yet added to the residual stream x):
+        -> (y, x_new) where x_new = x + branch (torch's add) and y = norm(x_new), on one fused kernel."""
+        kw = {"zero_centered": True} if self.kind == "zero_centered" else {"cast_before_weight": self.kind == "llama"}
+        if branch is None:
+            return glue.rms_norm(x, self.weight, self.eps, out_dtype=autocast_dtype(x), impl=self.impl, **kw)
+        out = None if torch.promote_types(x.dtype, branch.dtype) == torch.float64 else autocast_dtype(x)
+        return glue.add_rms_norm(x, branch, self.weight, self.eps, out_dtype=out, impl=self.impl, **kw)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, kind={self.kind}"

@@ -5,6 +5,11 @@ Non-standard here:
   gated / plain softmax attention, MLA, PaTH or DeltaFormer) and its MLP from `config.mlp_types` (SwiGLU or MoE).
 - block_style "olmo": attention blocks are post-norm (x += norm(attn(x)); x += norm(mlp(x))) as in OLMo-Hybrid;
   linear blocks stay pre-norm.
+- Residual adds: a pre-norm block adds each branch inside the next norm (`RMSNorm(x, branch)`, one fused kernel
+  each way instead of an add and a norm). A block returns `BlockOutput(residual, branch)`, its MLP output not yet
+  added; the next block's first norm (or the final norm) adds it. An OLMo attention block adds what it gets with a
+  plain add (its attention reads the residual stream itself) and passes its post-normed MLP output on the same way.
+  The values are those of the plain adds: the same add, the same gradient sums.
 - `cu_seqlens` (documents packed into one row, B == 1) reaches every mixer: the linear ops restart their state,
   the short conv restarts, attention gets a `Documents` (attention inside each document, no dense mask), and
   default positions restart.
@@ -29,6 +34,7 @@ Non-standard here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -111,6 +117,20 @@ def build_mlp(config: HybridConfig, layer: int, impl: str = "auto") -> nn.Module
                topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor)
 
 
+class BlockOutput(NamedTuple):
+    """A block's output: the residual stream and the block's last branch (the MLP's output, post-normed in an OLMo
+    attention block) not yet added to it. The next block's first norm, or the final norm, adds it in the same
+    kernel (`RMSNorm(x, branch)`)."""
+
+    residual: torch.Tensor  # [B, T, D]
+    branch: torch.Tensor  # [B, T, D]
+
+    @property
+    def hidden_state(self) -> torch.Tensor:
+        """residual + branch: the block's output hidden state, as a block adding its own output returns it."""
+        return self.residual + self.branch
+
+
 class HybridBlock(nn.Module):
     def __init__(self, config: HybridConfig, layer: int, impl: str = "auto"):
         super().__init__()
@@ -122,19 +142,24 @@ class HybridBlock(nn.Module):
         self.mlp = build_mlp(config, layer, impl)
         self.norm1, self.norm2 = norm(), norm()  # pre-norms, or post-norms of an OLMo attention block
 
-    def forward(self, x: torch.Tensor, *, attention_mask, cu_seqlens, attn_mask, position_ids,
-                cache=None, cp_group=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, branch: torch.Tensor | None = None, *, attention_mask, cu_seqlens,
+                attn_mask, position_ids, cache=None, cp_group=None) -> BlockOutput:
+        """x: [B, T, D] the residual stream; branch: [B, T, D] the previous block's last output, not yet added to x
+        (None for the first block). Returns BlockOutput(residual, branch): this block's, the same way."""
         cp = {} if cp_group is None else {"cp_group": cp_group}  # only mixers with supports_cp take it
         if self.linear:
             mix = lambda h: self.mixer(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=cache,  # noqa
                                        **cp)
         else:
             mix = lambda h: self.mixer(h, attn_mask, position_ids, cache=cache, **cp)  # noqa: E731
-        if self.post_norm:
+        if self.post_norm:  # the mixer reads the residual stream itself: the adds stay plain adds
+            if branch is not None:
+                x = x + branch
             x = x + self.norm1(mix(x))
-            return x + self.norm2(self.mlp(x))
-        x = x + mix(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+            return BlockOutput(x, self.norm2(self.mlp(x)))
+        h, x = (self.norm1(x), x) if branch is None else self.norm1(x, branch)
+        h, x = self.norm2(x, mix(h))
+        return BlockOutput(x, self.mlp(h))
 
 
 class HybridLM(nn.Module):
@@ -195,12 +220,13 @@ class HybridLM(nn.Module):
                                              device=x.device)
         if position_ids is None:
             position_ids = positions_for(T, cu_seqlens, x.device) + past
+        branch = None
         for i, blk in enumerate(self.layers):
-            x = blk(x, attention_mask=mask2d, cu_seqlens=cu_seqlens, attn_mask=attn_mask,
-                    position_ids=position_ids, cache=None if cache is None else cache[i])
+            x, branch = blk(x, branch, attention_mask=mask2d, cu_seqlens=cu_seqlens, attn_mask=attn_mask,
+                            position_ids=position_ids, cache=None if cache is None else cache[i])
         if cache is not None:
             cache.seen_tokens += T
-        return self._head(x, targets, cache)
+        return self._head(x, branch, targets, cache)
 
     def _forward_cp(self, input_ids, cu_seqlens, position_ids, targets, group, *, attention_mask,
                     cache) -> HybridOutput:
@@ -227,15 +253,18 @@ class HybridLM(nn.Module):
         attn_mask = ContextSlice(rank, R, T, cu_seqlens)
         if position_ids is None:
             position_ids = positions_for(R * T, cu_seqlens, x.device)[:, rank * T : (rank + 1) * T]
+        branch = None
         for blk in self.layers:
-            x = blk(x, attention_mask=None, cu_seqlens=cu_seqlens, attn_mask=attn_mask, position_ids=position_ids,
-                    cp_group=group)
-        return self._head(x, targets, None)
+            x, branch = blk(x, branch, attention_mask=None, cu_seqlens=cu_seqlens, attn_mask=attn_mask,
+                            position_ids=position_ids, cp_group=group)
+        return self._head(x, branch, targets, None)
 
-    def _head(self, x: torch.Tensor, targets: torch.Tensor | None, cache) -> HybridOutput:
-        """The final norm and the lm head (logits), or with targets the fused linear + cross-entropy (loss sum)."""
+    def _head(self, x: torch.Tensor, branch: torch.Tensor | None, targets: torch.Tensor | None,
+              cache) -> HybridOutput:
+        """The last block's branch added in the final norm, then the lm head (logits), or with targets the fused
+        linear + cross-entropy (loss sum)."""
         B, T = x.shape[:2]
-        h = self.norm(x)
+        h = self.norm(x) if branch is None else self.norm(x, branch)[0]
         if targets is not None:
             if tuple(targets.shape) != (B, T):
                 raise ValueError(f"targets: expected shape {(B, T)}, got {tuple(targets.shape)}")

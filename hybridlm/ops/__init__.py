@@ -10,7 +10,7 @@ from .conv import causal_conv1d, causal_conv1d_update
 from .deltaformer import deltaformer_attention
 from .mesa_net import mesa_net
 from .naive import recurrence_naive
-from .norm import gated_rms_norm, l2norm, rms_norm
+from .norm import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 from .path_attn import path_attention
 from .recurrence import (
     TRITON_KERNELS,
@@ -24,6 +24,7 @@ from .recurrence import (
 
 __all__ = [
     "TRITON_KERNELS",
+    "add_rms_norm",
     "causal_conv1d",
     "causal_conv1d_update",
     "comba",

@@ -1,6 +1,6 @@
-"""The layer glue with its kernel choice: short conv (+ decode step), RMSNorm, gated RMSNorm, the delta-rule gates
-and SwiGLU's silu(gate) * up, each on its fused Triton kernel (`hybridlm.ops.triton.{conv,norm,gates,swiglu}`) or
-on the PyTorch op.
+"""The layer glue with its kernel choice: short conv (+ decode step), RMSNorm (also with the residual add before it),
+gated RMSNorm, the delta-rule gates and SwiGLU's silu(gate) * up, each on its fused Triton kernel
+(`hybridlm.ops.triton.{conv,norm,add_norm,gates,swiglu}`) or on the PyTorch op.
 
 Non-standard here:
 - `impl` is the layer's: "triton" always takes the kernel (it refuses CPU tensors outside TRITON_INTERPRET=1 and
@@ -30,6 +30,7 @@ from .offsets import host_offsets
 
 try:  # the fused kernels (importing them registers their custom ops)
     from . import triton as _tk
+    from .triton import add_norm as _taddnorm
     from .triton import conv as _tconv
     from .triton import gates as _tgates
     from .triton import norm as _tnorm
@@ -37,7 +38,7 @@ try:  # the fused kernels (importing them registers their custom ops)
 
     _TRITON_ERROR = None
 except ImportError as _e:  # no triton: the PyTorch ops only
-    _tk = _tconv = _tgates = _tnorm = _tswiglu = None
+    _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = None
     _TRITON_ERROR = repr(_e)
 
 log = logging.getLogger("hybridlm.ops")
@@ -117,6 +118,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     """`hybridlm.ops.rms_norm` (x: [..., D], weight [D] or None), on the fused kernel or PyTorch."""
     fn = _tnorm.rms_norm if use_triton("rms_norm", impl, x) else _norm.rms_norm
     return fn(x, weight, eps, zero_centered=zero_centered, cast_before_weight=cast_before_weight,
+              out_dtype=out_dtype)
+
+
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+                 zero_centered: bool = False, cast_before_weight: bool = True,
+                 out_dtype: torch.dtype | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`hybridlm.ops.add_rms_norm` (x, branch: [..., D]; weight [D] or None) -> (y, x + branch), on the fused kernel
+    (the add and the norm in one pass each way) or PyTorch."""
+    fn = _taddnorm.add_rms_norm if use_triton("add_rms_norm", impl, x) else _norm.add_rms_norm
+    return fn(x, branch, weight, eps, zero_centered=zero_centered, cast_before_weight=cast_before_weight,
               out_dtype=out_dtype)
 
 

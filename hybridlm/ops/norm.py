@@ -10,6 +10,9 @@ a class per model:
 - `rms_norm(..., out_dtype=)`: the result computed as above in x's dtype, then cast to out_dtype (the RMSNorm module
   passes autocast's dtype, so that the Linears after it do not each cast a float32 copy; for float32 x that is
   one rounding of the float32 result, the value those Linears would have used).
+- `add_rms_norm(x, branch, ...)`: a pre-norm block's residual add and the next norm as one op, returning
+  (rms_norm(x + branch), x + branch); the add is torch's (promoted dtype, one rounding), so the fused kernel has an
+  exact reference.
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ def rms_norm(
     cast to out_dtype if given (its gradient comes back in x's dtype)."""
     y = _rms_norm(x, weight, eps, zero_centered, cast_before_weight)
     return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    zero_centered: bool = False,
+    cast_before_weight: bool = True,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, branch: [..., D] (the residual stream and a block's output, e.g. float32 and bfloat16); weight: [D] or
+    None. Returns (y = rms_norm(x_new, weight, ...) [..., D], x_new = x + branch [..., D] in their promoted dtype)."""
+    if branch.shape != x.shape:
+        raise ValueError(f"branch: expected the shape of x {tuple(x.shape)}, got {tuple(branch.shape)}")
+    x_new = x + branch
+    y = rms_norm(x_new, weight, eps, zero_centered=zero_centered, cast_before_weight=cast_before_weight,
+                 out_dtype=out_dtype)
+    return y, x_new
 
 
 def _rms_norm(x, weight, eps, zero_centered, cast_before_weight):

@@ -176,7 +176,11 @@ def apply_fsdp(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
 
     if fully_shard is None:
         from torch.distributed.fsdp import fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32) if bf16 else None
+    # cast_forward_inputs off: the float inputs of a block are float32 already (residual stream, padding mask) but
+    # the previous block's branch, which autocast made bf16 and the fused add + norm reads as it is (a cast to
+    # float32 would add a kernel each way per block and change no value)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+          if bf16 else None)
     kw = {"mp_policy": mp} if mp is not None else {}
     if mesh is not None:
         kw["mesh"] = mesh

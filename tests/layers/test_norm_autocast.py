@@ -133,8 +133,13 @@ def test_model_residual_stream_stays_float32_under_autocast(monkeypatch):
                 m.weight.add_(0.2 * torch.randn_like(m.weight))
     seen: list[tuple[str, torch.dtype, torch.dtype]] = []
 
-    def hook(mod, args, out):
-        seen.append((type(mod).__name__, args[0].dtype, out.dtype))
+    def hook(mod, args, out):  # a norm fed a branch returns (y, x_new); a block (residual, branch), both float32
+        if isinstance(mod, HybridBlock):
+            seen.append(("HybridBlock", args[0].dtype, out.residual.dtype))
+        else:
+            seen.append((type(mod).__name__, args[0].dtype, out[0].dtype if isinstance(out, tuple) else out.dtype))
+            if isinstance(out, tuple):
+                seen.append(("residual", args[0].dtype, out[1].dtype))
 
     handles = [m.register_forward_hook(hook) for m in model.modules()
                if isinstance(m, (RMSNorm, HybridBlock, torch.nn.Embedding))]
@@ -156,6 +161,9 @@ def test_model_residual_stream_stays_float32_under_autocast(monkeypatch):
     assert len(blocks) == 4 and len(norms) >= 9  # 2 per block, the final norm, q/k norms
     assert all(o == BF16 for _, _, o in norms), norms
     assert all(i == o == torch.float32 for _, i, o in blocks), blocks
+    # the adds inside the norms: every norm2, every norm1 but the first block's, the final norm
+    residuals = [s for s in seen if s[0] == "residual"]
+    assert len(residuals) == 2 * 4 and all(i == o == torch.float32 for _, i, o in residuals), residuals
     assert [s for s in seen if s[0] == "Embedding"][0][2] == torch.float32
     assert all(g.dtype == torch.float32 for g in grads.values())
     _, grads32 = run(autocast=False)

@@ -58,8 +58,14 @@ def _norm_rows(x, gate, w, o_m, o_d, m, D, eps, HAS_W: tl.constexpr, ZC: tl.cons
                W_LOWP: tl.constexpr, ACT: tl.constexpr):
     """Rows o_m -> (x_hat fp32, x_hat as the weight sees it, effective weight [BD], pre-gate value, act(gate),
     gate fp32, rstd)."""
-    DT = x.dtype.element_ty
     b_x = tl.load(x + o_m[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    return _norm_vals(b_x, x.dtype.element_ty, gate, w, o_m, o_d, m, D, eps, HAS_W, ZC, CAST_Y, W_LOWP, ACT)
+
+
+@triton.jit
+def _norm_vals(b_x, DT: tl.constexpr, gate, w, o_m, o_d, m, D, eps, HAS_W: tl.constexpr, ZC: tl.constexpr,
+               CAST_Y: tl.constexpr, W_LOWP: tl.constexpr, ACT: tl.constexpr):
+    """`_norm_rows` of loaded rows b_x (fp32 [BM, BD], zero outside the mask) whose dtype is DT."""
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_xh = b_x * b_r[:, None]
     b_yc = b_xh
@@ -100,6 +106,13 @@ def _norm_fwd(x, gate, w, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
+def _rms_dx(b_du, b_xh, b_w, b_r, D):
+    """dx fp32 [BM, BD] of the rows from the gradient b_du of x_hat * w (x_hat, w, rstd as `_norm_rows` gives)."""
+    b_dxh = b_du * b_w[None, :]
+    return b_r[:, None] * (b_dxh - b_xh * (tl.sum(b_dxh * b_xh, 1) / D)[:, None])
+
+
+@triton.jit
 def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: tl.constexpr,
               HAS_W: tl.constexpr, ZC: tl.constexpr, CAST_Y: tl.constexpr, W_LOWP: tl.constexpr, ACT: tl.constexpr):
     """Grid (NP): program p takes row blocks p, p + NP, ...; writes dx, dgate there and its dweight partial to
@@ -123,8 +136,7 @@ def _norm_bwd(x, gate, w, dy, dx, dg, dwp, M, D, eps, NP, BM: tl.constexpr, BD: 
             tl.store(dg + o_m[:, None] * D + o_d[None, :], (b_do * b_u * b_da).to(dg.dtype.element_ty), mask=m)
         b_du = b_do * b_a  # gradient of the pre-gate value
         b_dwa += b_du * b_yc
-        b_dxh = b_du * b_w[None, :]
-        b_dx = b_r[:, None] * (b_dxh - b_xh * (tl.sum(b_dxh * b_xh, 1) / D)[:, None])
+        b_dx = _rms_dx(b_du, b_xh, b_w, b_r, D)
         tl.store(dx + o_m[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
     if HAS_W:
         tl.store(dwp + i_p.to(tl.int64) * D + o_d, tl.sum(b_dwa, 0), mask=o_d < D)
