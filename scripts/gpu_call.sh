@@ -19,10 +19,10 @@
 #   train350m  `hybridlm bench train`: a 357M hybrid's training tokens/s, ours against fla's model
 #   fsdp2      scripts/gpu_fsdp2.sh (two GPUs): the same loss as one GPU, and tokens/s of two against one
 #   family     the GPU parity tests of Comba, MesaNet, PaTH and DeltaFormer against fla (tests/ops/test_*_vs_fla.py), one
-#              process a file (fla autotunes every kernel on its first call: minutes each on a fresh machine); the
-#              PARITY lines go to $OUT/family/parity.txt
-#   tests      every gpu-marked test outside the family's and the float64 check's (the Gluon forward, the dispatch,
-#              callers' inputs, determinism, multi-token decode, KDA's gate, training), one process a file
+#              process a file, MesaNet one a case (fla autotunes every kernel on its first call: minutes each on a
+#              fresh machine); the PARITY lines go to $OUT/family/parity.txt
+#   tests      every test file with gpu-marked tests outside the family's and the float64 check's (found by grep),
+#              one process a file, each log under $OUT/tests
 #   mqar       `hybridlm bench mqar --preset paper` with CUDA graphs, resuming from results/mqar-paper/results.json
 #              until the step's limit (copy the returned results.json there and commit it to go on later)
 # Any other STEP runs as a bash command (its log is $OUT/cmdN.log, N counting such steps from 1).
@@ -34,7 +34,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || echo "wheel install failed"
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD  # wheels installed by the caller stay on the path
 fi
 n_cmd=0
 for spec in "$@"; do
@@ -62,15 +62,17 @@ for spec in "$@"; do
     train30m) cmd=(python3 -m hybridlm train --out "$OUT/train30m" --no-progress --sample-tokens 200) ;;
     train350m) cmd=(python3 -m hybridlm.bench.train --data bundled,short-docs --out "$OUT/train350m") ;;
     fsdp2) cmd=(env OUT="$OUT" bash scripts/gpu_fsdp2.sh) ;;
+    # MesaNet's cases one process each: fla autotunes each of its kernels for minutes on a fresh machine
     family) mkdir -p "$OUT/family"
-      cmd=(bash -c "for f in comba mesa_net path_attn deltaformer; do python3 -m pytest -q -s -p no:cacheprovider \
-             tests/ops/test_\${f}_vs_fla.py > $OUT/family/\$f.log 2>&1 & done; wait; tail -n 2 $OUT/family/*.log; \
-             grep -h PARITY $OUT/family/*.log | tee $OUT/family/parity.txt") ;;
+      cmd=(bash -c "for f in comba path_attn deltaformer; do python3 -m pytest -q -s -p no:cacheprovider \
+             tests/ops/test_\${f}_vs_fla.py > $OUT/family/\$f.log 2>&1 & done; \
+             for c in fp32-plain fp32-varlen bf16-plain bf16-varlen; do python3 -m pytest -q -s -p no:cacheprovider \
+             tests/ops/test_mesa_net_vs_fla.py -k \"\${c%-*} and \${c#*-}\" > $OUT/family/mesa_net-\$c.log 2>&1 & \
+             done; wait; tail -n 2 $OUT/family/*.log; grep -h PARITY $OUT/family/*.log | tee $OUT/family/parity.txt") ;;
     tests) mkdir -p "$OUT/tests"
-      cmd=(bash -c "for f in ops/test_gluon_gdn ops/test_gdn_dispatch_gpu ops/test_caller_inputs_gpu \
-             ops/test_deterministic_gpu ops/test_multi_token_decode train/test_train_gpu; do \
-             python3 -m pytest -q -rxs -m gpu -p no:cacheprovider tests/\$f.py > $OUT/tests/\${f//\//_}.log 2>&1 & \
-             done; wait; tail -n 1 $OUT/tests/*.log") ;;
+      cmd=(bash -c "for f in \$(grep -rl 'mark.gpu' tests --include='test_*.py' | grep -v -e _vs_fla -e test_gpu_check); \
+             do n=\${f#tests/}; python3 -m pytest -q -rxs -m gpu -p no:cacheprovider \$f \
+             > $OUT/tests/\${n//\//_}.log 2>&1 & done; wait; tail -n 1 $OUT/tests/*.log") ;;
     mqar) mkdir -p "$OUT/mqar"; cp results/mqar-paper/results.json "$OUT/mqar/" 2>/dev/null
           cmd=(python3 -m hybridlm bench mqar --preset paper --cuda-graphs --out "$OUT/mqar" \
                --max-minutes $(((secs - 60) / 60))) ;;

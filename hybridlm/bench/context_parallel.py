@@ -39,7 +39,7 @@ def _inputs(op: str, T: int, H: int, D: int, seed: int, device) -> dict[str, tor
     gk = (1, T, H, D) if op == "kda" else (1, T, H)
     x = dict(q=r(1, T, H, D), k=r(1, T, H, D), v=r(1, T, H, D), g=F.logsigmoid(r(*gk) + 3.0),
              beta=torch.sigmoid(r(1, T, H)))
-    x = {n: t.bfloat16() for n, t in x.items()}
+    x = {n: t if n == "g" and op == "kda" else t.bfloat16() for n, t in x.items()}  # KDA takes fp32 log-decays
     x["h0"] = r(1, H, D, D) * 0.1
     return x
 

@@ -29,8 +29,8 @@ def reference(q, k, v, offsets, scale):
     g = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
     n = q.shape[2]
-    i = torch.arange(n)
-    doc = torch.zeros(n, dtype=torch.long)
+    i = torch.arange(n, device=q.device)
+    doc = torch.zeros(n, dtype=torch.long, device=q.device)
     for s in (offsets or [0, n])[1:-1]:
         doc[s:] += 1
     allowed = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
