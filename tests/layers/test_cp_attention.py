@@ -50,7 +50,7 @@ def _check(case, seed, dtype, device, tol):
     q, k, v = _inputs(case, seed, dtype, device)
     scale = dk**-0.5
     want = reference(q, k, v, offsets, scale)
-    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(device)
     (want * cot).sum().backward()
     ref_grads = [t.grad.double().clone() for t in (q, k, v)]
     q.grad = k.grad = v.grad = None
@@ -60,7 +60,7 @@ def _check(case, seed, dtype, device, tol):
         rows = slice(r * T, (r + 1) * T)
         err = (got.double() - want[:, :, rows]).abs().max().item()
         assert err <= tol, f"{case} rank {r}/{R}: output max error {err:.3g} > {tol} (seed {seed})"
-        (got.double() * cot[:, :, rows].to(device)).sum().backward()
+        (got.double() * cot[:, :, rows]).sum().backward()
     for name, t, ref in zip("qkv", (q, k, v), ref_grads):
         err = (t.grad.double() - ref.to(device)).abs().max().item()
         assert err <= tol * max(1.0, ref.abs().max().item()), \
