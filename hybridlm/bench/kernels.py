@@ -18,10 +18,10 @@ fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (its #640); i
 its tuned configs are cleared before each chunked shape (`--no-fla-retune` keeps them: then a shape inherits the
 choice made at an earlier shape with the same heads). --gpu-time adds each call's GPU time (its kernels' time,
 side-by-side kernels counted once), ours and fla's: fla's host work per call (many small launches) shows in the
-median ms at the smaller shapes and not there. `--parts prefill` (not in the default) times the Gluon forward at
-the few-heads prefill shapes (`PREFILL_SHAPES`), split into segments as impl="auto" chooses
-(`hybridlm.ops.split_prefill`) and unsplit, against fla's forward: median ms, CUDA-graph replay ms and (with
---gpu-time) GPU time. Writes kernels.json, kernels.md and kernels.png to --out.
+median ms at the smaller shapes and not there. `--parts prefill` (not in the default) times our forward as
+impl="auto" takes it for inference (the Gluon forward on sm_90) against fla's at the few-heads prefill shapes
+(`PREFILL_SHAPES`): median ms, CUDA-graph replay ms and (with --gpu-time) GPU time, fla/ours for each, and our
+wall / GPU time (the host's share of a call). Writes kernels.json, kernels.md and kernels.png to --out.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step, and 4 draft tokens "
                         "at N 64: every state kept, at accepted counts, the last), kda (first shape), "
-                        "gdn (the chunked shapes), prefill (the Gluon forward split and unsplit at the few-heads "
-                        "shapes; not in the default)")
+                        "gdn (the chunked shapes), prefill (our inference forward as impl='auto' takes it against "
+                        "fla's at the few-heads prefill shapes; not in the default)")
     parser.add_argument("--kda-gates", default="bench,init",
                         help="comma-separated KDA rows by log-decays: bench (logsigmoid(N(0,1) + 3), about -0.05 a "
                         "step: every chunk within the whole-chunk dot) and init (those of a freshly initialised "
@@ -276,27 +276,18 @@ def _graph_ms(fn, rep) -> float:
 
 
 def _bench_prefill(B, T, H, D, dev, gen, fla, args) -> dict:
-    """The Gluon forward (inference, q/k l2norm) split as impl="auto" chooses ("split") and unsplit ("whole"),
-    and fla's forward: median ms, graph replay ms (an error recorded as *_graph_error), GPU ms with --gpu-time."""
-    from hybridlm.ops import dispatch, gated_delta_rule, split_prefill
-    from hybridlm.ops.gluon import gdn_fwd
+    """Our forward as impl="auto" takes it under torch.no_grad (q/k l2norm; "impl" names the backend, the Gluon
+    forward on sm_90) and fla's: median ms, graph replay ms (an error recorded as *_graph_error), GPU ms with
+    --gpu-time, and fla's output against ours (relative norm of the difference)."""
+    from hybridlm.ops import dispatch, gated_delta_rule
 
-    row = {"prefill": True, "shape": f"B{B} T{T} H{H} D{D}"}
-    if not gdn_fwd.gluon_available() or torch.cuda.get_device_capability() != (9, 0):
-        row["error"] = "the Gluon forward needs sm_90 and Triton's Gluon API"
-        return row
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
     g = F.logsigmoid(r(B, T, H) + 3.0)
     beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
-    x = dispatch.prepare("gated_delta_rule", "scalar", True, q, k, v, g=g, beta=beta, scale=None,
-                         initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True,
-                         chunk_size=64, impl="gluon", recompute=False, state_pool=None, state_indices=None)
-    length = split_prefill.auto_length(x, gdn_fwd._multiprocessors(dev), gdn_fwd.SUPPORTED_V)
-    row["segments"] = -(-T // length) if length else 1
-    calls = {"split": lambda: gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, impl="gluon")[0],
-             "whole": lambda: split_prefill.split_prefill(q, k, v, g=g, beta=beta, use_qk_l2norm=True, segments=1,
-                                                          impl="gluon")[0]}
+    impl = dispatch.resolve_impl("gated_delta_rule", "auto", dev, q, v, needs_grad=False)
+    row = {"prefill": True, "shape": f"B{B} T{T} H{H} D{D}", "impl": impl}
+    calls = {"ours": lambda: gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True, impl="auto")[0]}
     if fla is not None:
         if not getattr(args, "no_fla_retune", False):
             _fla_retune()
@@ -310,8 +301,9 @@ def _bench_prefill(B, T, H, D, dev, gen, fla, args) -> dict:
                 row[f"{who}_graph_error"] = repr(e)[:200]
             if getattr(args, "gpu_time", False):
                 row[f"{who}_gpu_ms"] = _gpu_ms(f)
-        a, b = calls["split"]().float(), calls["whole"]().float()
-    row["split_vs_whole_rel"] = ((a - b).norm() / b.norm()).item()
+        if "fla" in calls:
+            a, b = calls["fla"]().float(), calls["ours"]().float()
+            row["fla_vs_ours_rel"] = ((a - b).norm() / b.norm()).item()
     return row
 
 
@@ -628,27 +620,22 @@ def _table(info, rows):
 
 
 def _prefill_table(rows: list[dict]) -> list[str]:
-    """The prefill rows: the Gluon forward split (as impl="auto" chooses) and whole, against fla; ratios over the
-    split call (median ms, graph replay ms, GPU ms)."""
+    """The prefill rows: our forward as impl="auto" takes it against fla's; fla/ours (speed-ups of ours) on median
+    ms, graph replay ms and GPU ms, and our wall / GPU time (median ms over GPU ms: 1.00 when the host keeps up)."""
     if not rows:
         return []
-    lines = ["", "Few-heads prefill, Gluon forward split into segments as impl=\"auto\" chooses vs unsplit, and fla "
-             "(whole/split and fla/split: speed-ups of the split call):", "",
-             "| shape | segments | split ms | whole/split | fla/split | split graph ms | whole/split graph "
-             "| fla/split graph | split GPU ms | whole/split GPU | fla/split GPU | rel split vs whole |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratio = lambda x, y: None if x is None or y is None else x / y  # noqa: E731
+    lines = ["", "Few-heads prefill, our forward as impl=\"auto\" takes it for inference against fla's (fla/ours: "
+             "speed-ups of ours; wall/GPU: our median ms over our GPU ms):", "",
+             "| shape | impl | ours ms | fla/ours | ours graph ms | fla/ours graph | ours GPU ms | fla/ours GPU "
+             "| ours wall/GPU | rel fla vs ours |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['shape']} | {r['error']} |" + " |" * 10)
-            continue
-        cells = [r["shape"], str(r["segments"])]
+        cells = [r["shape"], r["impl"]]
         for kind in ("", "_graph", "_gpu"):
-            split = r.get(f"split{kind}_ms")
-            cells.append(_fmt(split))
-            for who in ("whole", "fla"):
-                other = r.get(f"{who}{kind}_ms")
-                cells.append(_fmt(None if other is None or split is None else other / split, ".2f"))
-        cells.append(f"{r['split_vs_whole_rel']:.1e}")
+            ours = r.get(f"ours{kind}_ms")
+            cells += [_fmt(ours), _fmt(ratio(r.get(f"fla{kind}_ms"), ours), ".2f")]
+        cells += [_fmt(ratio(r.get("ours_ms"), r.get("ours_gpu_ms")), ".2f"), _fmt(r.get("fla_vs_ours_rel"), ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -18,8 +18,6 @@ Non-standard here:
   backend, in PyTorch (compute dtype, under autograd) for the others. Backends see only the log-decay.
 - A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
   gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
-- The Gluon backend may cut long sequences into segments run side by side when its grid is small
-  (`hybridlm.ops.split_prefill`); its `whole` run is the same forward without that split.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
-from . import context_parallel, split_prefill
+from . import context_parallel
 from .chunk import recurrence_chunk
 from .kda_gate import check_kda_gate, kda_gate
 from .naive import recurrence_naive
@@ -104,7 +102,6 @@ class Backend:
     autograd: bool = True  # has a backward (a forward-only backend is asked only where no gradient is needed)
     traceable: bool = True  # runs under torch.compile ("auto" skips it while compiling otherwise)
     pool_in_place: bool = False  # reads and writes state_pool's rows itself
-    whole: Callable[[Inputs], tuple] | None = None  # run without its split of long sequences (None: run never splits)
 
 
 def _needs_grad(*xs: torch.Tensor | None) -> bool:
@@ -228,16 +225,6 @@ def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def _run_gluon(x: Inputs):
-    """The Hopper forward; where its grid would leave most multiprocessors idle (a few long sequences, few heads),
-    long sequences are cut into segments run side by side (`hybridlm.ops.split_prefill`)."""
-    mod = _gdn_fwd()
-    length = split_prefill.auto_length(x, mod._multiprocessors(x.device), mod.SUPPORTED_V)
-    if length:
-        return split_prefill.run_split(_run_gluon_whole, x, length)
-    return _run_gluon_whole(x)
-
-
-def _run_gluon_whole(x: Inputs):
     """The Hopper forward, its checks skipped (done here); with a pool it reads and writes the rows itself."""
     return _gdn_fwd().gated_delta_rule_fwd(
         x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
@@ -263,7 +250,7 @@ def _no_triton_kernel(op: str) -> Exception:
 BACKENDS: tuple[Backend, ...] = (
     Backend("gluon", "Gluon forward", _run_gluon, ops=lambda: GLUON_OPS, unknown_op=_gluon_other_op,
             supports=lambda x: gluon_unsupported_reason(x.q, x.v), auto_devices=("cuda",), autograd=False,
-            traceable=False, pool_in_place=True, whole=_run_gluon_whole),
+            traceable=False, pool_in_place=True),
     Backend("triton", "Triton kernel", _run_triton, ops=lambda: TRITON_KERNELS, unknown_op=_no_triton_kernel,
             supports=_triton_supports, auto_devices=("cuda",)),
     Backend("chunk", "chunkwise PyTorch form", lambda x: _run_torch(x, recurrence_chunk, chunk_size=x.chunk_size)),

@@ -115,17 +115,20 @@ def test_multi_token_decode_rows_run_and_count_their_bytes(monkeypatch):
     assert f"| {rows[0]['shape']} | decode | 2.000 | - | - | - | - |" in kernels._table(info, rows)
 
 
-def test_prefill_rows_are_asked_by_name_and_tabled_as_speedups_over_the_split_call():
+def test_prefill_rows_are_asked_by_name_and_tabled_as_speedups_of_ours():
+    """A prefill row's cells: ours, fla/ours on median, graph replay and GPU ms, our wall / GPU; a missing number
+    (fla's graph failed, no GPU time) is "-", not an error."""
     assert kernels._rows_asked(_args(parts="prefill,gdn"))[0] == ["prefill", "gdn"]
     info = {"device": "H100", "torch": "2.11", "triton": "3.6", "fla_core": "0.6.0", "date_utc": "now",
             "copy_GBps": 3000.0, "bf16_matmul_TFLOPs": 740.0, "fla_guard_lifted": True}
-    row = {"prefill": True, "shape": "B1 T32768 H8 D128", "segments": 4, "split_ms": 1.0, "whole_ms": 3.0,
-           "fla_ms": 2.5, "split_graph_ms": 0.8, "whole_graph_ms": 2.0, "fla_graph_error": "x",
-           "split_vs_whole_rel": 2e-3}
-    failed = {"prefill": True, "shape": "B1 T8 H1 D64", "error": "needs sm_90"}
-    table = kernels._table(info, [row, failed])
-    assert ("| B1 T32768 H8 D128 | 4 | 1.000 | 3.00 | 2.50 | 0.800 | 2.50 | - | - | - | - | 2.0e-03 |"
-            in table), table
-    assert "| B1 T8 H1 D64 | needs sm_90 |" in table
+    row = {"prefill": True, "shape": "B4 T4096 H16 D128", "impl": "gluon", "ours_ms": 0.5, "fla_ms": 1.5,
+           "ours_graph_ms": 0.25, "fla_graph_ms": 0.5, "ours_gpu_ms": 0.4, "fla_gpu_ms": 1.0,
+           "fla_vs_ours_rel": 2e-3}
+    partial = {"prefill": True, "shape": "B1 T4096 H16 D128", "impl": "triton", "ours_ms": 0.3, "fla_ms": 0.6,
+               "ours_graph_ms": 0.2, "fla_graph_error": "x"}
+    table = kernels._table(info, [row, partial])
+    assert "| B4 T4096 H16 D128 | gluon | 0.500 | 3.00 | 0.250 | 2.00 | 0.400 | 2.50 | 1.25 | 2.0e-03 |" in table, table
+    assert "| B1 T4096 H16 D128 | triton | 0.300 | 2.00 | 0.200 | - | - | - | - | - |" in table, table
+    assert table.count("B4 T4096 H16 D128") == 1  # prefill rows stay out of the chunked rows' table
     assert [s[:3] for s in kernels.PREFILL_SHAPES] == [(1, 32768, 8), (2, 16384, 8), (1, 8192, 16), (1, 4096, 16),
                                                        (4, 4096, 16)]
