@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv import _check_device, _check_tensor
 from .custom import call, custom_op
-from .norm import MAX_D, _blocks, _blocks_bwd, _bwd_programs, _norm_rows, _norm_vals, _out, _rms_dx
+from .norm import _blocks, _blocks_bwd, _bwd_programs, _norm_rows, _norm_vals, _out, _rms_dx, check_rows
 from .tune import cdiv
 
 
@@ -136,31 +135,12 @@ class _AddNorm(torch.autograd.Function):
         return dx, db, (dw if weight is not None else None), *([None] * 5)
 
 
-def _check(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor | None, out_dtype) -> None:
-    if out_dtype is not None and (not out_dtype.is_floating_point or out_dtype == torch.float64):
-        raise ValueError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
-    _check_tensor("x", x)
-    _check_tensor("branch", branch)
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x: expected shape [..., D] with D >= 1, got {tuple(x.shape)}")
-    if branch.shape != x.shape:
-        raise ValueError(f"branch: expected the shape of x {tuple(x.shape)}, got {tuple(branch.shape)}")
-    D = x.shape[-1]
-    if D > MAX_D:
-        raise ValueError(f"x: the Triton norm takes rows of width D <= {MAX_D}, got D={D}")
-    if weight is not None:
-        _check_tensor("weight", weight)
-        if tuple(weight.shape) != (D,):
-            raise ValueError(f"weight: expected shape ({D},) ([D]), got {tuple(weight.shape)}")
-    _check_device("x", x)
-
-
 def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                  zero_centered: bool = False, cast_before_weight: bool = True,
                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As `hybridlm.ops.add_rms_norm`. x, branch: [..., D] (float16/bfloat16/float32, D <= MAX_D); weight: [D] or
     None. Returns (y [..., D] in out_dtype (default x_new's), x_new [..., D]); differentiable in x, branch, weight."""
-    _check(x, branch, weight, out_dtype)
+    check_rows(x, weight, out_dtype, branch=branch)
     shape, D = x.shape, x.shape[-1]
     x2, b2 = x.reshape(-1, D).contiguous(), branch.reshape(-1, D).contiguous()
     w = weight.contiguous() if weight is not None else None

@@ -245,7 +245,9 @@ class _Norm(torch.autograd.Function):
         return dx, (dg if gate is not None else None), (dw if weight is not None else None), *([None] * 6)
 
 
-def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
+def check_rows(x: torch.Tensor, weight: torch.Tensor | None, out_dtype, **like_x: torch.Tensor | None) -> int:
+    """The checks of a norm kernel's inputs: x [..., D] (D in 1..MAX_D), weight [D] or None, out_dtype, and each
+    named tensor of like_x (None skipped) of x's shape; one-line errors naming the argument. Returns D."""
     if out_dtype is not None and (not out_dtype.is_floating_point or out_dtype == torch.float64):
         raise ValueError(f"out_dtype: expected float16, bfloat16 or float32, got {out_dtype}")
     _check_tensor("x", x)
@@ -254,15 +256,22 @@ def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
     D = x.shape[-1]
     if D > MAX_D:
         raise ValueError(f"x: the Triton norm takes rows of width D <= {MAX_D}, got D={D}")
-    if gate is not None:
-        _check_tensor("gate", gate)
-        if gate.shape != x.shape:
-            raise ValueError(f"gate: expected the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    for name, t in like_x.items():
+        if t is None:
+            continue
+        _check_tensor(name, t)
+        if t.shape != x.shape:
+            raise ValueError(f"{name}: expected the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
     if weight is not None:
         _check_tensor("weight", weight)
         if tuple(weight.shape) != (D,):
             raise ValueError(f"weight: expected shape ({D},) ([D]), got {tuple(weight.shape)}")
     _check_device("x", x)
+    return D
+
+
+def _run(x, gate, weight, eps, zc, cast_y, w_lowp, act, out_dtype=None):
+    D = check_rows(x, weight, out_dtype, gate=gate)
     shape = x.shape
     x2 = x.reshape(-1, D).contiguous()
     g2 = gate.reshape(-1, D).contiguous() if gate is not None else None
