@@ -78,9 +78,11 @@ class ContextSlice:
     T: int  # positions a rank holds
     cu_seqlens: torch.Tensor | None = None  # global document offsets, 0 .. R*T, or None (one sequence a row)
 
+    @functools.cached_property
     def blocks(self) -> tuple[int, list[int], list[int]]:
         """(lo, query offsets, key offsets) of one row: query block i is [q[i], q[i+1]) of the slice, its keys
-        [lo + k[i], lo + k[i+1]) of the gathered sequence, lo the start of the document the slice begins in."""
+        [lo + k[i], lo + k[i+1]) of the gathered sequence, lo the start of the document the slice begins in. Worked
+        out once: every attention layer of a forward shares the slice."""
         a, z = self.rank * self.T, (self.rank + 1) * self.T
         if self.cu_seqlens is None:
             return 0, [0, self.T], [0, z]
@@ -292,7 +294,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: ContextS
     if sl.cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"q: packed documents need batch size 1, got shape {tuple(q.shape)}")
     q, k, v = _autocast_dtype(q, k, v)
-    lo, cq, ck = sl.blocks()
+    lo, cq, ck = sl.blocks
     k, v = k[:, :, lo : lo + ck[-1]], v[:, :, lo : lo + ck[-1]]
     if resolve_document_impl(q, v, impl) == "varlen":
         B, n, m = q.shape[0], cq[-1], ck[-1]
