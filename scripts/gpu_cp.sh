@@ -5,7 +5,6 @@
 #             on the whole sequence (agreement at the float64 check's bars, fwd+bwd time)
 #   cp1_32k / cp2_32k / cp4_32k: the gpu-325m preset, one row of 32768 tokens a step, 30 steps, on 1, 2 and 4 GPUs
 #             (--context-parallel 2 / 4): the per-step train losses of cp4_32k must match cp1_32k within 1e-2
-#   cp1_32k_fp32 / cp4_32k_fp32: the pair in float32 (no bf16 rounding to amplify: the agreement of the maths)
 #   cp4_128k: 131072 tokens a row over 4 GPUs, 12 steps; cp1_128k: the same row on one GPU (expected not to fit)
 # tokens/s is summary.json's (median over the steps after the first ten), memory its peak_gpu_memory_gib (rank 0).
 #
@@ -39,14 +38,10 @@ for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k}; do
                --out "$D/$r" ;;
     cp4_32k) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --context-parallel 4 \
                --out "$D/$r" ;;
-    cp1_32k_fp32) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --precision fp32 \
-                    --out "$D/$r" ;;
-    cp4_32k_fp32) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --precision fp32 \
-                    --context-parallel 4 --out "$D/$r" ;;
     cp4_128k) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 12 --context-parallel 4 \
                 --out "$D/$r" ;;
     cp1_128k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 2 --out "$D/$r" ;;
-    *) echo "RUNS: unknown run $r (expected ops cp1_32k cp2_32k cp4_32k cp1_32k_fp32 cp4_32k_fp32 cp4_128k cp1_128k)"; exit 2 ;;
+    *) echo "RUNS: unknown run $r (expected ops cp1_32k cp2_32k cp4_32k cp4_128k cp1_128k)"; exit 2 ;;
   esac
 done
 
@@ -65,7 +60,6 @@ def load(name, file):
 
 
 runs = {"cp1_32k": "1 GPU, 32768", "cp2_32k": "CP 2, 32768", "cp4_32k": "CP 4, 32768",
-        "cp1_32k_fp32": "1 GPU, 32768, fp32", "cp4_32k_fp32": "CP 4, 32768, fp32",
         "cp4_128k": "CP 4, 131072", "cp1_128k": "1 GPU, 131072"}
 fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
 lines = ["| run | GPUs, tokens a row | steps | final train loss | tokens/s | peak GiB a GPU |", "|---|---|---|---|---|---|"]
@@ -76,7 +70,7 @@ for name, what in runs.items():
     lines.append(f"| {name} | {what} | {fmt(s.get('final_step'), 'd')} | {fmt(s.get('final_train_loss'), '.4f')} | "
                  f"{fmt(s.get('tokens_per_s'), ',.0f')} | {fmt(s.get('peak_gpu_memory_gib'), '.1f')} |")
 ok = True
-for one, cp in (("cp1_32k", "cp4_32k"), ("cp1_32k_fp32", "cp4_32k_fp32"), ("cp1_32k", "cp2_32k")):
+for one, cp in (("cp1_32k", "cp4_32k"), ("cp1_32k", "cp2_32k")):
     a, b = load(one, "metrics.jsonl"), load(cp, "metrics.jsonl")
     if not (a and b):
         continue
