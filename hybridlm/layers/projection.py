@@ -13,6 +13,8 @@ untouched; only the computation is shared):
   and their gradients, cheap to concatenate, share one dX and one dW GEMM.
 - A tuple of Linears is one output, its weights concatenated along the output dim: q, k and v go into the short
   conv as one tensor without a cat of [N, 2 dk + dv] activations.
+- Without a graph and with fewer tokens than output rows (decode) each Linear runs alone: the weight copy of a
+  concatenation would move more bytes than the GEMMs it merges.
 - Under autocast x, weights and biases are cast first (as F.linear would cast them), so the saved tensors and the
   backward GEMMs are in the autocast dtype. Outside it, the dtypes must match as for nn.Linear.
 """
@@ -41,6 +43,10 @@ def fused_linear(x: torch.Tensor, *members: Member) -> tuple[torch.Tensor, ...]:
     units = _units(layout, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
         return _Siblings.apply(x, layout, units, *params)
+    if x.numel() // x.shape[-1] < sum(map(sum, layout)):  # decode: copying the weights costs more than it merges
+        it = iter(zip(params[0::2], params[1::2]))
+        return tuple(torch.cat([F.linear(x, *next(it)) for _ in g], dim=-1) if len(g) > 1 else F.linear(x, *next(it))
+                     for g in layout)
     return tuple(_forward(x, layout, units, params[0::2], params[1::2])[0])
 
 
@@ -72,6 +78,10 @@ def _forward(x, layout, units, ws, bs) -> tuple[list[torch.Tensor], list[torch.T
             outs[m] = part
         unit_ws.append(w)
     return outs, unit_ws
+
+
+def _rows(t: torch.Tensor, widths: list[int]) -> tuple[torch.Tensor, ...]:
+    return t.split(widths) if len(widths) > 1 else (t,)
 
 
 class _Siblings(torch.autograd.Function):
@@ -106,9 +116,9 @@ class _Siblings(torch.autograd.Function):
             idx = _linears(layout, tuple(live))
             widths = [n for m in live for n in layout[m]]
             if any(need[3 + 2 * j] for j in idx):
-                for j, dw in zip(idx, g.t().mm(x2).split(widths)):
+                for j, dw in zip(idx, _rows(g.t().mm(x2), widths)):
                     dparams[2 * j] = dw if need[3 + 2 * j] else None
             if any(ctx.has_bias[j] and need[4 + 2 * j] for j in idx):
-                for j, db in zip(idx, g.sum(0).split(widths)):
+                for j, db in zip(idx, _rows(g.sum(0), widths)):
                     dparams[2 * j + 1] = db if ctx.has_bias[j] and need[4 + 2 * j] else None
         return (None if dx is None else dx.view(x.shape), None, None, *dparams)
