@@ -274,3 +274,29 @@ def test_layer_equals_its_separate_linears(seed, case, dtype):
     x = torch.randn(2, 11, 64, dtype=dtype)
     run = (lambda t: m(t, None, torch.arange(11)[None])) if case.startswith(("attention", "mla")) else m
     _check(seed, run, lambda t: reference(m, t), x, list(m.named_parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(MEMBERS))
+def test_fused_linear_on_cuda_under_autocast(seed, case):
+    """cuBLAS with the epilogue accumulation (addmm_ into dX) in bfloat16, against the separate Linears under the
+    same autocast: outputs and gradients within bfloat16 rounding of sums taken in another order (1e-2)."""
+    members, flat = _build(MEMBERS[case], torch.float32)
+    for lin in flat:
+        lin.cuda()
+        _randomise(lin)
+    x = torch.randn(4, 300, 64, device="cuda")
+    runs = []
+    for fn in (lambda t: fused_linear(t, *members), lambda t: _separate(t, members)):
+        xr = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs = fn(xr)
+        cot = [torch.randn(o.shape, generator=torch.Generator("cuda").manual_seed(seed + i), device="cuda")
+               for i, o in enumerate(outs)]
+        grads = torch.autograd.grad(sum((o.float() * c).sum() for o, c in zip(outs, cot)),
+                                    [xr] + [p for lin in flat for p in lin.parameters()])
+        runs.append(outs + grads)
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a.dtype == b.dtype and _rel(a.float(), b.float()) <= 1e-2, \
+            f"tensor {i}: {a.dtype} {b.dtype} relative error {_rel(a.float(), b.float()):.3e} (seed {seed})"
