@@ -33,8 +33,23 @@ Member = nn.Linear | tuple[nn.Linear, ...]
 
 def fused_linear(x: torch.Tensor, *members: Member) -> tuple[torch.Tensor, ...]:
     """x: [..., D]; members: nn.Linear, or tuples of them, on D inputs -> one tensor [..., out] per member (a tuple's
-    outputs concatenated in its order), equal to the Linears' own outputs up to matmul rounding."""
+    outputs concatenated in its order), equal to the Linears' own outputs up to matmul rounding. A member that is
+    another module (a projection a model replaced, e.g. by Linear + conv), or a Linear with hooks, runs as itself."""
     groups = [m if isinstance(m, tuple) else (m,) for m in members]
+    plain = [i for i, g in enumerate(groups) if all(_plain(lin) for lin in g)]
+    outs = [torch.cat([mod(x) for mod in g], dim=-1) if len(g) > 1 else g[0](x)
+            for i, g in enumerate(groups) if i not in plain]
+    fused = iter(_linears_on(x, [groups[i] for i in plain]) if plain else ())
+    others = iter(outs)
+    return tuple(next(fused) if i in plain else next(others) for i in range(len(groups)))
+
+
+def _plain(m: nn.Module) -> bool:
+    """An nn.Linear whose call is F.linear(x, weight, bias): its own forward, no hooks."""
+    return type(m).forward is nn.Linear.forward and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def _linears_on(x: torch.Tensor, groups: list[tuple[nn.Linear, ...]]) -> tuple[torch.Tensor, ...]:
     layout = tuple(tuple(lin.out_features for lin in g) for g in groups)
     params = [p for g in groups for lin in g for p in (lin.weight, lin.bias)]
     half = autocast_dtype(x)

@@ -107,6 +107,21 @@ def test_unused_outputs_give_no_gradients(seed):
         assert _rel(a, b) <= 1e-12, f"relative error {_rel(a, b):.3e} (seed {seed})"
 
 
+def test_other_modules_run_as_themselves(seed):
+    """A projection replaced by another module (Linear + conv, as the MQAR bench does) or a Linear with a hook is
+    called as a module, between the fused ones."""
+    members, flat = _build(MEMBERS["mixed_bias_and_tuple"], torch.float64)
+    conv = nn.Sequential(nn.Linear(64, 16, dtype=torch.float64), nn.Conv1d(5, 5, 1, dtype=torch.float64))
+    hooked = nn.Linear(64, 8, dtype=torch.float64)
+    calls = []
+    hooked.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    members = [members[0], conv, members[1], hooked, *members[2:]]
+    params = [(f"{i}.{n}", p) for i, lin in enumerate(flat + [conv, hooked]) for n, p in lin.named_parameters()]
+    _check(seed, lambda t: fused_linear(t, *members), lambda t: _separate(t, members),
+           torch.randn(2, 5, 64, dtype=torch.float64), params)
+    assert calls == [(2, 5, 8)] * 2  # ours, then the reference
+
+
 class _Ops(TorchDispatchMode):
     """Records (op name, output shape) of every aten call."""
 
