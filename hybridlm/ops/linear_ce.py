@@ -97,7 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = _tce.new_loss(n, hidden.device)
         else:
             loss = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_grad else None
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_grad else None
         grad_w = None
         for s in range(0, n, chunk):
             h, t = hidden[s : s + chunk], targets[s : s + chunk]
@@ -152,6 +152,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         from .triton import ce as _tce
 
         _tce.check(hidden, weight)
+        targets = targets.contiguous()
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     chunk = _chunk_tokens(hidden.shape[0], weight.shape[0], chunk_size)
     with torch.autocast(dev, enabled=False):

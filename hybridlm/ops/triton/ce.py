@@ -66,7 +66,7 @@ def _ce_rows(z, dz, t, loss, V, ignore_index, BLOCK: tl.constexpr, GRAD: tl.cons
         if GRAD:
             for v0 in range(0, V, BLOCK):
                 m = v0 + o < V
-                b_p = tl.exp((tl.load(z + row + v0 + o, mask=m, other=0.0).to(tl.float32) - b_m) - b_ls)
+                b_p = tl.exp((tl.load(z + row + v0 + o, mask=m, other=float("-inf")).to(tl.float32) - b_m) - b_ls)
                 b_d = tl.where(v0 + o == b_t, b_p - 1.0, b_p)
                 tl.store(dz + row + v0 + o, b_d.to(dz.dtype.element_ty), mask=m)
     else:
