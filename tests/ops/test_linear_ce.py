@@ -163,12 +163,15 @@ def test_triton_op_matches_float64(interp_results, case):
         assert err <= bars[name], f"{case} {name}: {err:.3g} > {bars[name]} (seed {seed})"
 
 
-def test_triton_op_edges_and_model_head(interp_results):
-    """no_grad, all tokens ignored, no tokens, a target out of range (NaN); the model's head on the kernel."""
+def test_triton_op_edges_model_head_and_compile(interp_results):
+    """no_grad, all tokens ignored, no tokens, a target out of range (NaN); the model's head on the kernel; the op
+    under torch.compile(fullgraph=True, aot_eager) as eager (float32 rounding)."""
     res, seed = interp_results["op_edges"], interp_results["seed"]
     assert all(v == 1.0 for v in res.values()), (res, seed)
     res = interp_results["model_head"]
     assert res["loss"] <= 2e-6 and res["grads"] <= 5e-6, (res, seed)
+    res = interp_results["compiled"]
+    assert len(res) == 3 and all(v <= 2e-6 for v in res.values()), (res, seed)
 
 
 def _cuda_case(n, d, v, dtype, ignored=0.2):

@@ -16,7 +16,8 @@ that a row takes several blocks and a partial last one.
   gives the same losses and leaves the logits as they were, a target outside [0, V) gives a NaN loss.
 - op_*: `linear_cross_entropy(impl="triton")` with chunks that do not divide the tokens against float64 (loss,
   grad_hidden, grad_weight relative L2), and under CPU bf16 autocast also against the PyTorch path under the same
-  autocast (the same rounding points); no_grad, all-ignored, no tokens; the model's head with impl="triton".
+  autocast (the same rounding points); no_grad, all-ignored, no tokens; the model's head with impl="triton";
+  the op under torch.compile(fullgraph=True, aot_eager) against eager.
 """
 
 from __future__ import annotations
@@ -177,6 +178,23 @@ def model_case(gen) -> dict:
     return {"loss": abs(lt.item() - ln.item()) / abs(ln.item()), "grads": max(rel(gt[n], gn[n]) for n in gn)}
 
 
+def compiled_case(gen) -> dict:
+    """linear_cross_entropy(impl="triton") under torch.compile(fullgraph=True, aot_eager) against eager: the custom
+    op's fake kernel traces and its writes into the loss buffer's slices survive functionalization."""
+    h, w, t = _inputs(gen, 21, 8, 40)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def f(h, w, t):
+        return linear_cross_entropy(h, w, t, ignore_index=IGNORE, chunk_size=8, impl="triton")
+
+    with tuned(ce.TUNE, block=BLOCK):
+        a = torch.compile(f, backend="aot_eager", fullgraph=True)(hh, ww, t)
+        ga = torch.autograd.grad(a, (hh, ww))
+        b = f(hh, ww, t)
+        gb = torch.autograd.grad(b, (hh, ww))
+    return {"loss": rel(a, b), "grad_hidden": rel(ga[0], gb[0]), "grad_weight": rel(ga[1], gb[1])}
+
+
 def cases(gen) -> dict:
     res = {}
     for dt, name in ((F32, "f32"), (BF16, "bf16"), (F16, "f16")):
@@ -187,6 +205,7 @@ def cases(gen) -> dict:
             res[f"op_{'bf16' if autocast else 'f32'}_{reduction}"] = op_case(gen, autocast, reduction)
     res["op_edges"] = op_edges(gen)
     res["model_head"] = model_case(gen)
+    res["compiled"] = compiled_case(gen)
     return res
 
 
