@@ -42,6 +42,7 @@ from hybridlm.ops.context_parallel import gather
 from hybridlm.ops.offsets import host_offsets
 
 from .norm import RMSNorm, autocast_dtype
+from .projection import fused_linear
 
 log = logging.getLogger("hybridlm.layers")
 _DOC_LOGGED: set[tuple] = set()
@@ -415,11 +416,10 @@ class GatedAttention(nn.Module):
         cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, position_ids global,
         mask this rank's `ContextSlice`."""
         B, T, _ = x.shape
-        q = self.q_proj(x)
+        q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
         gate = None
         if self.gate_width:
             q, gate = q.view(B, T, self.nH, self.hd + self.gate_width).split([self.hd, self.gate_width], dim=-1)
-        k, v = self.k_proj(x), self.v_proj(x)
         q, k = normed_heads(q, k, self)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.nKV, self.hd).transpose(1, 2)
         if self.rotary is not None:

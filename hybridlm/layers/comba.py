@@ -25,6 +25,7 @@ from hybridlm.ops import comba, glue, l2norm
 from .conv import ShortConv
 from .gdn import decay_parameters
 from .norm import GatedRMSNorm
+from .projection import fused_linear
 
 
 class Comba(nn.Module):
@@ -68,12 +69,13 @@ class Comba(nn.Module):
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, a, b, gate = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.a_proj, self.b_proj,
+                                       self.g_proj)
         q, k, v = self.conv1d(qkv, cu_seqlens, cache, impl=self.impl,
                               split=(self.key_dim, self.key_dim, self.value_dim))
         q, k, p = self.features(q.reshape(B, T, self.H, self.dk), k.reshape(B, T, self.H, self.dk))
         v = v.reshape(B, T, self.HV, self.dv)
-        g, beta = glue.gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias,
+        g, beta = glue.gdn_gates(a, b, self.A_log, self.dt_bias,
                                  beta_scale=self.beta_scale, impl=self.impl)
         h0 = None if cache is None else cache.recurrent
         o, state = comba(q, k, v, p, g=g, beta=beta, cu_seqlens=cu_seqlens, initial_state=h0,
@@ -81,6 +83,6 @@ class Comba(nn.Module):
                          impl=glue.step_impl(self.impl, cache is not None, T), recompute=self.recompute)
         if cache is not None:
             cache.recurrent = state
-        gate = self.g_proj(x).view(B, T, self.HV, self.dv)
+        gate = gate.view(B, T, self.HV, self.dv)
         return self.o_proj(self.o_norm(o, gate, impl=self.impl).reshape(B, T, self.value_dim))
 

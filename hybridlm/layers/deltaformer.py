@@ -16,6 +16,7 @@ from hybridlm.ops import deltaformer_attention
 
 from .attention import Rotary, apply_rotary, normed_heads
 from .history import HistoryHeads, gate_dtype, run_over_history
+from .projection import fused_linear
 
 
 class DeltaFormerAttention(HistoryHeads):
@@ -31,15 +32,16 @@ class DeltaFormerAttention(HistoryHeads):
 
     def _parts(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
         B, T, _ = x.shape
-        q, k = normed_heads(self.q_proj(x), self.k_proj(x), self)
+        q, k, v, b = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj)
+        q, k = normed_heads(q, k, self)
         if self.rotary is not None:
             if position_ids is None:
                 raise ValueError("position_ids: DeltaFormer with RoPE needs position ids [B|1, T], got None")
             cos, sin = self.rotary(position_ids)
             q = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2)
             k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
-        beta = torch.sigmoid(gate_dtype(self.b_proj(x)))
-        return dict(q=q, k=k, v=self.v_proj(x).view(B, T, self.nKV, self.hd), beta=beta)
+        beta = torch.sigmoid(gate_dtype(b))
+        return dict(q=q, k=k, v=v.view(B, T, self.nKV, self.hd), beta=beta)
 
     def _attend(self, p: dict[str, torch.Tensor], cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         return deltaformer_attention(p["q"], p["k"], p["v"], beta=p["beta"], cu_seqlens=cu_seqlens, impl=self.impl)

@@ -21,6 +21,7 @@ from hybridlm.ops import gated_delta_rule, glue
 
 from .conv import ShortConv
 from .norm import GatedRMSNorm
+from .projection import fused_linear
 
 LAYOUTS = ("fused", "split", "olmo")
 
@@ -81,16 +82,18 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         if self.layout == "fused":
             r = self.HV // self.H
-            grouped = self.in_proj_qkvz(x).view(B, T, self.H, 2 * self.dk + 2 * r * self.dv)
+            qkvz, ba = fused_linear(x, self.in_proj_qkvz, self.in_proj_ba)
+            grouped = qkvz.view(B, T, self.H, 2 * self.dk + 2 * r * self.dv)
             q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-            b, a = self.in_proj_ba(x).view(B, T, self.H, 2 * r).split([r, r], dim=-1)
+            b, a = ba.view(B, T, self.H, 2 * r).split([r, r], dim=-1)
             qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
             return qkv, z.reshape(B, T, self.HV, self.dv), b.reshape(B, T, self.HV), a.reshape(B, T, self.HV)
         if self.layout == "split":
-            z = self.in_proj_z(x).view(B, T, self.HV, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return qkv, self.g_proj(x).view(B, T, self.HV, self.dv), self.b_proj(x), self.a_proj(x)
+            qkv, z, b, a = fused_linear(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        else:
+            qkv, z, b, a = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.g_proj, self.b_proj,
+                                        self.a_proj)
+        return qkv, z.view(B, T, self.HV, self.dv), b, a
 
     def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a, b: [B, T, HV] -> (g float32 log-decay, beta in the model dtype)."""

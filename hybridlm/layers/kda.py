@@ -21,6 +21,7 @@ from hybridlm.ops.kda_gate import kda_gate
 
 from .conv import ShortConv
 from .norm import GatedRMSNorm
+from .projection import fused_linear
 
 
 class KimiDeltaAttention(nn.Module):
@@ -50,11 +51,11 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> g [B, T, H, dk] float32 (<= 0), on PyTorch."""
-        return kda_gate(self._raw_gate(x), self.A_log.view(self.H), self.dt_bias)
+        return kda_gate(self._raw_gate(self.f_a_proj(x)), self.A_log.view(self.H), self.dt_bias)
 
-    def _raw_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> the forget gate's input before dt_bias, [B, T, H, dk]."""
-        return self.f_b_proj(self.f_a_proj(x)).view(*x.shape[:-1], self.H, self.dk)
+    def _raw_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """f_a: f_a_proj(x) [B, T, dk] -> the forget gate's input before dt_bias, [B, T, H, dk]."""
+        return self.f_b_proj(f_a).view(*f_a.shape[:-1], self.H, self.dk)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache=None, cp_group=None) -> torch.Tensor:
@@ -64,12 +65,13 @@ class KimiDeltaAttention(nn.Module):
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, f_a, b, g_a = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
+                                        self.g_a_proj)
         # q, k, v as three tensors: on the fused path each is written contiguous (no copies of strided views)
         q, k, v = (t.view(B, T, self.H, self.dk)
                    for t in self.conv1d(qkv, cu_seqlens, cache, impl=self.impl, split=(self.dim,) * 3,
                                              cp_group=cp_group))
-        raw, beta = self._raw_gate(x), torch.sigmoid(self.b_proj(x))
+        raw, beta = self._raw_gate(f_a), torch.sigmoid(b)
         A_log = self.A_log.view(self.H)
         h0 = None if cache is None else cache.recurrent
         o = None
@@ -86,5 +88,5 @@ class KimiDeltaAttention(nn.Module):
                            cp_group=cp_group)
             if cache is not None:
                 cache.recurrent = state
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.H, self.dk)
+        gate = self.g_b_proj(g_a).view(B, T, self.H, self.dk)
         return self.o_proj(self.o_norm(o, gate, impl=self.impl).reshape(B, T, self.dim))

@@ -28,6 +28,7 @@ from hybridlm.ops import glue, mesa_net
 
 from .conv import ShortConv
 from .norm import GatedRMSNorm, RMSNorm
+from .projection import fused_linear
 
 
 def _gate_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -75,11 +76,13 @@ class MesaNet(nn.Module):
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
-        qk = self.conv1d(torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1), cu_seqlens, cache, impl=self.impl)
+        qk, v, a, b, *gate = fused_linear(x, (self.q_proj, self.k_proj), self.v_proj, self.a_proj, self.b_proj,
+                                          *([self.g_proj] if self.g_proj is not None else []))
+        qk = self.conv1d(qk, cu_seqlens, cache, impl=self.impl)
         q, k = (t.reshape(B, T, self.H, self.dk) for t in qk.split([self.key_dim, self.key_dim], dim=-1))
-        v = self.v_proj(x).view(B, T, self.H, self.dv)
-        g = F.logsigmoid(_gate_dtype(self.a_proj(x)))
-        beta = torch.sigmoid(_gate_dtype(self.b_proj(x)))
+        v = v.view(B, T, self.H, self.dv)
+        g = F.logsigmoid(_gate_dtype(a))
+        beta = torch.sigmoid(_gate_dtype(b))
         if attention_mask is not None:
             keep = attention_mask[:, :, None].to(g.dtype)
             g, beta = g * keep, beta * keep
@@ -98,8 +101,8 @@ class MesaNet(nn.Module):
             o, state = op(q, k, v, g, beta, lamb)
         if cache is not None:
             cache.recurrent = state
-        if self.g_proj is not None:
-            o = self.o_norm(o, self.g_proj(x).view(B, T, self.H, self.dv), impl=self.impl)
+        if gate:
+            o = self.o_norm(o, gate[0].view(B, T, self.H, self.dv), impl=self.impl)
         else:
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim))

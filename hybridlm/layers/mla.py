@@ -18,6 +18,7 @@ from hybridlm.ops.context_parallel import gather
 
 from .attention import sdpa
 from .norm import RMSNorm
+from .projection import fused_linear
 
 
 class MLA(nn.Module):
@@ -43,8 +44,9 @@ class MLA(nn.Module):
         cp_group: a ProcessGroup over which the sequence is split: x is this rank's slice, mask this
         rank's `ContextSlice`."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], dim=-1)
+        q, kv_a = fused_linear(x, self.q_proj, self.kv_a_proj_with_mqa)
+        q = q.view(B, T, self.nH, self.nope + self.rope).transpose(1, 2)
+        latent, k_rot = kv_a.split([self.r, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         if cache is not None:
             if cp_group is not None:

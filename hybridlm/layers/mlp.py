@@ -18,6 +18,8 @@ from torch import nn
 
 from hybridlm.ops import glue
 
+from .projection import fused_linear
+
 
 class SwiGLU(nn.Module):
     """x: [..., D] -> [..., D]: down(silu(gate(x)) * up(x)). impl: "triton" (and "auto" on CUDA) runs
@@ -31,7 +33,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = fused_linear(x, self.gate_proj, self.up_proj)
         return self.down_proj(glue.silu_mul(gate, up, impl=self.impl))
 
 

@@ -20,6 +20,7 @@ from hybridlm.ops import l2norm, path_attention
 from .attention import normed_heads
 from .conv import ShortConv
 from .history import HistoryHeads, gate_dtype, run_over_history
+from .projection import fused_linear
 
 
 class PaTHAttention(HistoryHeads):
@@ -40,10 +41,15 @@ class PaTHAttention(HistoryHeads):
     def _parts(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """Per-token inputs of the op, before the w conv (which runs over the whole history)."""
         B, T, _ = x.shape
-        q, k = normed_heads(self.q_proj(x), self.k_proj(x), self)
-        beta = 2 * torch.sigmoid(gate_dtype(self.bt_proj(x)))
-        g = None if self.g_proj is None else F.logsigmoid(gate_dtype(self.g_proj(x)))
-        return dict(q=q, k=k, v=self.v_proj(x).view(B, T, self.nKV, self.hd), w=self.w_proj(x), beta=beta, g=g)
+        low_rank = isinstance(self.w_proj, nn.Sequential)
+        q, k, v, w, bt, *g = fused_linear(x, self.q_proj, self.k_proj, self.v_proj,
+                                          self.w_proj[0] if low_rank else self.w_proj, self.bt_proj,
+                                          *([self.g_proj] if self.g_proj is not None else []))
+        q, k = normed_heads(q, k, self)
+        beta = 2 * torch.sigmoid(gate_dtype(bt))
+        g = F.logsigmoid(gate_dtype(g[0])) if g else None
+        w = self.w_proj[1](w) if low_rank else w
+        return dict(q=q, k=k, v=v.view(B, T, self.nKV, self.hd), w=w, beta=beta, g=g)
 
     def _attend(self, p: dict[str, torch.Tensor | None], cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         B, S = p["q"].shape[:2]

@@ -169,6 +169,7 @@ class HybridLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        self.impl = impl  # the head's loss takes it (the layers hold their own)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(config, i, impl) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind, impl=impl)
@@ -269,7 +270,7 @@ class HybridLM(nn.Module):
             if tuple(targets.shape) != (B, T):
                 raise ValueError(f"targets: expected shape {(B, T)}, got {tuple(targets.shape)}")
             loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=-100,
-                                        reduction="sum")
+                                        reduction="sum", impl=self.impl)
             return HybridOutput(logits=None, hidden_states=h, cache=cache, loss=loss)
         return HybridOutput(logits=self.lm_head(h), hidden_states=h, cache=cache)
 

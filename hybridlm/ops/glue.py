@@ -7,6 +7,7 @@ Non-standard here:
   float64); "auto" takes it on CUDA for float16/bfloat16/float32 inputs when triton imports, and logs its choice
   once per (op, device type, dtype) on the `hybridlm.ops` logger, as the recurrences do; "torch", "naive" and
   "chunk" (the recurrence impls a layer passes on) take the PyTorch op.
+  `hybridlm.ops.linear_ce` (the LM head's loss) picks its Triton cross-entropy kernel with `use_triton` too.
 - The PyTorch gates and silu(gate) * up live here (the other glue ops have theirs in `conv.py` / `norm.py`):
   they are what the layers computed inline, with the same rounding; silu(gate) * up saves only gate and up.
 - `causal_conv1d(..., cu_seqlens=)` on PyTorch convolves the packed documents one by one, each from its own
@@ -31,6 +32,7 @@ from .offsets import host_offsets
 try:  # the fused kernels (importing them registers their custom ops)
     from . import triton as _tk
     from .triton import add_norm as _taddnorm
+    from .triton import ce as _tce
     from .triton import conv as _tconv
     from .triton import gates as _tgates
     from .triton import norm as _tnorm
@@ -38,7 +40,7 @@ try:  # the fused kernels (importing them registers their custom ops)
 
     _TRITON_ERROR = None
 except ImportError as _e:  # no triton: the PyTorch ops only
-    _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = None
+    _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = _tce = None
     _TRITON_ERROR = repr(_e)
 
 log = logging.getLogger("hybridlm.ops")
