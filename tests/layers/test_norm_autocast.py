@@ -67,7 +67,9 @@ def test_reference_norm_under_cpu_autocast(kind, dtype):
     dx, dw = torch.autograd.grad(y, (x, m.weight), g)
     dx32, dw32 = torch.autograd.grad(y32, (x, m.weight), g.float())
     assert dx.dtype == dw.dtype == torch.float32
-    assert torch.equal(dx, dx32) and torch.equal(dw, dw32)
+    for name, a, b in (("dx", dx, dx32), ("dweight", dw, dw32)):
+        rel = float((a - b).norm() / b.norm())
+        assert rel <= 1e-6, (kind, name, rel)
 
 
 def test_autocast_dtype_rule():
@@ -226,9 +228,11 @@ def test_norm_module_under_cpu_autocast_interpreter(interp_autocast, case, impl)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", NORM_KINDS)
 def test_fused_norm_under_cuda_autocast(kind):
-    """The fused norm on the GPU under bf16 autocast: its float32 output rounded to nearest, exactly; within u of the
-    float64 norm; gradients the float32 path's bits for the same bf16 cotangent; the PyTorch norm's output up to a
-    bf16 ulp where the float32 results straddle a rounding boundary (different summation order)."""
+    """The fused norm on the GPU under bf16 autocast: its float32 output rounded once (within u of the float32
+    path's output: the bf16-output kernel is another compilation, whose float32 values may differ from the float32
+    kernel's in the last bits, so a value next to a rounding boundary may round the other way); within u of the
+    float64 norm; gradients the float32 path's within float32 roundoff for the same bf16 cotangent; the PyTorch
+    norm's output up to a bf16 ulp."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     D = 1024
     m = _norm(kind, D, "triton", gen).cuda()
@@ -239,7 +243,7 @@ def test_fused_norm_under_cuda_autocast(kind):
     with torch.autocast("cuda", dtype=BF16):
         y, yr = m(x), mr(x)
     assert y.dtype == yr.dtype == BF16 and y32.dtype == torch.float32
-    assert torch.equal(y, y32.to(BF16))
+    assert float(((y.float() - y32).abs() / y32.abs().clamp_min(1e-30)).max()) <= U + 1e-6
     ref = rms_norm(x.detach().to(F64), m.weight.detach().to(F64), 1e-6, **_ref_kw(kind))
     assert float(((y.to(F64) - ref).abs() / ref.abs()).max()) <= U + 1e-6
     assert float(((y.float() - yr.float()).abs() / yr.float().abs()).max()) <= 2 * U
@@ -247,4 +251,6 @@ def test_fused_norm_under_cuda_autocast(kind):
     dx, dw = torch.autograd.grad(y, (x, m.weight), g)
     dx32, dw32 = torch.autograd.grad(y32, (x, m.weight), g.float())
     assert dx.dtype == dw.dtype == torch.float32
-    assert torch.equal(dx, dx32) and torch.equal(dw, dw32)
+    for name, a, b in (("dx", dx, dx32), ("dweight", dw, dw32)):
+        rel = float((a - b).norm() / b.norm())
+        assert rel <= 1e-6, (kind, name, rel)
