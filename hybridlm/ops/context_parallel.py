@@ -153,6 +153,7 @@ class _Plan:
     segs: list[tuple[int, int, int]]  # this rank's (document, local start, local end), in order (varlen)
     wide: bool  # the pre-pass is one call at width V + K
     output_final_state: bool
+    track: bool  # gradients are needed (grad mode on at the call and an input requires them)
 
     def n0(self, r: int) -> int:
         """The document rank r's slice starts in (varlen)."""
@@ -295,7 +296,7 @@ class _ContextParallel(torch.autograd.Function):
         h0 = torch.cat([s_in[p.rank], *(_fresh(p, init, n, v) for n, _, _ in p.segs[1:])])
         names = ("q", "k", "v", "g", "beta", *p.names)
         needs = dict(zip(names, ctx.needs_input_grad[1:6] + ctx.needs_input_grad[7:]))
-        if not any(ctx.needs_input_grad):
+        if not p.track:
             o = _call(p, x, v, h0, final=False)[0]
             return o, final if p.output_final_state else v.new_empty(0)
         with torch.enable_grad(), _collect_offers() as offers:
@@ -406,6 +407,8 @@ def run(local: Callable, q, k, v, *, g, beta, initial_state, output_final_state,
     names = tuple(n for n, t in kw.items() if isinstance(t, torch.Tensor))
     p = _Plan(local=local, kw={n: t for n, t in kw.items() if n not in names}, names=names, group=group, rank=rank,
               R=R, B=B, T=T, HV=HV, K=K, V=V, sd=sd, varlen=cu_seqlens is not None, starts=starts, ends=ends,
-              n_docs=n_docs, segs=segs, wide=takes_width(V + K), output_final_state=output_final_state)
+              n_docs=n_docs, segs=segs, wide=takes_width(V + K), output_final_state=output_final_state,
+              track=torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in
+                                                    (q, k, v, g, beta, initial_state, *(kw[n] for n in names))))
     o, final = _ContextParallel.apply(p, q, k, v, g, beta, initial_state, *(kw[n] for n in names))
     return o, (final if output_final_state else None)

@@ -157,10 +157,20 @@ def _graph_case(rank: int, R: int, group, seed: int) -> None:
 
     x = {n: t.requires_grad_(True) for n, t in _inputs("gated_delta_rule", 2, 6, 2, torch.Generator().manual_seed(
         seed)).items()}
-    o, final = context_parallel.run(local, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
+
+    def call():
+        return context_parallel.run(local, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
                                     initial_state=x["initial_state"], output_final_state=True, cu_seqlens=None,
                                     group=group, use_qk_l2norm=True, scale=None, chunk_size=16, recompute=False)
+
+    with torch.no_grad():  # inference: no tracked call
+        o_ng, final_ng = call()
+    assert tracked == [False, False], f"rank {rank}: local calls with autograd under no_grad {tracked} (seed {seed})"
+    tracked.clear()
+    o, final = call()
     assert sorted(tracked) == [False, True], f"rank {rank}: local calls with autograd {tracked} (seed {seed})"
+    _check(f"rank {rank} o under no_grad", o_ng, o.detach(), seed)
+    _check(f"rank {rank} final state under no_grad", final_ng, final.detach(), seed)
     (o.sum() + (final.sum() if rank == R - 1 else 0)).backward()
     want = 1 if rank == 0 else 2
     assert len(backwards) == want, f"rank {rank}: {len(backwards)} local backward passes, expected {want} " \
