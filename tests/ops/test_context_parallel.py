@@ -2,7 +2,9 @@
 in float64 -- the output, the final state (the same on every rank), every gradient (those of the inputs every rank
 shares, initial_state, KDA's A_log and dt_bias, the conv's weight and bias, summed over the ranks) -- for
 gated_delta_rule and kda (also with Kimi's gate inside the op) with GVA and the l2 norm on, equal-length rows and
-packed documents that cross rank boundaries, and the short conv.
+packed documents that cross rank boundaries, and the short conv. The pre-pass runs without autograd and a rank's
+slice is differentiated through one tracked local call (local calls and backward passes counted); the Triton
+kernels' D (the state-gradient chain alone) runs under the CPU interpreter on 2 ranks.
 
 The reference is the token loop (impl="naive") on the whole sequence; the ranks run impl="chunk". The processes are
 started with torch.multiprocessing (spawn) and meet through a file store in tmp_path: no ports. One spawn per world
