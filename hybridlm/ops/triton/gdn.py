@@ -13,6 +13,9 @@ gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
     Vn = U - W S,  S' = e^{bL} S + (K^ e^{bL - b})^T Vn             `state_pass._recur_fwd` (serial over chunks)
     O = diag(gamma) Q^ S + (Q^ K^^T e^{b_i - b_j}, j <= i) Vn         `chunk_out._out_fwd_raw` (every chunk at once)
 The backward: `state_pass._recur_bwd` (dS', dVn, serial in reverse), then `chunk_bwd` (every chunk at once).
+`dh0_without_dht` runs that serial pass alone with no final-state cotangent: the initial-state gradient that
+context parallelism needs before its one backward (D, `hybridlm.ops.context_parallel`); a differentiable call
+with an initial state offers it from its saved buffers (`offer_dh0`, a no-op outside that op's tracked forward).
 
 Custom ops (so torch.compile traces through them, with fake kernels for shapes):
 `hybridlm::gdn_chunk_fwd`, `hybridlm::gdn_chunk_bwd`, `hybridlm::gdn_chunk_bwd_rc`, `hybridlm::gdn_decode`.

@@ -11,7 +11,8 @@ serial state passes (`state_pass`, CHANNEL) and the decode step; the chunk-local
 products over channels is KDA's own (`kda_prep`, `kda_bwd`, the decay forms in `kda_decay`):
     Qg, Kd, P, A  `kda_prep._kda_prep_ap`   T = (I + A)^{-1}  `_solve_blocks`   W, U  `kda_prep._kda_prep_wu`
     Vn, S         `state_pass._recur_fwd`   O = Qg S + P Vn   `chunk_out._out_fwd`
-Backward: `state_pass._recur_bwd`, then `kda_bwd._kda_bwd_out_blk` and `_kda_bwd_state_blk`.
+Backward: `state_pass._recur_bwd`, then `kda_bwd._kda_bwd_out_blk` and `_kda_bwd_state_blk`. `dh0_without_dht`:
+the serial pass alone with no final-state cotangent, offered to context parallelism as GDN's (`gdn.py`).
 
 Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_chunk_bwd`,
 `hybridlm::kda_chunk_bwd_rc`, `hybridlm::kda_decode`.
