@@ -351,12 +351,25 @@ def execute(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, (final if x.output_final_state else None)
 
 
+def _takes_width(op: str, impl: str, q: torch.Tensor, v: torch.Tensor, width: int) -> bool:
+    """Whether the backend that runs this call without gradients runs it with values of width `width` too (the
+    context-parallel pre-pass at width V + K); shapes and dtypes only, nothing is allocated."""
+    like = v.new_empty(())
+    qv, wide = like.expand(*q.shape), like.expand(*v.shape[:-1], width)
+    try:
+        return (resolve_impl(op, impl, v.device, qv, wide, needs_grad=False)
+                == resolve_impl(op, impl, v.device, qv, v, needs_grad=False))
+    except (RuntimeError, ValueError):  # an explicit impl that does not take the width
+        return False
+
+
 def dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, impl: str, cp_group=None, **kw) -> tuple[
         torch.Tensor, torch.Tensor | None]:
     """A public op end to end: prepare, choose, execute. With cp_group, this rank's slice of a sequence split over
     the group (`hybridlm.ops.context_parallel`), each local piece dispatched as a call of its own."""
     if cp_group is not None:
         local = functools.partial(dispatch, op, g_kind, delta, impl=impl, state_pool=None, state_indices=None)
-        return context_parallel.run(local, q, k, v, group=cp_group, **kw)
+        return context_parallel.run(local, q, k, v, group=cp_group,
+                                    takes_width=functools.partial(_takes_width, op, impl, q, v), **kw)
     x = prepare(op, g_kind, delta, q, k, v, impl=impl, **kw)
     return execute(choose(x, impl), x)

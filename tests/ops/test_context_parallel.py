@@ -2,7 +2,9 @@
 in float64 -- the output, the final state (the same on every rank), every gradient (those of the inputs every rank
 shares, initial_state, KDA's A_log and dt_bias, the conv's weight and bias, summed over the ranks) -- for
 gated_delta_rule and kda (also with Kimi's gate inside the op) with GVA and the l2 norm on, equal-length rows and
-packed documents that cross rank boundaries, and the short conv.
+packed documents that cross rank boundaries, and the short conv. The pre-pass runs without autograd and a rank's
+slice is differentiated through one tracked local call (local calls and backward passes counted); the Triton
+kernels' D (the state-gradient chain alone) runs under the CPU interpreter on 2 ranks.
 
 The reference is the token loop (impl="naive") on the whole sequence; the ranks run impl="chunk". The processes are
 started with torch.multiprocessing (spawn) and meet through a file store in tmp_path: no ports. One spawn per world
@@ -52,12 +54,12 @@ def _check(what: str, got: torch.Tensor, want: torch.Tensor, seed: int, tol: flo
 
 
 def _recurrence_case(op: str, varlen: bool, rank: int, R: int, group, seed: int, impl: str = "chunk",
-                     dtype: torch.dtype = F64, device: str = "cpu", tol: float = TOL) -> None:
+                     dtype: torch.dtype = F64, device: str = "cpu", tol: float = TOL, offsets=None) -> None:
     fn = gated_delta_rule if op == "gated_delta_rule" else kda
     gate = lambda t: {n: t[n] for n in ("A_log", "dt_bias") if n in t}  # noqa: E731
     gen = torch.Generator().manual_seed(seed)
     if varlen:
-        T, offs = OFFSETS[R]
+        T, offs = offsets or OFFSETS[R]
         B, N, cu = 1, len(offs) - 1, torch.tensor(offs, dtype=torch.int32)
     else:
         T, B, cu = 10, 2, None
@@ -126,6 +128,57 @@ def _conv_case(rank: int, R: int, group, seed: int) -> None:
         _check(f"{case} d{n}", got, want, seed)
 
 
+class _CountBackward(torch.autograd.Function):
+    """x unchanged; each backward through it is counted in `counts`."""
+
+    @staticmethod
+    def forward(ctx, x, counts):
+        ctx.counts = counts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.counts.append(1)
+        return grad, None
+
+
+def _graph_case(rank: int, R: int, group, seed: int) -> None:
+    """The pre-pass runs without autograd and the slice is differentiated through one tracked local call: every
+    local call but one runs with gradients off, and the local backward runs once on a rank whose first segment
+    starts from a known state (rank 0), twice (D, then the backward) on the others (the generic path)."""
+    from hybridlm.ops import context_parallel
+    from hybridlm.ops.dispatch import dispatch
+
+    tracked, backwards = [], []
+
+    def local(*a, **kw):
+        o, f = dispatch("gated_delta_rule", "scalar", True, *a, impl="chunk", state_pool=None, state_indices=None,
+                        **kw)
+        tracked.append(o.requires_grad)
+        return (_CountBackward.apply(o, backwards) if o.requires_grad else o), f
+
+    x = {n: t.requires_grad_(True) for n, t in _inputs("gated_delta_rule", 2, 6, 2, torch.Generator().manual_seed(
+        seed)).items()}
+
+    def call():
+        return context_parallel.run(local, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"],
+                                    initial_state=x["initial_state"], output_final_state=True, cu_seqlens=None,
+                                    group=group, use_qk_l2norm=True, scale=None, chunk_size=16, recompute=False)
+
+    with torch.no_grad():  # inference: no tracked call
+        o_ng, final_ng = call()
+    assert tracked == [False, False], f"rank {rank}: local calls with autograd under no_grad {tracked} (seed {seed})"
+    tracked.clear()
+    o, final = call()
+    assert sorted(tracked) == [False, True], f"rank {rank}: local calls with autograd {tracked} (seed {seed})"
+    _check(f"rank {rank} o under no_grad", o_ng, o.detach(), seed)
+    _check(f"rank {rank} final state under no_grad", final_ng, final.detach(), seed)
+    (o.sum() + (final.sum() if rank == R - 1 else 0)).backward()
+    want = 1 if rank == 0 else 2
+    assert len(backwards) == want, f"rank {rank}: {len(backwards)} local backward passes, expected {want} " \
+                                   f"(seed {seed})"
+
+
 def _bad_input_case(rank: int, R: int, group) -> None:
     """One-line errors naming the argument; raised on every rank alike, before any exchange."""
     x = _inputs("gated_delta_rule", 1, 8, 1, torch.Generator().manual_seed(0))
@@ -153,6 +206,7 @@ def _worker(rank: int, R: int, store: str, seed: int) -> None:
             for varlen in (False, True):
                 _recurrence_case(op, varlen, rank, R, group, seed)
         _conv_case(rank, R, group, seed)
+        _graph_case(rank, R, group, seed)
         _bad_input_case(rank, R, group)
     finally:
         dist.destroy_process_group()
@@ -176,6 +230,65 @@ def test_cp_group_without_a_process_group_is_refused():
     x = _inputs("kda", 1, 4, 1, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="cp_group: torch.distributed is not initialised"):
         kda(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], cp_group=object())
+
+
+# rank 1's first segment continues rank 0's last document, and another runs past rank 0's end: D and the tail
+INTERP_OFFSETS = (16, [0, 5, 20, 26, 32])
+
+
+def _interp_worker(rank: int, R: int, store: str, seed: int) -> None:
+    """The Triton kernels under the CPU interpreter: the D of a chained rank from the state-gradient chain alone
+    (`dh0_without_dht`), and one local backward a rank."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "triton"))
+    from interp_patches import patch_interpreter
+
+    patch_interpreter()
+    from hybridlm.ops.triton import gdn as tgdn
+    from hybridlm.ops.triton import kda as tkda
+
+    global K, V  # this process's own copy: small head dims (the kernels run them zero-padded to 64)
+    K, V = 32, 16
+    torch.set_num_threads(1)
+    counts = {"D": 0, "bwd": 0}
+
+    def counted(fn, what):
+        def wrapped(*a, **kw):
+            counts[what] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for mod in (tgdn, tkda):
+        mod.dh0_without_dht = counted(mod.dh0_without_dht, "D")
+        mod._bwd_impl = counted(mod._bwd_impl, "bwd")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=R)
+    try:
+        for op, varlen in (("gated_delta_rule", False), ("kda", True)):  # two of the four: the interpreter is slow
+            counts.update(D=0, bwd=0)
+            _recurrence_case(op, varlen, rank, R, dist.group.WORLD, seed, impl="triton", dtype=torch.float32,
+                             tol=1e-5, offsets=INTERP_OFFSETS)
+            want = {"D": int(rank > 0), "bwd": 1}
+            assert counts == want, f"{op} varlen={varlen} rank {rank}: {counts}, expected {want} (seed {seed})"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+def test_context_parallel_triton_fast_path_interpreter(tmp_path, seed):
+    """impl="triton" under TRITON_INTERPRET=1 on 2 gloo ranks against the whole-sequence float64 loop (fp32 bars):
+    D from the kernels' state-gradient chain, one local backward a rank; GDN on two rows, KDA on packed documents
+    (a chained first segment and a tail)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    os.environ.update(OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    try:
+        mp.start_processes(_interp_worker, args=(2, str(tmp_path / "store"), seed), nprocs=2, join=True,
+                           start_method="spawn")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _gpu_worker(rank: int, R: int, store: str, seed: int) -> None:

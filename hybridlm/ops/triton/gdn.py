@@ -13,6 +13,9 @@ gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
     Vn = U - W S,  S' = e^{bL} S + (K^ e^{bL - b})^T Vn             `state_pass._recur_fwd` (serial over chunks)
     O = diag(gamma) Q^ S + (Q^ K^^T e^{b_i - b_j}, j <= i) Vn         `chunk_out._out_fwd_raw` (every chunk at once)
 The backward: `state_pass._recur_bwd` (dS', dVn, serial in reverse), then `chunk_bwd` (every chunk at once).
+`dh0_without_dht` runs that serial pass alone with no final-state cotangent: the initial-state gradient that
+context parallelism needs before its one backward (D, `hybridlm.ops.context_parallel`); a differentiable call
+with an initial state offers it from its saved buffers (`offer_dh0`, a no-op outside that op's tracked forward).
 
 Custom ops (so torch.compile traces through them, with fake kernels for shapes):
 `hybridlm::gdn_chunk_fwd`, `hybridlm::gdn_chunk_bwd`, `hybridlm::gdn_chunk_bwd_rc`, `hybridlm::gdn_decode`.
@@ -27,6 +30,7 @@ exact, KDA's too), so these dims take exactly the kernels and launch settings ch
 at the padded dims' cost; the decode step masks its loads and stores instead (no copy of the state pool).
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from .. import decode as dec
+from ..context_parallel import offer_dh0
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
@@ -302,14 +307,8 @@ def _bwd_impl(
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = hb.dtype != f32  # 16-bit dot operands for 16-bit intermediates
-    BV = _recur_bv(K, V, N * HV, dev, TUNE.rbwd_bv, per_sm=1)
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
-    state_pass._recur_bwd[(V // BV, N * HV)](
-        g, Wb, q, k, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp,
-        num_warps=_state_warps(TUNE.rbwd_warps, dev, lay.nch), num_stages=fwd_stages(), scale=scale,
-        L2=use_qk_l2norm,
-    )
+    _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm, has_h0)
     saved[1] = saved[4] = Wb = Pb = None
     # the kernels write dq, dv in the input dtype (with GVA dq per value head, as fla writes it, summed over each
     # key head's value heads in fp32 below: 128 MiB less than fp32 partials at B8 T2048 HV32 bf16). dk is written
@@ -333,6 +332,49 @@ def _bwd_impl(
     dhb = dvn = None
     return (gva_sum(dq, B, T, H, q.dtype), gva_sum(dk, B, T, H, k.dtype), dv.to(v.dtype), dg.to(g.dtype),
             db.to(beta.dtype), dh0)
+
+
+def _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, HV: int, V: int, scale: float,
+                     l2: bool, has_h0: bool) -> None:
+    """`state_pass._recur_bwd` over every sequence: dS' of every chunk into dhb, dVn into dvn and, with has_h0, the
+    initial-state gradient into dh0; from dht (None: no final-state cotangent)."""
+    H, K, BT = q.shape[2], q.shape[3], Pb.shape[-1]
+    BV = _recur_bv(K, V, lay.N * HV, q.device, TUNE.rbwd_bv, per_sm=1)
+    state_pass._recur_bwd[(V // BV, lay.N * HV)](
+        g, Wb, q, k, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=_prec(q.dtype), HAS_DHT=dht is not None, STORE_DH0=has_h0,
+        LOWP=dhb.dtype != torch.float32, num_warps=_state_warps(TUNE.rbwd_warps, q.device, lay.nch),
+        num_stages=fwd_stages(), scale=scale, L2=l2,
+    )
+
+
+def dh0_without_dht(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, Wb: torch.Tensor,
+                    hb: torch.Tensor, Pb: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
+                    use_qk_l2norm: bool) -> torch.Tensor:
+    """The chunk backward's initial-state gradient [N, HV, K, V] fp32 for the output cotangent do [B, T, HV, V]
+    and no final-state cotangent, from the forward's saved W, chunk states (their shape only) and P: the
+    state-gradient chain alone (context parallelism's D, `hybridlm.ops.context_parallel`)."""
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    lay = layout(cu_seqlens, B, T, Pb.shape[-1], q.device)
+    dhb = torch.empty_like(hb)
+    dvn = torch.empty(lay.Ttot, HV, V, device=q.device, dtype=hb.dtype)
+    dh0 = _out((lay.N, HV, K, V), q, torch.float32)
+    _state_grad_pass(do.contiguous(), None, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm, True)
+    return dh0
+
+
+def _offered_dh0(node, K: int, V: int, do: torch.Tensor) -> torch.Tensor:
+    """`dh0_without_dht` of the _ChunkGDN call whose backward node (its ctx) is node, for do [B, T, HV, V] of the
+    unpadded output; the initial-state gradient [N, HV, K, V] of the unpadded state."""
+    q, k, v, g, beta, Tb, Wb, hb, vn, Pb, cu, h0 = node.saved_tensors
+    do = torch.nn.functional.pad(do, (0, v.shape[-1] - V))
+    try:
+        dh0 = dh0_without_dht(do, q, k, g, Wb, hb, Pb, cu, node.scale, node.l2)
+    except OutOfResources as e:  # as the backward does: smaller chunks, the forward's intermediates recomputed
+        dh0 = _bwd_recomputed(do, None, q, k, v, g, beta, cu, node.scale, node.l2, True, h0,
+                              [b for b in BT_CHOICES if b < Tb.shape[-1]], e)[5]
+    return dh0[..., :K, :V]
 
 
 def gva_sum(dx: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
@@ -554,6 +596,8 @@ def chunk_gated_delta_rule(
     q, k, v, g, initial_state = pad_heads(q, k, v, g, initial_state, channel=False)
     o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
+    if initial_state is not None and o.grad_fn is not None and not recompute:  # the saved buffers give D
+        offer_dh0(functools.partial(_offered_dh0, o.grad_fn, K, V))
     o, ht = unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)
 

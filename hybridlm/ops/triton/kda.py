@@ -11,7 +11,8 @@ serial state passes (`state_pass`, CHANNEL) and the decode step; the chunk-local
 products over channels is KDA's own (`kda_prep`, `kda_bwd`, the decay forms in `kda_decay`):
     Qg, Kd, P, A  `kda_prep._kda_prep_ap`   T = (I + A)^{-1}  `_solve_blocks`   W, U  `kda_prep._kda_prep_wu`
     Vn, S         `state_pass._recur_fwd`   O = Qg S + P Vn   `chunk_out._out_fwd`
-Backward: `state_pass._recur_bwd`, then `kda_bwd._kda_bwd_out_blk` and `_kda_bwd_state_blk`.
+Backward: `state_pass._recur_bwd`, then `kda_bwd._kda_bwd_out_blk` and `_kda_bwd_state_blk`. `dh0_without_dht`:
+the serial pass alone with no final-state cotangent, offered to context parallelism as GDN's (`gdn.py`).
 
 Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_chunk_bwd`,
 `hybridlm::kda_chunk_bwd_rc`, `hybridlm::kda_decode`.
@@ -19,10 +20,12 @@ Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from ..context_parallel import offer_dh0
 from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
 from .custom import call, custom_op
@@ -193,14 +196,8 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = hb.dtype != f32
-    BV = gdn._recur_bv(K, V, N * HV, dev, per_sm=1)
     dh0 = gdn._out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
-    state_pass._recur_bwd[(V // BV, N * HV)](
-        BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
-        lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec,
-        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=lowp, CHANNEL=True,
-        num_warps=gdn._state_warps(TUNE.state_warps, dev, lay.nch), num_stages=gdn.fwd_stages(),
-    )
+    _state_grad_pass(do, dht, BLb, Wb, Qg, Kd, Pb, dh0, dhb, dvn, lay, H, HV, has_h0)
     saved[1] = saved[4] = saved[5] = saved[6] = Wb = Qg = Kd = Pb = None
     dq, dk, dg = (gdn._out((Ttot, HV, K), q, f32) for _ in range(3))
     # dv is written once per chunk (one launch of the decay forms takes each chunk), so in the input dtype: no
@@ -228,6 +225,43 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     del dhb, dvn  # read: freed before the GVA sums and casts, as in the GDN backward
     return [gdn.gva_sum(dq, B, T, H, q.dtype), gdn.gva_sum(dk, B, T, H, k.dtype), dv,
             dg.view(B, T, HV, K), db.to(beta.dtype), dh0]
+
+
+def _state_grad_pass(do, dht, BLb, Wb, Qg, Kd, Pb, dh0, dhb, dvn, lay, H: int, HV: int, has_h0: bool) -> None:
+    """`state_pass._recur_bwd` (CHANNEL) over every sequence: dS' of every chunk into dhb, dVn into dvn and, with
+    has_h0, the initial-state gradient into dh0; from dht (None: no final-state cotangent)."""
+    K, V, BT = dhb.shape[2], dhb.shape[3], Pb.shape[-1]
+    BV = gdn._recur_bv(K, V, lay.N * HV, do.device, per_sm=1)
+    state_pass._recur_bwd[(V // BV, lay.N * HV)](
+        BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
+        lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=gdn._prec(Wb.dtype),
+        HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=dhb.dtype != torch.float32, CHANNEL=True,
+        num_warps=gdn._state_warps(TUNE.state_warps, do.device, lay.nch), num_stages=gdn.fwd_stages(),
+    )
+
+
+def dh0_without_dht(do: torch.Tensor, q: torch.Tensor, saved: list[torch.Tensor], cu_seqlens: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """The chunk backward's initial-state gradient [N, HV, K, V] fp32 for the output cotangent do [B, T, HV, V]
+    and no final-state cotangent, from the forward's saved [T, W, h, Vn, Qg, Kd, P, bL] (h for its shape): the
+    state-gradient chain alone (context parallelism's D, `hybridlm.ops.context_parallel`)."""
+    Tb, Wb, hb, vn, Qg, Kd, Pb, BLb = saved
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    lay = gdn.layout(cu_seqlens, B, T, Tb.shape[-1], q.device)
+    dhb = torch.empty_like(hb)
+    dvn = torch.empty(lay.Ttot, HV, V, device=q.device, dtype=hb.dtype)
+    dh0 = gdn._out((lay.N, HV, K, V), q, torch.float32)
+    _state_grad_pass(do.contiguous(), None, BLb, Wb, Qg, Kd, Pb, dh0, dhb, dvn, lay, H, HV, True)
+    return dh0
+
+
+def _offered_dh0(node, K: int, V: int, do: torch.Tensor) -> torch.Tensor:
+    """`dh0_without_dht` of the _ChunkKDA call whose backward node (its ctx) is node, for do [B, T, HV, V] of the
+    unpadded output; the initial-state gradient [N, HV, K, V] of the unpadded state."""
+    q, k, v, g, beta, cu, h0, *saved = node.saved_tensors
+    do = torch.nn.functional.pad(do, (0, v.shape[-1] - V))
+    return dh0_without_dht(do, q, saved, cu)[..., :K, :V]
 
 
 @kda_chunk_bwd.register_fake
@@ -309,6 +343,8 @@ def chunk_kda(
     q, k, v, g, initial_state = gdn.pad_heads(q, k, v, g, initial_state, channel=True)
     o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
+    if initial_state is not None and o.grad_fn is not None and not recompute:  # the saved buffers give D
+        offer_dh0(functools.partial(_offered_dh0, o.grad_fn, K, V))
     o, ht = gdn.unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)
 
