@@ -8,11 +8,12 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   the host once per call (checked: 0 to T, non-decreasing), as the reference's per-document loop does.
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
-- The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel: it recomputes pre and
-  dpre = dy * act'(pre) at the W positions each input reaches (W pre-activations a token, no fp32 scratch of dpre,
-  no second launch for dx) and sums dweight/dbias as per-program fp32 partials, added up on the host
-  (deterministic, no atomics). Gradients flow to x, weight, bias and initial_state; the returned final state is
-  not differentiable.
+- The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel whose programs each walk a
+  token range of one document from its end to its start: each token's pre and dpre = dy * act'(pre) are computed
+  once, and dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes the later rows from the block walked just before (a small
+  per-program fp32 ring in global memory, or registers with `TUNE.bwd_shift`); only the W-1 rows after a range
+  are computed twice. dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no
+  atomics). Gradients flow to x, weight, bias and initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
 - `causal_conv1d(..., split=(C0, C1, C2))` writes y as three tensors (a layer's q, k, v) and reads their gradients
