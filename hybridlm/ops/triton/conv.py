@@ -10,10 +10,11 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   them to x.dtype before its conv).
 - The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel whose programs each walk a
   token range of one document from its end to its start: each token's pre and dpre = dy * act'(pre) are computed
-  once, and dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes the later rows from the block walked just before (a small
-  per-program fp32 ring in global memory, or registers with `TUNE.bwd_shift`); only the W-1 rows after a range
-  are computed twice. dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no
-  atomics). Gradients flow to x, weight, bias and initial_state; the returned final state is not differentiable.
+  once, and dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes the later rows from the block walked just before, kept in a
+  small per-program fp32 ring in global memory (L1/L2-resident); only the W-1 rows after a range are computed
+  twice (0.323 ms against 0.522 for recomputing W pre-activations a token, the 357M layer's conv on an H100).
+  dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no atomics). Gradients flow
+  to x, weight, bias and initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
 - `causal_conv1d(..., split=(C0, C1, C2))` writes y as three tensors (a layer's q, k, v) and reads their gradients
@@ -48,12 +49,11 @@ class ConvLaunch(LaunchTable):
     fwd_bt: int = 16  # forward token block: 16 x 256 at 4 warps was the fastest forward tried on an H100
     fwd_bc: int = 256  # forward channel block; a split output takes the largest power of two <= it dividing C0, C1
     fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
-    bwd_bt: int = 16  # backward token block (>= W - 1): five [BT, BC] fp32 accumulators stay in registers at 16
-    bwd_bc: int = 64  # backward channel block
-    bwd_warps: int = 4  # backward warps
-    bwd_chunk: int = 512  # tokens a backward program walks (rounded up to a multiple of bwd_bt)
-    bwd_shift: str = "ring"  # TEMPORARY, until timed on a GPU: where the backward takes dpre_{t+s} from ("ring":
-    # a per-program fp32 ring in global memory, "gather": registers via tl.gather)
+    # backward times: H100, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 4 documents)
+    bwd_bt: int = 16  # backward token block (>= W - 1): 0.323 ms against 0.339 at 8 (bt 32 timed at bc 64: 0.503)
+    bwd_bc: int = 128  # backward channel block: 0.323 ms against 0.661 at 64 and at 256 (a split may take less)
+    bwd_warps: int = 4  # backward warps: 0.323 ms against 1.128 at 8 (at bc 64: 0.661 against 0.593 at 8)
+    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): 0.323 ms against 0.382 at 1024
 
 TUNE = ConvLaunch()
 
@@ -199,7 +199,7 @@ def _slot(p, BT: tl.constexpr):
 @triton.jit
 def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W: tl.constexpr,
               WP: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_H0: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False, GATHER: tl.constexpr = False):
+              HAS_H0: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False):
     """Grid (C / BC, NS, N): program (c, s, n) takes tokens [s * CH, (s + 1) * CH) of document n (CH a multiple of
     BT) and walks their BT-row blocks from the last to the first, so that the dpre = dy * act'(pre) of the block
     after the current one is already computed: each token's pre and dpre are computed once, and
@@ -207,8 +207,8 @@ def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, N
     The W-1 rows after the program's range (another program's, or past the document's end: 0) are computed once
     before the walk. The shifted rows come from a per-program ring of 3 blocks of dpre [3 * BT, BC] fp32 in global
     memory (L1/L2-resident; block j in ring block j % 3; one barrier per block: a ring block is rewritten two blocks
-    after it was last read), or with GATHER from registers (the previous block's dpre carried, rows picked by
-    tl.gather). Partial dweight [BC, W] / dbias [BC] sums go to row n * NS + s of dwp [N * NS, C, W] /
+    after it was last read; 0.323 against 0.385 ms a layer carrying the previous block in registers and picking
+    its rows with tl.gather). Partial dweight [BC, W] / dbias [BC] sums go to row n * NS + s of dwp [N * NS, C, W] /
     dbp [N * NS, C] (programs past their document's end write zeros). SPLIT: dy comes as three tensors dy, dy1,
     dy2 (`_part`)."""
     i_c, i_s, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -230,17 +230,12 @@ def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, N
     b_a2 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a3 = tl.zeros([BT, BC], dtype=tl.float32)
     b_ab = tl.zeros([BT, BC], dtype=tl.float32)
-    b_nx = tl.zeros([BT, BC], dtype=tl.float32)  # GATHER: dpre of the block after the current one
     if W > 1:
         if nb > 0:
-            if GATHER:
-                b_nx = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, c0 + nb * BT + o_r, o_c, m_c, C, W,
-                             HAS_BIAS, HAS_H0, SILU)
-            else:
-                o_h = tl.arange(0, HP)
-                b_h = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, c0 + nb * BT + o_h, o_c, m_c, C, W,
-                            HAS_BIAS, HAS_H0, SILU)
-                tl.store(p_ring + _slot(c0 + nb * BT + o_h, BT)[:, None] * BC, b_h, mask=(o_h < W - 1)[:, None])
+            o_h = tl.arange(0, HP)
+            b_h = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, c0 + nb * BT + o_h, o_c, m_c, C, W, HAS_BIAS,
+                        HAS_H0, SILU)
+            tl.store(p_ring + _slot(c0 + nb * BT + o_h, BT)[:, None] * BC, b_h, mask=(o_h < W - 1)[:, None])
     for k in range(0, nb):
         t0 = c0 + (nb - 1 - k) * BT
         pos = t0 + o_r
@@ -248,25 +243,15 @@ def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, N
         b_ab += b_dp
         b_a0, b_a1, b_a2, b_a3, b_dw = _dw_acc(b_dp, x, h0, bos, L, i_n, pos, o_c, m_c, C, o_j, b_a0, b_a1, b_a2,
                                                b_a3, b_dw, W, HAS_H0)
-        if not GATHER:
-            if W > 1:
-                tl.store(p_ring + _slot(pos, BT)[:, None] * BC, b_dp)
-                tl.debug_barrier()
+        if W > 1:
+            tl.store(p_ring + _slot(pos, BT)[:, None] * BC, b_dp)
+            tl.debug_barrier()
         b_dx = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)[None, :] * b_dp
         for s in tl.static_range(1, W):
             b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
-            if GATHER:
-                o_q = tl.broadcast_to((o_r + s)[:, None], [BT, BC])
-                b_cur = tl.gather(b_dp, tl.minimum(o_q, BT - 1), 0)
-                b_aft = tl.gather(b_nx, tl.maximum(o_q - BT, 0), 0)
-                b_sh = tl.where(o_q < BT, b_cur, b_aft)
-            else:
-                b_sh = tl.load(p_ring + _slot(pos + s, BT)[:, None] * BC)
-            b_dx += b_w[None, :] * b_sh
+            b_dx += b_w[None, :] * tl.load(p_ring + _slot(pos + s, BT)[:, None] * BC)
         tl.store(dx + (bos + pos)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=(pos < L)[:, None] & m_c[None, :])
-        if GATHER:
-            b_nx = b_dp
     b_dw += tl.where(o_j[None, :] == 0, tl.sum(b_a0, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 1, tl.sum(b_a1, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 2, tl.sum(b_a2, 0)[:, None], 0.0)
@@ -340,12 +325,6 @@ def _layout(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Ten
     if bounds[0] != 0 or bounds[-1] != T or any(e < s for s, e in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {bounds}")
     return cu, len(bounds) - 1, max(e - s for s, e in zip(bounds, bounds[1:]))
-
-
-def _bwd_gather() -> bool:
-    if TUNE.bwd_shift not in ("ring", "gather"):
-        raise ValueError(f"conv.TUNE.bwd_shift: expected 'ring' or 'gather', got {TUNE.bwd_shift!r}")
-    return TUNE.bwd_shift == "gather"
 
 
 def split_block(C0: int, C1: int, bc: int) -> int:
@@ -446,15 +425,14 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
                          f"got {BT}")
     CH = cdiv(max(TUNE.bwd_chunk, 1), BT) * BT
     NS = cdiv(max(Lmax, 1), CH)
-    gather = _bwd_gather()
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.empty(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.empty(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    ring = x if gather or W == 1 else torch.empty(N * NS * NC * 3 * BT * BC1, device=x.device, dtype=torch.float32)
+    ring = x if W == 1 else torch.empty(N * NS * NC * 3 * BT * BC1, device=x.device, dtype=torch.float32)
     if N > 0:
         _conv_bwd[(NC, NS, N)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W=W, WP=WP,
                                HP=next_pow2(max(W - 1, 1)), BT=BT, BC=BC1, HAS_BIAS=bias is not None,
-                               HAS_H0=initial_state is not None, SILU=silu, SPLIT=split, GATHER=gather,
+                               HAS_H0=initial_state is not None, SILU=silu, SPLIT=split,
                                num_warps=TUNE.bwd_warps, num_stages=1)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
