@@ -177,6 +177,18 @@ def test_conv_backward_settings_are_checked():
         conv._bwd_launch((x,), x, w, None, None, None, True, False, 0, 0)
 
 
+def test_split_block_falls_back_below_the_default_channel_block():
+    """A split's channel block is the largest power of two <= the table's (and >= 16) dividing C0 and C1, so no
+    block straddles q and k; none at all keeps one output tensor."""
+    from hybridlm.ops.triton import conv
+
+    assert conv.TUNE.bwd_bc == 128
+    assert conv.split_block(1024, 1024, 128) == 128  # the 357M layer's q, k
+    assert conv.split_block(2048, 192, 128) == 64
+    assert conv.split_block(16, 32, 128) == 16
+    assert conv.split_block(24, 40, 128) == 0  # 8 divides both, below the 16-channel floor
+
+
 def test_bad_inputs_are_clear_errors():
     from hybridlm.ops.triton import conv, gates, norm
 
