@@ -341,13 +341,14 @@ def sweep_conv(gen, quick: bool):
     sweep(f"conv forward sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, fwd_settings, fwd)
     settings = [
         ("default", {}),
-        ("bt 32", dict(bwd_bt=32)),
-        ("bt 16, 4 warps", dict(bwd_warps=4)),
-        ("4 programs / SM", dict(bwd_programs_per_sm=4)),
-        ("64 programs / SM", dict(bwd_programs_per_sm=64)),
-        ("bc 128, bt 8", dict(bwd_bc=128, bwd_bt=8)),
-        ("bc 32", dict(bwd_bc=32)),
-        ("bc 32, bt 32, 4 warps", dict(bwd_bc=32, bwd_bt=32, bwd_warps=4)),
+        ("bt 8", dict(bwd_bt=8)),
+        ("bt 32, bc 64", dict(bwd_bt=32, bwd_bc=64)),
+        ("8 warps", dict(bwd_warps=8)),
+        ("chunk 256", dict(bwd_chunk=256)),
+        ("chunk 1024", dict(bwd_chunk=1024)),
+        ("bc 64", dict(bwd_bc=64)),
+        ("bc 64, 8 warps", dict(bwd_bc=64, bwd_warps=8)),
+        ("bc 256", dict(bwd_bc=256)),
     ]
 
     def fb():

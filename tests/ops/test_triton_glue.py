@@ -2,9 +2,10 @@
 
 CPU (CI): the kernels run under TRITON_INTERPRET=1 in a child process (tests/ops/triton/interp_glue.py ops; the
 variable must be set before triton decorates the kernels) on fresh random float32 inputs with NaN-poisoned
-outputs: conv widths 2, 3, 4, 6 with/without bias, SiLU or none, initial state, varlen documents shorter than the
-kernel (lengths 1, 2), T = 1, C not a multiple of the channel block, the output split as a layer's q, k, v, launch
-blocks other than the defaults (conv and gated norm); the pooled decode step; gated RMSNorm (SiLU / sigmoid +
+outputs: conv widths 1, 2, 3, 4, 6, 8 with/without bias, SiLU or none, initial state, varlen documents shorter than
+the kernel (lengths 1, 2), T = 1, C not a multiple of the channel block, the output split as a layer's q, k, v, the
+backward's token ranges ending inside documents (both ways of shifting dpre), launch blocks other than the defaults
+(conv and gated norm); the pooled decode step; gated RMSNorm (SiLU / sigmoid +
 fp32 output, with and without weight) at D = 64, 100, 128, 256; RMSNorm kinds at D = 48..2560; the GDN gates
 (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; SwiGLU's silu(gate) * up (a partial
 last block); a torch.compile(fullgraph, aot_eager) call through the custom ops.
@@ -46,7 +47,8 @@ def interp_results():
 
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_h0_T5", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_17_5",
         "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_blocks", "conv_W4_varlen_h0_bias_split",
-        "conv_W3_noact_split"]
+        "conv_W3_noact_split", "conv_W4_varlen_h0_bias_walk", "conv_W8_varlen_h0_bias_walk", "conv_W1_bias_h0_walk",
+        "conv_W4_noact_split_walk"]
 NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64",
         "gnorm_silu_D256", "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
 GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
@@ -55,6 +57,8 @@ EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_h0_T5": 3, "conv_
                   "conv_W4_varlen_1_2_17_5": 2, "conv_W4_varlen_h0_bias": 4, "conv_W4_T1_h0": 4, "gnorm_silu_D128": 3,
                   "conv_W4_varlen_h0_bias_blocks": 4, "gnorm_silu_D128_blocks": 3,
                   "conv_W4_varlen_h0_bias_split": 4, "conv_W3_noact_split": 3,
+                  "conv_W4_varlen_h0_bias_walk": 4, "conv_W8_varlen_h0_bias_walk": 4,
+                  "conv_W1_bias_h0_walk": 4, "conv_W4_noact_split_walk": 2,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
                   "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,
                   "gates_gdn": 4, "gates_gdn_beta2": 4, "gates_kda_K16": 4, "swiglu_2x7x300": 2, "swiglu_5x16": 2}
@@ -160,6 +164,29 @@ def test_launch_tables_refuse_unknown_settings():
     with tuned(conv.TUNE, bwd_bt=32):
         assert conv.TUNE.bwd_bt == 32
     assert conv.TUNE.bwd_bt == 16
+
+
+def test_conv_backward_settings_are_checked():
+    """A token block shorter than the W-1 rows a token's dx reads past it is a clear error (before any launch)."""
+    from hybridlm.ops.triton import conv
+    from hybridlm.ops.triton.tune import tuned
+
+    x, w = torch.randn(1, 12, 8), torch.randn(8, 8)
+    with tuned(conv.TUNE, bwd_bt=4), pytest.raises(ValueError,
+                                                   match=r"conv.TUNE.bwd_bt: expected >= W - 1 = 7 .* got 4"):
+        conv._bwd_launch((x,), x, w, None, None, None, True, False, 0, 0)
+
+
+def test_split_block_falls_back_below_the_default_channel_block():
+    """A split's channel block is the largest power of two <= the table's (and >= 16) dividing C0 and C1, so no
+    block straddles q and k; none at all keeps one output tensor."""
+    from hybridlm.ops.triton import conv
+
+    assert conv.TUNE.bwd_bc == 128
+    assert conv.split_block(1024, 1024, 128) == 128  # the 357M layer's q, k
+    assert conv.split_block(2048, 192, 128) == 64
+    assert conv.split_block(16, 32, 128) == 16
+    assert conv.split_block(24, 40, 128) == 0  # 8 divides both, below the 16-channel floor
 
 
 def test_bad_inputs_are_clear_errors():

@@ -8,11 +8,13 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   the host once per call (checked: 0 to T, non-decreasing), as the reference's per-document loop does.
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
-- The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel: it recomputes pre and
-  dpre = dy * act'(pre) at the W positions each input reaches (W pre-activations a token, no fp32 scratch of dpre,
-  no second launch for dx) and sums dweight/dbias as per-program fp32 partials, added up on the host
-  (deterministic, no atomics). Gradients flow to x, weight, bias and initial_state; the returned final state is
-  not differentiable.
+- The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel whose programs each walk a
+  token range of one document from its end to its start: each token's pre and dpre = dy * act'(pre) are computed
+  once, and dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes the later rows from the block walked just before, kept in a
+  small per-program fp32 ring in global memory (L1/L2-resident); only the W-1 rows after a range are computed
+  twice (0.323 ms against 0.522 for recomputing W pre-activations a token, the 357M layer's conv on an H100).
+  dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no atomics). Gradients flow
+  to x, weight, bias and initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
   `fused_recurrent_gated_delta_rule_update` does for the recurrent state.
 - `causal_conv1d(..., split=(C0, C1, C2))` writes y as three tensors (a layer's q, k, v) and reads their gradients
@@ -47,11 +49,11 @@ class ConvLaunch(LaunchTable):
     fwd_bt: int = 16  # forward token block: 16 x 256 at 4 warps was the fastest forward tried on an H100
     fwd_bc: int = 256  # forward channel block; a split output takes the largest power of two <= it dividing C0, C1
     fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
-    bwd_bt: int = 16  # backward token block: five [BT, BC] fp32 accumulators stay in registers at 16
-    bwd_bc: int = 64  # backward channel block: 32-64 were even, 128 slower
-    bwd_warps: int = 8  # at 4 warps the backward's accumulators spilled registers (sm_90 compile)
-    bwd_programs_per_sm: int = 16  # each backward program loops over every NS-th block, fewer dweight partials
-
+    # backward times: H100, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 4 documents)
+    bwd_bt: int = 16  # backward token block (>= W - 1): 0.323 ms against 0.339 at 8 (bt 32 timed at bc 64: 0.503)
+    bwd_bc: int = 128  # backward channel block: 0.323 ms against 0.661 at 64 and at 256 (a split may take less)
+    bwd_warps: int = 4  # backward warps: 0.323 ms against 1.128 at 8 (at bc 64: 0.661 against 0.593 at 8)
+    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): 0.323 ms against 0.382 at 1024
 
 TUNE = ConvLaunch()
 
@@ -168,57 +170,95 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, W: tl.constexpr, WP: tl.constexpr,
-              BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-              SPLIT: tl.constexpr = False):
-    """Grid (C / BC, N, NS): program (c, n, s) takes blocks s, s + NS, ... of document n; writes dx there, from
-    dpre = dy * act'(pre) recomputed at the W positions each input reaches (`_dx_recompute`: no scratch, one
-    launch), and its partial dweight [BC, W] / dbias [BC] sums to row n * NS + s of dwp [N * NS, C, W] /
-    dbp [N * NS, C]. SPLIT: dy comes as three tensors dy, dy1, dy2 (`_part`)."""
-    i_c, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _dw_acc(b_dp, x, h0, bos, L, i_n, pos, o_c, m_c, C, o_j, b_a0, b_a1, b_a2, b_a3, b_dw, W: tl.constexpr,
+            HAS_H0: tl.constexpr):
+    """dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i} over rows pos [R]: elementwise [R, BC] accumulators for taps
+    i < 4, summed over tokens once at the end (a reduction per block costs more than the block's loads); taps 4..
+    reduce per block into b_dw [BC, WP]."""
+    for i in tl.static_range(W):
+        b_pi = b_dp * _load_hist(x, h0, bos, L, i_n, pos - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
+        if i == 0:
+            b_a0 += b_pi
+        elif i == 1:
+            b_a1 += b_pi
+        elif i == 2:
+            b_a2 += b_pi
+        elif i == 3:
+            b_a3 += b_pi
+        else:
+            b_dw += tl.where(o_j[None, :] == i, tl.sum(b_pi, 0)[:, None], 0.0)
+    return b_a0, b_a1, b_a2, b_a3, b_dw
+
+
+@triton.jit
+def _slot(p, BT: tl.constexpr):
+    """Ring row of in-document position p: block p // BT lives in ring block (p // BT) % 3."""
+    return ((p // BT) % 3) * BT + p % BT
+
+
+@triton.jit
+def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W: tl.constexpr,
+              WP: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_H0: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False):
+    """Grid (C / BC, NS, N): program (c, s, n) takes tokens [s * CH, (s + 1) * CH) of document n (CH a multiple of
+    BT) and walks their BT-row blocks from the last to the first, so that the dpre = dy * act'(pre) of the block
+    after the current one is already computed: each token's pre and dpre are computed once, and
+    dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes rows t+1 .. t+W-1 from this block or the one after it (W-1 <= BT).
+    The W-1 rows after the program's range (another program's, or past the document's end: 0) are computed once
+    before the walk. The shifted rows come from a per-program ring of 3 blocks of dpre [3 * BT, BC] fp32 in global
+    memory (L1/L2-resident; block j in ring block j % 3; one barrier per block: a ring block is rewritten two blocks
+    after it was last read; 0.323 against 0.385 ms a layer carrying the previous block in registers and picking
+    its rows with tl.gather). Partial dweight [BC, W] / dbias [BC] sums go to row n * NS + s of dwp [N * NS, C, W] /
+    dbp [N * NS, C] (programs past their document's end write zeros). SPLIT: dy comes as three tensors dy, dy1,
+    dy2 (`_part`)."""
+    i_c, i_s, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    DT = x.dtype.element_ty
     dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, WP)
+    o_r = tl.arange(0, BT)
+    i_p = (i_n * NS + i_s).to(tl.int64)
+    p_ring = ring + (i_p * tl.num_programs(0) + i_c) * (3 * BT * BC) + tl.arange(0, BC)[None, :]
+    c0 = i_s * CH
+    nb = tl.cdiv(tl.minimum(c0 + CH, L) - c0, BT)  # blocks of this program; <= 0 past the document's end
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
-    # elementwise [BT, BC] accumulators of dpre_t * x_{t-(W-1)+i} for taps i < 4 and of dpre (dbias), reduced over
-    # tokens once at the end (a reduction per block costs more than the block's loads); taps 4.. reduce per block
     b_a0 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a1 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a2 = tl.zeros([BT, BC], dtype=tl.float32)
     b_a3 = tl.zeros([BT, BC], dtype=tl.float32)
     b_ab = tl.zeros([BT, BC], dtype=tl.float32)
-    for i_t in range(i_s, tl.cdiv(L, BT), NS):
-        o_t = i_t * BT + tl.arange(0, BT)
-        m = (o_t < L)[:, None] & m_c[None, :]
-        b_dx, b_dp = _dx_recompute(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, o_t, o_c, m_c, C, W, HAS_BIAS,
-                                   HAS_H0, SILU)
-        tl.store(dx + (bos + o_t)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m)
+    if W > 1:
+        if nb > 0:
+            o_h = tl.arange(0, HP)
+            b_h = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, c0 + nb * BT + o_h, o_c, m_c, C, W, HAS_BIAS,
+                        HAS_H0, SILU)
+            tl.store(p_ring + _slot(c0 + nb * BT + o_h, BT)[:, None] * BC, b_h, mask=(o_h < W - 1)[:, None])
+    for k in range(0, nb):
+        t0 = c0 + (nb - 1 - k) * BT
+        pos = t0 + o_r
+        b_dp = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
         b_ab += b_dp
-        # dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i}
-        for i in tl.static_range(W):
-            b_pi = b_dp * _load_hist(x, h0, bos, L, i_n, o_t - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
-            if i == 0:
-                b_a0 += b_pi
-            elif i == 1:
-                b_a1 += b_pi
-            elif i == 2:
-                b_a2 += b_pi
-            elif i == 3:
-                b_a3 += b_pi
-            else:
-                b_dw += tl.where(o_j[None, :] == i, tl.sum(b_pi, 0)[:, None], 0.0)
+        b_a0, b_a1, b_a2, b_a3, b_dw = _dw_acc(b_dp, x, h0, bos, L, i_n, pos, o_c, m_c, C, o_j, b_a0, b_a1, b_a2,
+                                               b_a3, b_dw, W, HAS_H0)
+        if W > 1:
+            tl.store(p_ring + _slot(pos, BT)[:, None] * BC, b_dp)
+            tl.debug_barrier()
+        b_dx = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)[None, :] * b_dp
+        for s in tl.static_range(1, W):
+            b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
+            b_dx += b_w[None, :] * tl.load(p_ring + _slot(pos + s, BT)[:, None] * BC)
+        tl.store(dx + (bos + pos)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=(pos < L)[:, None] & m_c[None, :])
     b_dw += tl.where(o_j[None, :] == 0, tl.sum(b_a0, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 1, tl.sum(b_a1, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 2, tl.sum(b_a2, 0)[:, None], 0.0)
     b_dw += tl.where(o_j[None, :] == 3, tl.sum(b_a3, 0)[:, None], 0.0)
-    b_db = tl.sum(b_ab, 0)
-    i_p = (i_n * NS + i_s).to(tl.int64)
     tl.store(dwp + i_p * C * W + o_c[:, None] * W + o_j[None, :], b_dw, mask=m_c[:, None] & (o_j < W)[None, :])
     if HAS_BIAS:
-        tl.store(dbp + i_p * C + o_c, b_db, mask=m_c)
+        tl.store(dbp + i_p * C + o_c, tl.sum(b_ab, 0), mask=m_c)
 
 
 @triton.jit
@@ -285,10 +325,6 @@ def _layout(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Ten
     if bounds[0] != 0 or bounds[-1] != T or any(e < s for s, e in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {bounds}")
     return cu, len(bounds) - 1, max(e - s for s, e in zip(bounds, bounds[1:]))
-
-
-def _num_sms(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
 def split_block(C0: int, C1: int, bc: int) -> int:
@@ -383,17 +419,21 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     b = bias.contiguous() if bias is not None else x
     BC1 = split_block(C0, C1, TUNE.bwd_bc) if split else TUNE.bwd_bc
     NC = cdiv(C, BC1)
-    NS = 1  # the CPU interpreter pays per program
-    if x.device.type == "cuda":
-        NS = max(1, min(cdiv(Lmax, TUNE.bwd_bt),
-                        cdiv(TUNE.bwd_programs_per_sm * _num_sms(x.device), NC * max(N, 1))))
+    BT = TUNE.bwd_bt
+    if BT < W - 1:
+        raise ValueError(f"conv.TUNE.bwd_bt: expected >= W - 1 = {W - 1} (the rows a token's dx reads past it), "
+                         f"got {BT}")
+    CH = cdiv(max(TUNE.bwd_chunk, 1), BT) * BT
+    NS = cdiv(max(Lmax, 1), CH)
     dx = _out((B, T, C), x, x.dtype)
-    dwp = torch.zeros(N * NS, C, W, device=x.device, dtype=torch.float32)
-    dbp = torch.zeros(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    if N > 0 and Lmax > 0:
-        _conv_bwd[(NC, N, NS)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, W=W, WP=WP,
-                               BT=TUNE.bwd_bt, BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None,
-                               SILU=silu, SPLIT=split, num_warps=TUNE.bwd_warps)
+    dwp = torch.empty(N * NS, C, W, device=x.device, dtype=torch.float32)
+    dbp = torch.empty(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
+    ring = x if W == 1 else torch.empty(N * NS * NC * 3 * BT * BC1, device=x.device, dtype=torch.float32)
+    if N > 0:
+        _conv_bwd[(NC, NS, N)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W=W, WP=WP,
+                               HP=next_pow2(max(W - 1, 1)), BT=BT, BC=BC1, HAS_BIAS=bias is not None,
+                               HAS_H0=initial_state is not None, SILU=silu, SPLIT=split,
+                               num_warps=TUNE.bwd_warps, num_stages=1)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
