@@ -83,11 +83,14 @@ def test_triton_add_rms_norm_matches_float64(interp_results, case):
 
 @pytest.mark.parametrize("kind", ["zero_centered", "llama", "fp32_weight"])
 def test_triton_module_call_under_autocast(interp_results, kind):
-    """RMSNorm(x, branch) with impl="triton" under CPU bf16 autocast: bf16 y within one bf16 rounding of the PyTorch
-    module's, float32 x_new bit for bit; dx within 5e-6, the bf16 dbranch within one bf16 rounding."""
+    """RMSNorm(x, branch) with impl="triton" under CPU bf16 autocast: bf16 y within one bf16 ulp of the PyTorch
+    module's (two ulps for "llama", which rounds x_hat to bf16 before the weight: a float32 x_hat a hair apart may
+    round the other way at either point), float32 x_new bit for bit; dx within 5e-6, the bf16 dbranch within one
+    bf16 rounding."""
     res, seed = interp_results[f"module_autocast_{kind}"], interp_results["seed"]
     assert res["y_bf16_xn_f32"] == 1.0 and res["x_new_equal"] == 1.0, (res, seed)
-    assert res["y_ulps"] <= 2.0**-8, (res, seed)
+    ulp = 2.0**-7  # a bf16 ulp relative to the smaller value of a binade
+    assert res["y_ulps"] <= (2 * ulp if kind == "llama" else ulp), (res, seed)
     assert res["dx"] <= TOL_GRAD and res["dbranch"] <= 2.0**-8, (res, seed)
 
 
