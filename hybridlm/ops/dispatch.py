@@ -146,7 +146,11 @@ def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, A_log=None, 
         check_state_dtype("initial_state", initial_state, v.dtype)
         initial_state = initial_state.to(sd)
     cu_seqlens = _int32_offsets(cu_seqlens)
-    return Inputs(op=op, q=q.to(v.dtype), k=k.to(v.dtype), v=v, device=q.device, needs_grad=needs_grad, g=g,
+    if q.dtype != v.dtype:
+        q = q.to(v.dtype)
+    if k.dtype != v.dtype:
+        k = k.to(v.dtype)
+    return Inputs(op=op, q=q, k=k, v=v, device=q.device, needs_grad=needs_grad, g=g,
                   beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, delta=delta, dims=dims,
                   scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -208,14 +212,19 @@ def _triton_supports(x: Inputs) -> str | None:
     return None if check is None else check(x.q, x.v)
 
 
+_GDN_FWD: list = []  # the module (or None) once imported
+
+
 def _gdn_fwd():
     """hybridlm.ops.gluon.gdn_fwd, or None when it does not import (no triton). Imported on first use, not with
-    this module: it pulls in Triton, which CPU-only installs may lack."""
-    try:
-        from .gluon import gdn_fwd
-    except ImportError:
-        return None
-    return gdn_fwd
+    this module: it pulls in Triton, which CPU-only installs may lack; remembered, as each call asks twice."""
+    if not _GDN_FWD:
+        try:
+            from .gluon import gdn_fwd
+        except ImportError:
+            gdn_fwd = None
+        _GDN_FWD.append(gdn_fwd)
+    return _GDN_FWD[0]
 
 
 def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -131,7 +131,9 @@ def check_recurrence_inputs(
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
     if impl not in impls:
         raise ValueError(f"impl: expected one of {impls}, got {impl!r}")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    dev = q.device
+    if not all(x is None or x.device == dev for x in (k, v, g, beta, initial_state)):
+        check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
 
