@@ -106,9 +106,8 @@ def check_recurrence_inputs(
         if g is None:
             raise ValueError("g: expected a log-decay tensor, got None")
         check_float("g", g)
-        scalar = tuple(g.shape) == (B, T, HV)
-        channel = tuple(g.shape) == (B, T, HV, K)
-        ok = {"scalar": scalar, "channel": channel, "scalar_or_channel": scalar or channel}[g_kind]
+        shape = tuple(g.shape)
+        ok = ((g_kind != "channel" and shape == (B, T, HV)) or (g_kind != "scalar" and shape == (B, T, HV, K)))
         if not ok:
             want = {
                 "scalar": f"{(B, T, HV)} ([B, T, HV])",

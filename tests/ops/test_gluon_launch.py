@@ -139,6 +139,9 @@ def test_second_call_launches_directly_with_its_own_tensors(host, seed):
         assert tag == "map" and grp[1:] == (*shape, shape[1], 1) and enc_shape == shape, (seed, i, grp)
         assert enc_strides == (shape[1], 1) and (ptr is None or addr == ptr), (seed, i)
     assert groups[4][0][3] == (8, 64) and groups[0][0][2] == 3
+    # T and the gate rows: one allocation, the gate rows right after T; the solve wrote where the chain reads
+    assert groups[4][0][1] == groups[3][0][1] + slots * 64 * 64 * 2 and direct[4:6] == (groups[3][0][1],
+                                                                                        groups[4][0][1])
     rest = chain_args[43:]
     assert rest[0] == o_b.data_ptr() and rest[1] == rest[2] == o_b.data_ptr()  # no h0, no ht: o, never read
     assert ht_b is None

@@ -9,6 +9,9 @@ its file's docstring; measured times and what was tried are in docs/kernels.md (
 Non-standard: where the chain's programs would leave half the multiprocessors idle (a few long sequences), the solve
 runs beside the chain instead of before it: the chain on a high-priority stream, waiting chunk by chunk for flags
 the solve sets (`_overlaps`, `_beside`).
+The host path is cut to what a call must do: what a call signature fixes (grids, constexprs, and after the first
+launch each kernel's C launcher and the chain's tensor-map layout) is worked out once (`_Plan`); later calls launch
+directly with cached TMA tensor maps (`launch.py`), and launch the solve before allocating o.
 Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
 kernels).
 """
@@ -179,7 +182,7 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
     p = call.plan
     # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
     return Launches(call.forward, call.solve, call.chain, call.o, None if call.pool else call.ht,
-                    (call.Tbuf, call.Gbuf), (p.solve_grid[0] * p.solve_grid[1], p.chain_grid[0] * p.chain_grid[1]),
+                    call.buffers(), (p.solve_grid[0] * p.solve_grid[1], p.chain_grid[0] * p.chain_grid[1]),
                     p.overlap)
 
 
@@ -217,14 +220,10 @@ class _Plan:
 _PLANS: OrderedDict = OrderedDict()
 
 
-def _plan(key: tuple, **dims) -> _Plan:
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _Plan(**dims)
-        if len(_PLANS) > MAX_PLANS:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
+def _new_plan(key: tuple, **dims) -> _Plan:
+    plan = _PLANS[key] = _Plan(**dims)
+    if len(_PLANS) > MAX_PLANS:
+        _PLANS.popitem(last=False)
     return plan
 
 
@@ -241,7 +240,7 @@ class _Call:
     chain), or with the overlapped form the chain first on its own stream."""
 
     __slots__ = ("plan", "dev", "direct", "pool", "q", "k", "v", "g", "beta", "scale", "H", "HV", "cu", "chunk_off",
-                 "flags", "h0", "rows", "Tbuf", "Gbuf", "o", "ht", "store_ht", "descs_shape", "ptrs")
+                 "flags", "h0", "rows", "work", "slots", "Tbuf", "Gbuf", "o", "ht", "store_ht", "descs_shape", "ptrs")
 
     def __init__(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                  state_pool, state_indices, checked):
@@ -282,22 +281,39 @@ class _Call:
         l2 = bool(use_qk_l2norm)
         key = (dev.index, q.dtype, g.dtype, beta.dtype, B * T, H, HV, K, V, N, most, total, l2,
                self.h0 is not None, self.store_ht, pool, overlap)
-        self.plan = _plan(key, N=N, HV=HV, K=K, V=V, most=most, l2=l2, overlap=overlap,
-                          has_h0=self.h0 is not None, store_ht=self.store_ht, pool=pool)
-        self.Tbuf = torch.empty(slots, CHUNK, CHUNK, dtype=q.dtype, device=dev)
-        self.Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _new_plan(key, N=N, HV=HV, K=K, V=V, most=most, l2=l2, overlap=overlap,
+                             has_h0=self.h0 is not None, store_ht=self.store_ht, pool=pool)
+        else:
+            _PLANS.move_to_end(key)
+        self.plan = plan
+        # T and the gate rows in one allocation (one call of the allocator on the way to the solve's launch);
+        # tb is a multiple of 16 bytes, so the gate rows start aligned
+        tb = slots * CHUNK * CHUNK * q.element_size()
+        self.work = torch.empty(tb + slots * GATE_ROWS * CHUNK * 4, dtype=torch.uint8, device=dev)
+        self.slots, self.Tbuf, self.Gbuf = slots, None, None
         self.flags = torch.zeros(slots, dtype=torch.int32, device=dev) if overlap else cu  # cu: never read
         self.o = None
         self.descs_shape = (B * T, H * K, HV * V, slots)
         self.ptrs = None
         self.direct = _direct_ok(dev)
         if self.direct:
+            wp = self.work.data_ptr()
             ptrs = (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), self.g.data_ptr(),
-                    self.beta.data_ptr(), self.Tbuf.data_ptr(), self.Gbuf.data_ptr(), cu.data_ptr(),
-                    chunk_off.data_ptr(), self.flags.data_ptr(), self.rows.data_ptr(),
-                    0 if self.h0 is None else self.h0.data_ptr())
+                    self.beta.data_ptr(), wp, wp + tb, cu.data_ptr(), chunk_off.data_ptr(), self.flags.data_ptr(),
+                    self.rows.data_ptr(), 0 if self.h0 is None else self.h0.data_ptr())
             self.direct = _aligned(*ptrs)
             self.ptrs = ptrs
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T [slots, C, C] in q's dtype, gate rows [slots, R, C] fp32): views of `work`, made when asked (the JIT
+        launches, `forward_launches`)."""
+        if self.Tbuf is None:
+            tb = self.slots * CHUNK * CHUNK * self.q.element_size()
+            self.Tbuf = self.work[:tb].view(self.q.dtype).view(self.slots, CHUNK, CHUNK)
+            self.Gbuf = self.work[tb:].view(torch.float32).view(self.slots, GATE_ROWS, CHUNK)
+        return self.Tbuf, self.Gbuf
 
     def outputs(self) -> None:
         """Allocate o (and ht, unless the pool is ht); NaN-filled under POISON."""
@@ -326,8 +342,7 @@ class _Call:
         return (q, k, g, beta, Tb, Gb, cu, off, flags, self.scale, self.H, self.HV, *self.plan.solve_consts)
 
     def _tensors(self):
-        return (self.q, self.k, self.v, self.g, self.beta, self.Tbuf, self.Gbuf, self.cu, self.chunk_off,
-                self.flags)
+        return (self.q, self.k, self.v, self.g, self.beta, *self.buffers(), self.cu, self.chunk_off, self.flags)
 
     def solve(self) -> None:
         p = self.plan
@@ -360,7 +375,7 @@ class _Call:
             p.chain(p.chain_grid, _stream(self.dev.index), self._chain_direct_args(p))
             return
         states = (self.h0 if self.h0 is not None else o, ht if ht is not None else o)  # o: never read
-        descs = _descriptors(self.q, self.k, self.v, o, self.Tbuf, self.Gbuf, BV)
+        descs = _descriptors(self.q, self.k, self.v, o, *self.buffers(), BV)
         compiled = _gdn_chain_kernel[p.chain_grid](*descs, o, *states, self.rows, self.cu, self.chunk_off,
                                                    self.flags, self.H, self.HV, *p.chain_consts,
                                                    num_warps=NUM_WARPS)
