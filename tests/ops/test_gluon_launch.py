@@ -229,3 +229,20 @@ def test_direct_launch_refuses_unknown_launchers():
     c = fake_compiled(0, log)
     c.run.launch = other_wrapper
     assert launch.direct_launch(c) is None
+
+
+def test_varlen_chunk_offsets_come_from_the_host_copy(host, seed, monkeypatch):
+    """Packed sequences: the grid and the chunk offsets follow from the recorded host offsets (no read-back of the
+    device tensor), lengths 1, 15, 100 and 700 giving 1, 1, 2 and 11 chunks."""
+    from hybridlm.ops import offsets
+
+    lens = [1, 15, 100, 700]
+    q, k, v, g, beta = inputs(seed, B=1, T=sum(lens))
+    cu = offsets.remember_offsets(torch.tensor([0, 1, 16, 116, 816], dtype=torch.int32), [0, 1, 16, 116, 816])
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the offsets back"))
+        gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm=True, checked=True)
+    grid, args, _ = host.solve.jit_calls[-1]
+    assert grid == (4 * 4, 11, 1), seed
+    assert args[7].dtype == torch.int32 and args[7].tolist() == [0, 1, 2, 4, 15] and args[6] is cu, seed
+    assert host.chain.jit_calls[-1][0] == (2, 4 * 4, 1)

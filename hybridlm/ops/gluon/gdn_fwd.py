@@ -19,6 +19,7 @@ kernels).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..offsets import host_offsets
 from ..validate import Dims, check_state_pool
 from .chain import _descriptors
 from .launch import TmaSpec, direct_launch, jit_is_plain, tensor_map
@@ -258,11 +260,13 @@ class _Call:
             N, total = B, B * most
         else:
             cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-            nch = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
-            chunk_off = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
-            host = nch.tolist()  # the grid needs the longest sequence: one host sync
-            most, total = max(host, default=0), sum(host)
-            N = cu.numel() - 1
+            # the grid needs the longest sequence: the host copy the dispatch recorded (else one sync, recorded)
+            host = host_offsets(cu)
+            nch = [-(-(b - a) // CHUNK) for a, b in zip(host, host[1:])]
+            most, total = max(nch, default=0), sum(nch)
+            # the chunk offsets from the host: one copy (no device sync: pageable memory is staged at once)
+            chunk_off = torch.tensor([0, *itertools.accumulate(nch)], dtype=torch.int32).to(dev, non_blocking=True)
+            N = len(host) - 1
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
         self.g, self.beta = g.contiguous(), beta.contiguous()
         if pool:  # the kernel reads and writes the pool's rows; ht (if asked) is a copy of them afterwards
