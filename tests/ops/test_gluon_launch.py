@@ -246,3 +246,48 @@ def test_varlen_chunk_offsets_come_from_the_host_copy(host, seed, monkeypatch):
     assert grid == (4 * 4, 11, 1), seed
     assert args[7].dtype == torch.int32 and args[7].tolist() == [0, 1, 2, 4, 15] and args[6] is cu, seed
     assert host.chain.jit_calls[-1][0] == (2, 4 * 4, 1)
+
+
+def test_overlapped_form_forks_and_joins_without_switching_streams(monkeypatch):
+    """The solve beside the chain: the chain's stream waits for the current one, the chain is launched on it by its
+    raw handle (no stream switch), the solve on the current stream, and the current stream waits for the chain;
+    the fork and join events are made once per device and thread, not once a call."""
+    import threading
+
+    log, made = [], []
+
+    class Stream:
+        def __init__(self, name, raw):
+            self.name, self.cuda_stream = name, raw
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.n))
+
+    class Event:
+        def __init__(self):
+            self.n = len(made)
+            made.append(self)
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.n))
+
+    cur, side = Stream("cur", 11), Stream("side", 22)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: cur)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: pytest.fail("switched the current stream"))
+    monkeypatch.setattr(gdn_fwd, "_chain_stream", lambda dev: side)
+    monkeypatch.setattr(gdn_fwd, "_SIDES", threading.local())
+    dev = torch.device("cuda", 0)
+
+    def chain(s):
+        log.append(("chain", s.raw))
+
+    for _ in range(2):
+        gdn_fwd._beside(lambda: log.append(("solve",)), chain, dev)
+    once = [("record", "cur", 0), ("wait", "side", 0), ("chain", 22), ("solve",), ("record", "side", 1),
+            ("wait", "cur", 1)]
+    assert log == once * 2 and len(made) == 2
+    t = threading.Thread(target=gdn_fwd._beside, args=(lambda: None, lambda s: None, dev))
+    t.start()
+    t.join()
+    assert len(made) == 4  # another thread: events of its own

@@ -18,8 +18,10 @@ kernels).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -372,17 +374,21 @@ class _Call:
         if self.direct and p.solve is None:
             p.solve = direct_launch(compiled) or False
 
-    def chain(self) -> None:
+    def chain(self, side: _Side | None = None) -> None:
+        """The chain's launch on the current stream, or on `side` (the overlapped form): a direct launch takes its
+        raw handle, a JIT launch makes it the current stream for the launch."""
         p = self.plan
         o, ht = self.o, self.ht
         if self.direct and p.chain and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
-            p.chain(p.chain_grid, _stream(self.dev.index), self._chain_direct_args(p))
+            stream = _stream(self.dev.index) if side is None else side.raw
+            p.chain(p.chain_grid, stream, self._chain_direct_args(p))
             return
         states = (self.h0 if self.h0 is not None else o, ht if ht is not None else o)  # o: never read
         descs = _descriptors(self.q, self.k, self.v, o, *self.buffers(), BV)
-        compiled = _gdn_chain_kernel[p.chain_grid](*descs, o, *states, self.rows, self.cu, self.chunk_off,
-                                                   self.flags, self.H, self.HV, *p.chain_consts,
-                                                   num_warps=NUM_WARPS)
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side.stream):
+            compiled = _gdn_chain_kernel[p.chain_grid](*descs, o, *states, self.rows, self.cu, self.chunk_off,
+                                                       self.flags, self.H, self.HV, *p.chain_consts,
+                                                       num_warps=NUM_WARPS)
         if self.direct and p.chain is None and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
             d = direct_launch(compiled)
             if d is not None:
@@ -452,16 +458,43 @@ def _chain_stream(dev: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[1])
 
 
-def _beside(solve: Callable[[], None], chain: Callable[[], None], dev: torch.device) -> None:
+class _Side(NamedTuple):
+    """What the overlapped form forks with, made once per device and thread: the chain's stream, its raw handle
+    (what a direct launch takes, so the current stream is never switched), and the two events of the fork and
+    the join. Reused: a stream waits on an event's latest record at the time it is told to wait, so a later
+    record does not move an earlier wait; per thread, so that two threads never record one event between the
+    other's record and wait. (`Stream.wait_stream` makes, and then frees, a new event each time, and switching
+    the current stream costs more than a launch.)"""
+
+    stream: torch.cuda.Stream
+    raw: int
+    fork: torch.cuda.Event
+    join: torch.cuda.Event
+
+
+_SIDES = threading.local()
+
+
+def _side(dev: torch.device) -> _Side:
+    sides = _SIDES.__dict__
+    side = sides.get(dev)
+    if side is None:
+        stream = _chain_stream(dev)
+        side = sides[dev] = _Side(stream, stream.cuda_stream, torch.cuda.Event(), torch.cuda.Event())
+    return side
+
+
+def _beside(solve: Callable[[], None], chain: Callable[[_Side], None], dev: torch.device) -> None:
     """The chain on its own stream, launched first so that it holds its multiprocessors, then the solve on the
     current stream (its kernel already loaded); the chain waits chunk by chunk for the solve's flags (zeroed on the
     current stream before).
     The current stream then waits for the chain: every buffer was allocated on it, so nothing is freed or reused
     before the chain is done with it."""
     cur = torch.cuda.current_stream(dev)
-    side = _chain_stream(dev)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        chain()
+    side = _side(dev)
+    side.fork.record(cur)
+    side.stream.wait_event(side.fork)
+    chain(side)
     solve()
-    cur.wait_stream(side)
+    side.join.record(side.stream)
+    cur.wait_event(side.join)
