@@ -18,6 +18,13 @@ Non-standard here:
   backend, in PyTorch (compute dtype, under autograd) for the others. Backends see only the log-decay.
 - A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
   gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
+- The checks and the choice are remembered per call signature (`_signature`: per tensor argument its shape, dtype,
+  device and requires_grad; the op, impl, chunk_size, lower_bound, the flags and whether grad mode is on), so a
+  repeat call (every layer of every step of inference) skips them: the checks read nothing else of a call, and a
+  backend's `supports` judges what the signature holds. The offsets' values are not in the signature (a server's
+  batches differ): they are checked on every call, from the host copy `hybridlm.ops.offsets` keeps. A remembered
+  "auto" choice is used while its log line is in `_LOGGED`, so forgetting the logged choices (tests, the training
+  bench) makes the next call choose and log again. Nothing is remembered while torch.compile traces.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -39,6 +47,7 @@ from .norm import l2norm
 from .offsets import host_offsets, remember_offsets
 from .validate import (
     Dims,
+    check_cu_seqlens,
     check_recurrence_inputs,
     check_state_dtype,
     check_state_pool,
@@ -57,10 +66,12 @@ GLUON_OPS = ("gated_delta_rule",)
 _LOGGED: set[tuple] = set()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Inputs:
     """One call of a public op, validated and cast (module docstring). `resolve_impl` fills only op, q, v, device
-    and needs_grad, for the choice alone."""
+    and needs_grad, for the choice alone. Not frozen: one is built on every call, and a frozen dataclass sets each
+    field through object.__setattr__ (microseconds a call); nothing changes one (`dataclasses.replace` makes
+    another)."""
 
     op: str
     q: torch.Tensor | None  # [B, T, H, K] in v's dtype
@@ -129,29 +140,96 @@ def _int32_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
 
 def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, A_log=None, dt_bias=None, lower_bound=None,
             scale, initial_state, output_final_state,
-            cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute, state_pool, state_indices) -> Inputs:
-    """Check a public op's arguments (one-line errors naming the argument) and cast them as documented."""
+            cu_seqlens, use_qk_l2norm, chunk_size, impl, recompute, state_pool, state_indices,
+            seen: _Seen | None = None) -> Inputs:
+    """Check a public op's arguments (one-line errors naming the argument) and cast them as documented. seen: what
+    the checks found for this call's signature before (`_signature`); then only the offsets' values are checked."""
     cu_seqlens = _versioned(cu_seqlens)
-    dims = check_recurrence_inputs(q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state,
-                                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, impl=impl, mixed_qk=True,
-                                   impls=_impls())
-    if A_log is not None or dt_bias is not None or lower_bound is not None:
-        check_kda_gate(g, A_log, dt_bias, lower_bound)
-    sd = state_dtype(v.dtype)
-    if state_pool is not None or state_indices is not None:
-        check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims, dtype=sd,
-                         device=q.device)
-    needs_grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if seen is None:
+        dims = check_recurrence_inputs(q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state,
+                                       cu_seqlens=cu_seqlens, chunk_size=chunk_size, impl=impl, mixed_qk=True,
+                                       impls=_impls())
+        if A_log is not None or dt_bias is not None or lower_bound is not None:
+            check_kda_gate(g, A_log, dt_bias, lower_bound)
+        if state_pool is not None or state_indices is not None:
+            check_state_pool(state_pool, state_indices, initial_state=initial_state, dims=dims,
+                             dtype=state_dtype(v.dtype), device=q.device)
+        if initial_state is not None:
+            check_state_dtype("initial_state", initial_state, v.dtype)
+        needs_grad = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    else:
+        dims, needs_grad = seen.dims, seen.needs_grad
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, B=dims.B, T=dims.T)
     if initial_state is not None:
-        check_state_dtype("initial_state", initial_state, v.dtype)
-        initial_state = initial_state.to(sd)
+        initial_state = initial_state.to(state_dtype(v.dtype))
     cu_seqlens = _int32_offsets(cu_seqlens)
-    return Inputs(op=op, q=q.to(v.dtype), k=k.to(v.dtype), v=v, device=q.device, needs_grad=needs_grad, g=g,
+    if q.dtype != v.dtype:
+        q = q.to(v.dtype)
+    if k.dtype != v.dtype:
+        k = k.to(v.dtype)
+    return Inputs(op=op, q=q, k=k, v=v, device=q.device, needs_grad=needs_grad, g=g,
                   beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, delta=delta, dims=dims,
                   scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                   offsets=None if cu_seqlens is None else host_offsets(cu_seqlens), use_qk_l2norm=use_qk_l2norm,
                   chunk_size=chunk_size, recompute=recompute, state_pool=state_pool, state_indices=state_indices)
+
+
+# ------------------------------------------------------------------------------------------------- the signature
+# The tensor arguments after q, k, v that the checks read, in a fixed order.
+_TENSOR_ARGS = ("g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias", "state_pool", "state_indices")
+MAX_SEEN = 256  # signatures remembered (a model's layers share a few; a server's batch shapes vary)
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What a call signature's first call found: its sizes, whether it needs gradients, its backend and the log
+    line of an "auto" choice (None for an explicit impl)."""
+
+    dims: Dims
+    needs_grad: bool
+    backend: Backend
+    logged: tuple | None
+
+
+_SEEN: OrderedDict[tuple, _Seen] = OrderedDict()
+
+
+def _signature(op: str, impl: str, q, k, v, kw: dict) -> tuple | None:
+    """Everything of a call that `prepare`'s checks and `choose` read, but the offsets' values (module docstring);
+    None for a call not to remember: under torch.compile, or an argument of a type the checks refuse."""
+    if torch.compiler.is_compiling():
+        return None
+    lb = kw.get("lower_bound")
+    if not (lb is None or type(lb) is float):
+        return None
+    sig = [op, impl, kw["chunk_size"], lb, torch.is_grad_enabled(), bool(kw["output_final_state"]),
+           bool(kw["use_qk_l2norm"]), bool(kw["recompute"])]
+    for x in (q, k, v):
+        if not isinstance(x, torch.Tensor):
+            return None
+        sig += (x.shape, x.dtype, x.device, x.requires_grad)
+    for name in _TENSOR_ARGS:
+        x = kw.get(name)
+        if x is None:
+            sig.append(None)
+        elif isinstance(x, torch.Tensor):
+            sig += (x.shape, x.dtype, x.device, x.requires_grad)
+        else:
+            return None
+    return tuple(sig)
+
+
+def _remember(key: tuple, seen: _Seen) -> None:
+    _SEEN[key] = seen
+    if len(_SEEN) > MAX_SEEN:
+        _SEEN.popitem(last=False)
+
+
+def forget() -> None:
+    """Drop every remembered signature (tests that change a backend's verdict for the same inputs)."""
+    _SEEN.clear()
 
 
 # ------------------------------------------------------------------------------------------------- the backends
@@ -208,14 +286,19 @@ def _triton_supports(x: Inputs) -> str | None:
     return None if check is None else check(x.q, x.v)
 
 
+_GDN_FWD: list = []  # the module (or None) once imported
+
+
 def _gdn_fwd():
     """hybridlm.ops.gluon.gdn_fwd, or None when it does not import (no triton). Imported on first use, not with
-    this module: it pulls in Triton, which CPU-only installs may lack."""
-    try:
-        from .gluon import gdn_fwd
-    except ImportError:
-        return None
-    return gdn_fwd
+    this module: it pulls in Triton, which CPU-only installs may lack; remembered, as each call asks twice."""
+    if not _GDN_FWD:
+        try:
+            from .gluon import gdn_fwd
+        except ImportError:
+            gdn_fwd = None
+        _GDN_FWD.append(gdn_fwd)
+    return _GDN_FWD[0]
 
 
 def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -287,10 +370,15 @@ def _ask(b: Backend, x: Inputs) -> Backend:
 def choose(x: Inputs, impl: str) -> Backend:
     """The backend of this call: the one `impl` names, or for "auto" the first in `BACKENDS` that covers the call
     and supports its inputs, logged once per (op, device type, choice, reasons others were passed over)."""
+    return _choice(x, impl)[0]
+
+
+def _choice(x: Inputs, impl: str) -> tuple[Backend, tuple | None]:
+    """`choose`, with the key of the log line of an "auto" choice (None for an explicit impl)."""
     if impl != "auto":
         if impl not in _BY_NAME:
             raise ValueError(f"impl: expected one of {_impls()}, got {impl!r}")
-        return _ask(_BY_NAME[impl], x)
+        return _ask(_BY_NAME[impl], x), None
     compiling = torch.compiler.is_compiling()
     whys = []
     for b in BACKENDS:
@@ -308,7 +396,7 @@ def choose(x: Inputs, impl: str) -> Backend:
         _LOGGED.add(key)
         log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", x.op, b.name, x.device.type,
                  f" ({why})" if why else "")
-    return b
+    return b, key
 
 
 def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | None = None,
@@ -371,5 +459,12 @@ def dispatch(op: str, g_kind: str, delta: bool, q, k, v, *, impl: str, cp_group=
         local = functools.partial(dispatch, op, g_kind, delta, impl=impl, state_pool=None, state_indices=None)
         return context_parallel.run(local, q, k, v, group=cp_group,
                                     takes_width=functools.partial(_takes_width, op, impl, q, v), **kw)
+    key = _signature(op, impl, q, k, v, kw)
+    seen = None if key is None else _SEEN.get(key)
+    if seen is not None and (seen.logged is None or seen.logged in _LOGGED):
+        return execute(seen.backend, prepare(op, g_kind, delta, q, k, v, impl=impl, seen=seen, **kw))
     x = prepare(op, g_kind, delta, q, k, v, impl=impl, **kw)
-    return execute(choose(x, impl), x)
+    b, logged = _choice(x, impl)
+    if key is not None:
+        _remember(key, _Seen(x.dims, x.needs_grad, b, logged))
+    return execute(b, x)

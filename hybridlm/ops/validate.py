@@ -106,9 +106,8 @@ def check_recurrence_inputs(
         if g is None:
             raise ValueError("g: expected a log-decay tensor, got None")
         check_float("g", g)
-        scalar = tuple(g.shape) == (B, T, HV)
-        channel = tuple(g.shape) == (B, T, HV, K)
-        ok = {"scalar": scalar, "channel": channel, "scalar_or_channel": scalar or channel}[g_kind]
+        shape = tuple(g.shape)
+        ok = ((g_kind != "channel" and shape == (B, T, HV)) or (g_kind != "scalar" and shape == (B, T, HV, K)))
         if not ok:
             want = {
                 "scalar": f"{(B, T, HV)} ([B, T, HV])",
@@ -131,7 +130,9 @@ def check_recurrence_inputs(
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
     if impl not in impls:
         raise ValueError(f"impl: expected one of {impls}, got {impl!r}")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    dev = q.device
+    if not all(x is None or x.device == dev for x in (k, v, g, beta, initial_state)):
+        check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     return Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
 
 

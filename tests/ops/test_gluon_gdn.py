@@ -218,6 +218,54 @@ def test_overlapped_forward_in_a_cuda_graph(monkeypatch):
         assert all(e <= BAR for e in errs.values()), f"seed {seed}: replay {replay}: {errs}"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["after", "beside"])
+def test_direct_launches_see_new_tensors(monkeypatch, overlap):
+    """The cached launches and tensor maps (gdn_fwd's plans, hybridlm.ops.gluon.launch) never serve a stale call:
+    the public op (impl="auto", inference mode) at one shape on inputs A, then on other tensors B (another scale),
+    then on A's buffers refilled in place (same addresses, new values), then on inputs allocated after A's were
+    freed (the caching allocator hands their addresses out again), each against float64; and the later calls went
+    through the direct launches."""
+    from hybridlm.ops.gluon import launch
+
+    if overlap:
+        monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)
+    monkeypatch.setattr(gdn_fwd, "_PLANS", type(gdn_fwd._PLANS)())
+    seed = torch.seed() % 2**31
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, T, H, HV, K, V = (1, 900, 2, 4, 128, 128) if overlap else (2, 700, 2, 4, 128, 128)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+
+    def fresh():
+        q, k, v = (x.to(torch.bfloat16) for x in (r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)))
+        beta = (2.0 * torch.rand(B, T, HV, device="cuda", generator=gen)).to(torch.bfloat16)
+        return [q, k, v, _gates(gen, B, T, HV, "cliff"), beta, r(B, HV, K, V)]
+
+    def check(ins, scale, what):
+        with torch.inference_mode():
+            o, ht = gated_delta_rule(*ins[:3], g=ins[3], beta=ins[4], initial_state=ins[5], scale=scale,
+                                     output_final_state=True, use_qk_l2norm=True)
+        d = lambda x: x.double()  # noqa: E731
+        o2, ht2 = gated_delta_rule(*(d(x) for x in ins[:3]), g=d(ins[3]), beta=d(ins[4]), initial_state=d(ins[5]),
+                                   scale=scale, output_final_state=True, use_qk_l2norm=True, impl="chunk")
+        errs = {"o": rel_f64(o, o2), "final_state": rel_f64(ht, ht2)}
+        assert all(e <= BAR for e in errs.values()), f"seed {seed}: {what}: {errs}"
+
+    a = fresh()
+    check(a, None, "first call")
+    check(fresh(), 0.05, "other tensors")
+    for x, y in zip(a, fresh()):
+        x.copy_(y)
+    check(a, None, "A refilled in place")
+    (plan,) = gdn_fwd._PLANS.values()
+    assert isinstance(plan.solve, launch.DirectLaunch) and isinstance(plan.chain, launch.DirectLaunch), seed
+    assert plan.overlap == overlap
+    before = [x.data_ptr() for x in a]
+    del a
+    c = fresh()
+    reused = sum(x.data_ptr() in before for x in c)
+    check(c, None, f"after A was freed ({reused} of 6 addresses reused)")
+
+
 def test_bad_input_is_one_line():
     q = torch.zeros(1, 8, 2, 96, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros(1, 8, 2, 192, device="cuda", dtype=torch.bfloat16)

@@ -9,21 +9,30 @@ its file's docstring; measured times and what was tried are in docs/kernels.md (
 Non-standard: where the chain's programs would leave half the multiprocessors idle (a few long sequences), the solve
 runs beside the chain instead of before it: the chain on a high-priority stream, waiting chunk by chunk for flags
 the solve sets (`_overlaps`, `_beside`).
+The host path is cut to what a call must do: what a call signature fixes (grids, constexprs, and after the first
+launch each kernel's C launcher and the chain's tensor-map layout) is worked out once (`_Plan`); later calls launch
+directly with cached TMA tensor maps (`launch.py`), and launch the solve before allocating o.
 Other head dims and fp32 inputs are refused here (`unsupported_reason`; the dispatch then keeps the Triton
 kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import triton
 
+from ..offsets import host_offsets
 from ..validate import Dims, check_state_pool
 from .chain import _descriptors
+from .launch import TmaSpec, direct_launch, jit_is_plain, tensor_map
 from .parts import _IMPORT_ERROR, gluon_available
 from .solve import GATE_ROWS
 
@@ -50,7 +59,7 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
         return f"triton: expected the Gluon API of Triton 3.6, got Triton {triton.__version__}"
     if not q.is_cuda:
         return f"q: expected a CUDA tensor, got device {q.device}"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = _capability(q.device.index)
     if cap != (9, 0):
         return f"q: expected a device of compute capability (9, 0) (Hopper), got {cap}"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -59,6 +68,12 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     if K not in SUPPORTED_K or V not in SUPPORTED_V:
         return f"q, v: expected head dims K in {SUPPORTED_K} and V in {SUPPORTED_V}, got K={K} V={V}"
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int | None) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, once per device (a few microseconds a call otherwise)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
@@ -136,14 +151,12 @@ def gated_delta_rule_fwd(
     contract as `hybridlm.ops.gated_delta_rule` for these arguments. checked: the caller has validated all this
     (`hybridlm.ops.dispatch`: the shapes, `unsupported_reason`, the pool, which must then be contiguous).
     """
-    launch = forward_launches(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                              use_qk_l2norm=use_qk_l2norm, state_pool=state_pool, state_indices=state_indices,
-                              checked=checked)
-    launch.run()
+    call = _Call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, state_pool,
+                 state_indices, checked)
+    call.forward()
     if state_pool is not None and output_final_state:
-        return launch.o, state_pool.index_select(0, state_indices.long())
-    return launch.o, launch.ht
+        return call.o, state_pool.index_select(0, state_indices.long())
+    return call.o, None if call.pool else call.ht
 
 
 class Launches(NamedTuple):
@@ -167,74 +180,260 @@ def forward_launches(q, k, v, *, g, beta, scale=None, initial_state=None, output
                      checked=False) -> Launches:
     """Check the inputs of `gated_delta_rule_fwd` (same arguments; not when `checked`), allocate o, ht and the
     solve's buffers and bind the launches without running them."""
-    if checked:
-        pool = state_pool is not None
-    else:
-        _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-        pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    scale = K**-0.5 if scale is None else scale
-    dev = q.device
-    if cu_seqlens is None:  # equal lengths: the chunk offsets follow without reading anything back
-        most = -(-T // CHUNK)
-        cu, chunk_off = _equal_offsets(B, T, most, dev)
-        total = B * most
-    else:
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        nch = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
-        chunk_off = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
-        host = nch.tolist()  # the grid needs the longest sequence: one host sync
-        most, total = max(host, default=0), sum(host)
-    N = cu.numel() - 1
-    qc, kc, vc = (x.contiguous() for x in (q, k, v))
-    gc, bc = g.contiguous(), beta.contiguous()
-    alloc = torch.full if POISON else lambda shape, _, **kw: torch.empty(shape, **kw)
-    o = alloc(vc.shape, float("nan"), dtype=vc.dtype, device=dev)
-    if pool:  # the kernel reads and writes the pool's rows; ht (if asked) is a copy of them afterwards
-        h0 = ht = state_pool
-        rows = state_indices.to(torch.int32).contiguous()
-    else:
-        ht = alloc((N, HV, K, V), float("nan"), dtype=torch.float32, device=dev) if output_final_state else None
-        h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
-        rows = cu  # never read: POOL is compiled out
-    slots = max(total, 1) * HV
-    Tbuf = torch.empty(slots, CHUNK, CHUNK, dtype=q.dtype, device=dev)
-    Gbuf = torch.empty(slots, GATE_ROWS, CHUNK, dtype=torch.float32, device=dev)
-    descs = _descriptors(qc, kc, vc, o, Tbuf, Gbuf, BV)
-    programs = (most * N * HV, (V // BV) * N * HV)
-    overlap = _overlaps(programs[1], most, dev)
-    flags = torch.zeros(slots, dtype=torch.int32, device=dev) if overlap else cu  # cu: never read
-    states = (h0 if h0 is not None else o, ht if ht is not None else o)  # o: never read (compiled out)
-
-    solve_args = (qc, kc, gc, bc, Tbuf, Gbuf, cu, chunk_off, flags, float(scale), H, HV)
-    solve_opts = dict(K=K, C=CHUNK, R=GATE_ROWS, L2=bool(use_qk_l2norm), FLAG=overlap, num_warps=NUM_WARPS,
-                      maxnreg=SOLVE_REGS if use_qk_l2norm else None)
-
-    def solve():
-        if most > 0:
-            _gdn_solve_kernel[(N * HV, most)](*solve_args, **solve_opts)
-
-    def load_solve():
-        """Load the solve's compiled kernel into the context now: with CUDA's lazy loading, a kernel loaded at its
-        first launch waits for the kernels running, which here would be the chain waiting for it."""
-        _gdn_solve_kernel.warmup(*solve_args, grid=(N * HV, max(most, 1)), **solve_opts)._init_handles()
-
-    def chain():
-        _gdn_chain_kernel[(V // BV, N * HV)](*descs, o, *states, rows, cu, chunk_off, flags, H, HV, K=K, V=V, BV=BV,
-                                             C=CHUNK, R=GATE_ROWS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-                                             POOL=pool, WAIT=overlap, num_warps=NUM_WARPS)
-
-    def run():
-        if overlap:
-            load_solve()
-            _beside(solve, chain, dev)
-        else:
-            solve()
-            chain()
-
+    call = _Call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, state_pool,
+                 state_indices, checked)
+    call.outputs()
+    p = call.plan
     # with a pool the final states are its rows (gated_delta_rule_fwd copies them out when asked)
-    return Launches(run, solve, chain, o, None if pool else ht, (Tbuf, Gbuf), programs, overlap)
+    return Launches(call.forward, call.solve, call.chain, call.o, None if call.pool else call.ht,
+                    call.buffers(), (p.solve_grid[0] * p.solve_grid[1], p.chain_grid[0] * p.chain_grid[1]),
+                    p.overlap)
+
+
+# ------------------------------------------------------------------------------------------------- the host path
+# What a call signature fixes is worked out once (`_Plan`, cached in `_PLANS`); a call then allocates its buffers
+# and launches. Each kernel's first launch of a plan goes through the JIT, which compiles it and returns the
+# CompiledKernel; later launches go through its C launcher directly (`launch.direct_launch`), with the chain's TMA
+# tensor maps from `launch.tensor_map`. A call takes the direct launches only where the JIT's launch would be the
+# same: no Triton hooks or debug mode (`launch.jit_is_plain`), the inputs on the current device, every pointer
+# 16-byte aligned (the JIT specialises on it; the plan's kernels were compiled for aligned pointers); any other call
+# launches through the JIT as before.
+
+MAX_PLANS = 64  # call signatures kept (a model's layers share a few; a server's batch shapes vary)
+
+
+class _Plan:
+    """What one call signature (`_Call.key`) fixes: grids, constexprs and options of both kernels, whether the
+    solve runs beside the chain; once each kernel was launched through the JIT from an aligned call, its direct
+    launch (False: this Triton's launcher is not the one `launch.direct_launch` knows) and the chain's tensor-map
+    specs."""
+
+    __slots__ = ("solve_grid", "chain_grid", "solve_consts", "solve_opts", "chain_consts", "overlap", "solve",
+                 "chain", "specs")
+
+    def __init__(self, *, N, HV, K, V, most, l2, overlap, has_h0, store_ht, pool):
+        self.solve_grid = (N * HV, most, 1)
+        self.chain_grid = (V // BV, N * HV, 1)
+        self.solve_consts = (K, CHUNK, GATE_ROWS, l2, overlap)  # K, C, R, L2, FLAG
+        self.solve_opts = dict(num_warps=NUM_WARPS, maxnreg=SOLVE_REGS if l2 else None)
+        self.chain_consts = (K, V, BV, CHUNK, GATE_ROWS, has_h0, store_ht, pool, overlap)  # ... POOL, WAIT
+        self.overlap = overlap
+        self.solve = self.chain = self.specs = None
+
+
+_PLANS: OrderedDict = OrderedDict()
+
+
+def _new_plan(key: tuple, **dims) -> _Plan:
+    plan = _PLANS[key] = _Plan(**dims)
+    if len(_PLANS) > MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _aligned(*ptrs: int) -> bool:
+    acc = 0
+    for p in ptrs:
+        acc |= p
+    return acc & 15 == 0
+
+
+class _Call:
+    """One forward: the inputs made contiguous, the solve's buffers, then o and ht (`outputs`), and the launches.
+    `forward` launches the solve before it allocates o (so the GPU starts on the solve while the host prepares the
+    chain), or with the overlapped form the chain first on its own stream."""
+
+    __slots__ = ("plan", "dev", "direct", "pool", "q", "k", "v", "g", "beta", "scale", "H", "HV", "cu", "chunk_off",
+                 "flags", "h0", "rows", "work", "slots", "Tbuf", "Gbuf", "o", "ht", "store_ht", "descs_shape", "ptrs")
+
+    def __init__(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                 state_pool, state_indices, checked):
+        if checked:
+            pool = state_pool is not None
+        else:
+            _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+            pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        dev = q.device
+        if cu_seqlens is None:  # equal lengths: the chunk offsets follow without reading anything back
+            most = -(-T // CHUNK)
+            cu, chunk_off = _equal_offsets(B, T, most, dev)
+            N, total = B, B * most
+        else:
+            cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+            # the grid needs the longest sequence: the host copy the dispatch recorded (else one sync, recorded)
+            host = host_offsets(cu)
+            nch = [-(-(b - a) // CHUNK) for a, b in zip(host, host[1:])]
+            most, total = max(nch, default=0), sum(nch)
+            # the chunk offsets from the host: one copy (no device sync: pageable memory is staged at once)
+            chunk_off = torch.tensor([0, *itertools.accumulate(nch)], dtype=torch.int32).to(dev, non_blocking=True)
+            N = len(host) - 1
+        self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.g, self.beta = g.contiguous(), beta.contiguous()
+        if pool:  # the kernel reads and writes the pool's rows; ht (if asked) is a copy of them afterwards
+            self.h0 = self.ht = state_pool
+            self.rows = state_indices.to(torch.int32).contiguous()
+            self.store_ht = True
+        else:
+            self.h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+            self.ht = None
+            self.rows = cu  # never read: POOL is compiled out
+            self.store_ht = bool(output_final_state)
+        self.pool, self.dev, self.H, self.HV, self.cu, self.chunk_off = pool, dev, H, HV, cu, chunk_off
+        self.scale = float(K**-0.5 if scale is None else scale)
+        slots = max(total, 1) * HV
+        overlap = _overlaps((V // BV) * N * HV, most, dev)
+        l2 = bool(use_qk_l2norm)
+        key = (dev.index, q.dtype, g.dtype, beta.dtype, B * T, H, HV, K, V, N, most, total, l2,
+               self.h0 is not None, self.store_ht, pool, overlap)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _new_plan(key, N=N, HV=HV, K=K, V=V, most=most, l2=l2, overlap=overlap,
+                             has_h0=self.h0 is not None, store_ht=self.store_ht, pool=pool)
+        else:
+            _PLANS.move_to_end(key)
+        self.plan = plan
+        # T and the gate rows in one allocation (one call of the allocator on the way to the solve's launch);
+        # tb is a multiple of 16 bytes, so the gate rows start aligned
+        tb = slots * CHUNK * CHUNK * q.element_size()
+        self.work = torch.empty(tb + slots * GATE_ROWS * CHUNK * 4, dtype=torch.uint8, device=dev)
+        self.slots, self.Tbuf, self.Gbuf = slots, None, None
+        self.flags = torch.zeros(slots, dtype=torch.int32, device=dev) if overlap else cu  # cu: never read
+        self.o = None
+        self.descs_shape = (B * T, H * K, HV * V, slots)
+        self.ptrs = None
+        self.direct = _direct_ok(dev)
+        if self.direct:
+            wp = self.work.data_ptr()
+            ptrs = (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), self.g.data_ptr(),
+                    self.beta.data_ptr(), wp, wp + tb, cu.data_ptr(), chunk_off.data_ptr(), self.flags.data_ptr(),
+                    self.rows.data_ptr(), 0 if self.h0 is None else self.h0.data_ptr())
+            self.direct = _aligned(*ptrs)
+            self.ptrs = ptrs
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T [slots, C, C] in q's dtype, gate rows [slots, R, C] fp32): views of `work`, made when asked (the JIT
+        launches, `forward_launches`)."""
+        if self.Tbuf is None:
+            tb = self.slots * CHUNK * CHUNK * self.q.element_size()
+            self.Tbuf = self.work[:tb].view(self.q.dtype).view(self.slots, CHUNK, CHUNK)
+            self.Gbuf = self.work[tb:].view(torch.float32).view(self.slots, GATE_ROWS, CHUNK)
+        return self.Tbuf, self.Gbuf
+
+    def outputs(self) -> None:
+        """Allocate o (and ht, unless the pool is ht); NaN-filled under POISON."""
+        alloc = torch.full if POISON else lambda shape, _, **kw: torch.empty(shape, **kw)
+        v = self.v
+        self.o = alloc(v.shape, float("nan"), dtype=v.dtype, device=self.dev)
+        if not self.pool and self.store_ht:
+            N, K, V = self.plan.chain_grid[1] // self.HV, self.q.shape[-1], v.shape[-1]
+            self.ht = alloc((N, self.HV, K, V), float("nan"), dtype=torch.float32, device=self.dev)
+
+    def forward(self) -> None:
+        if self.plan.overlap:
+            if self.o is None:
+                self.outputs()
+            self._load_solve()
+            _beside(self.solve, self.chain, self.dev)
+            return
+        self.solve()
+        if self.o is None:
+            self.outputs()
+        self.chain()
+
+    def _solve_args(self, ptrs):
+        """The solve's arguments in the kernel's order: tensors for the JIT, their addresses for a direct launch."""
+        q, k, _, g, beta, Tb, Gb, cu, off, flags = ptrs[:10]
+        return (q, k, g, beta, Tb, Gb, cu, off, flags, self.scale, self.H, self.HV, *self.plan.solve_consts)
+
+    def _tensors(self):
+        return (self.q, self.k, self.v, self.g, self.beta, *self.buffers(), self.cu, self.chunk_off, self.flags)
+
+    def solve(self) -> None:
+        p = self.plan
+        if p.solve_grid[1] == 0:
+            return
+        if self.direct and p.solve:
+            p.solve(p.solve_grid, _stream(self.dev.index), self._solve_args(self.ptrs))
+            return
+        compiled = _gdn_solve_kernel[p.solve_grid](*self._solve_args(self._tensors()), **p.solve_opts)
+        if self.direct and p.solve is None:
+            p.solve = direct_launch(compiled) or False
+
+    def _load_solve(self) -> None:
+        """Load the solve's compiled kernel into the context before the chain starts: with CUDA's lazy loading, a
+        kernel loaded at its first launch waits for the kernels running, which here would be the chain waiting for
+        it. Once a plan has the solve's direct launch, that kernel is loaded."""
+        p = self.plan
+        if self.direct and p.solve:
+            return
+        grid = (p.solve_grid[0], max(p.solve_grid[1], 1))
+        compiled = _gdn_solve_kernel.warmup(*self._solve_args(self._tensors()), grid=grid, **p.solve_opts)
+        compiled._init_handles()
+        if self.direct and p.solve is None:
+            p.solve = direct_launch(compiled) or False
+
+    def chain(self, side: _Side | None = None) -> None:
+        """The chain's launch on the current stream, or on `side` (the overlapped form): a direct launch takes its
+        raw handle, a JIT launch makes it the current stream for the launch."""
+        p = self.plan
+        o, ht = self.o, self.ht
+        if self.direct and p.chain and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
+            stream = _stream(self.dev.index) if side is None else side.raw
+            p.chain(p.chain_grid, stream, self._chain_direct_args(p))
+            return
+        states = (self.h0 if self.h0 is not None else o, ht if ht is not None else o)  # o: never read
+        descs = _descriptors(self.q, self.k, self.v, o, *self.buffers(), BV)
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side.stream):
+            compiled = _gdn_chain_kernel[p.chain_grid](*descs, o, *states, self.rows, self.cu, self.chunk_off,
+                                                       self.flags, self.H, self.HV, *p.chain_consts,
+                                                       num_warps=NUM_WARPS)
+        if self.direct and p.chain is None and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
+            d = direct_launch(compiled)
+            if d is not None:
+                p.specs = _specs(d.metas, *self.descs_shape)
+            p.chain = d or False
+
+    def _chain_direct_args(self, p: _Plan) -> tuple:
+        """The chain's arguments as its C launcher parses them: each descriptor as (tensor map, *shape, *strides),
+        pointers as addresses."""
+        qp, kp, vp, _, _, Tp, Gp, cu, off, flags, rows, h0 = self.ptrs
+        op = self.o.data_ptr()
+        htp = op if self.ht is None else self.ht.data_ptr()
+        sq, sk, sv, st, sg, so = p.specs
+        return (tensor_map(qp, sq), *sq.tail, tensor_map(kp, sk), *sk.tail, tensor_map(vp, sv), *sv.tail,
+                tensor_map(Tp, st), *st.tail, tensor_map(Gp, sg), *sg.tail, tensor_map(op, so), *so.tail,
+                op, h0 if self.h0 is not None else op, htp, rows, cu, off, flags, self.H, self.HV, *p.chain_consts)
+
+
+def _specs(metas, Ttot: int, HK: int, HVV: int, slots: int) -> tuple[TmaSpec, ...]:
+    """The chain's tensor-map specs, in its descriptor order (`chain._descriptors`: q, k, v, T, gate rows, o), from
+    the compiled kernel's tensor-descriptor metadata."""
+    shapes = ((Ttot, HK), (Ttot, HK), (Ttot, HVV), (slots * CHUNK, CHUNK), (slots * GATE_ROWS, CHUNK), (Ttot, HVV))
+    return tuple(TmaSpec(m, shape, (shape[1], 1)) for m, shape in zip(metas, shapes, strict=True))
+
+
+_DRIVER: list = []  # (current device, current stream) of Triton's active driver, looked up once
+
+
+def _driver():
+    if not _DRIVER:
+        from triton.runtime import driver
+
+        _DRIVER.extend((driver.active.get_current_device, driver.active.get_current_stream))
+    return _DRIVER
+
+
+def _stream(index: int) -> int:
+    """The current stream of device `index`, as the JIT looks it up."""
+    return _DRIVER[1](index)
+
+
+def _direct_ok(dev: torch.device) -> bool:
+    """Whether a call on dev may take the direct launches: the JIT would launch on dev (the current device) and call
+    no hook (`launch.jit_is_plain`)."""
+    return jit_is_plain() and _driver()[0]() == dev.index
 
 
 OVERLAP_TOKENS = 4096  # the shortest longest sequence that runs its solve beside the chain (a second stream's cost)
@@ -259,16 +458,43 @@ def _chain_stream(dev: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[1])
 
 
-def _beside(solve: Callable[[], None], chain: Callable[[], None], dev: torch.device) -> None:
+class _Side(NamedTuple):
+    """What the overlapped form forks with, made once per device and thread: the chain's stream, its raw handle
+    (what a direct launch takes, so the current stream is never switched), and the two events of the fork and
+    the join. Reused: a stream waits on an event's latest record at the time it is told to wait, so a later
+    record does not move an earlier wait; per thread, so that two threads never record one event between the
+    other's record and wait. (`Stream.wait_stream` makes, and then frees, a new event each time, and switching
+    the current stream costs more than a launch.)"""
+
+    stream: torch.cuda.Stream
+    raw: int
+    fork: torch.cuda.Event
+    join: torch.cuda.Event
+
+
+_SIDES = threading.local()
+
+
+def _side(dev: torch.device) -> _Side:
+    sides = _SIDES.__dict__
+    side = sides.get(dev)
+    if side is None:
+        stream = _chain_stream(dev)
+        side = sides[dev] = _Side(stream, stream.cuda_stream, torch.cuda.Event(), torch.cuda.Event())
+    return side
+
+
+def _beside(solve: Callable[[], None], chain: Callable[[_Side], None], dev: torch.device) -> None:
     """The chain on its own stream, launched first so that it holds its multiprocessors, then the solve on the
     current stream (its kernel already loaded); the chain waits chunk by chunk for the solve's flags (zeroed on the
     current stream before).
     The current stream then waits for the chain: every buffer was allocated on it, so nothing is freed or reused
     before the chain is done with it."""
     cur = torch.cuda.current_stream(dev)
-    side = _chain_stream(dev)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        chain()
+    side = _side(dev)
+    side.fork.record(cur)
+    side.stream.wait_event(side.fork)
+    chain(side)
     solve()
-    cur.wait_stream(side)
+    side.join.record(side.stream)
+    cur.wait_event(side.join)

@@ -4,6 +4,8 @@ and small device helpers (a warpgroup MMA, row copies, what a chain program work
 
 from __future__ import annotations
 
+import functools
+
 try:  # the names the kernel files import from here
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -23,9 +25,10 @@ except ImportError as e:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = e
 
 
+@functools.cache
 def gluon_available() -> bool:
     """True when the installed Triton has the Gluon API this kernel is written against (Triton 3.6's
-    `triton.experimental.gluon` with Hopper warpgroup MMA and NVMMA layouts)."""
+    `triton.experimental.gluon` with Hopper warpgroup MMA and NVMMA layouts). Cached: the dispatch asks per call."""
     if _IMPORT_ERROR is not None:
         return False
     needed = (gl, ("NVMMADistributedLayout", "NVMMASharedLayout", "SwizzledSharedLayout", "BlockedLayout",
