@@ -50,12 +50,72 @@ def _claim(names: list[str]) -> list[str]:
         return new
 
 
+# A second lane: shorter interpreter children that module fixtures would otherwise run in line (tens of seconds
+# each), started one after the other at collection beside the first lane, so that the two cores stay busy while the
+# rest of the suite runs. name: (the test file whose fixture reads it, script argv after the interpreter). Each
+# child draws its own fresh seed (or gets one from the run's seed) and reports it in its RESULT line.
+_OPS = HERE / "ops" / "triton"
+LANE2 = {"callers": ("tests/ops/test_caller_inputs.py", [str(_OPS / "interp_callers.py")]),
+         "glue_layers": ("tests/layers/test_fused_glue.py", [str(_OPS / "interp_glue.py"), "layers"]),
+         "glue_full": ("tests/layers/test_fused_glue.py", [str(_OPS / "interp_glue.py"), "full"]),
+         "glue_ops": ("tests/ops/test_triton_glue.py", [str(_OPS / "interp_glue.py"), "ops"])}
+_lane2: dict[str, threading.Event] = {}
+_lane2_out: dict[str, object] = {}
+
+
+def _lane2_env(name: str) -> dict:
+    """The child's environment: the interpreter on, this checkout's hybridlm first, a seed from the run's."""
+    path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, HYBRIDLM_INTERP_SEED=str(derive_seed(name)))
+
+
+def _lane2_argv(name: str) -> list[str]:
+    argv = LANE2[name][1]
+    return argv + [str(derive_seed(name))] if argv[0].endswith("interp_glue.py") and argv[1] != "ops" else argv
+
+
+def _lane2_run(names: list[str]) -> None:
+    for n in names:
+        try:
+            _lane2_out[n] = subprocess.run([sys.executable, *_lane2_argv(n)], capture_output=True, text=True,
+                                           env=_lane2_env(n), timeout=900)
+        except Exception as e:  # noqa: BLE001 (reported by the fixture that reads it)
+            _lane2_out[n] = e
+        _lane2[n].set()
+
+
+def lane2_result(name: str) -> subprocess.CompletedProcess:
+    """The finished child `name` of the second lane (waiting for it, or running it here when nothing started it)."""
+    with _lock:
+        started = name in _lane2
+        if not started:
+            _lane2[name] = threading.Event()
+    if not started:
+        _lane2_run([name])
+    _lane2[name].wait()
+    r = _lane2_out[name]
+    if isinstance(r, Exception):
+        raise AssertionError(f"{' '.join(_lane2_argv(name))}: {type(r).__name__}: {r}")
+    return r
+
+
+@pytest.fixture(scope="session")
+def lane2():
+    return lane2_result
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only jobs that a selected test reads
 def pytest_collection_modifyitems(session, config, items):
     files = {item.nodeid.split("::")[0] for item in items}
     names = _claim([n for n, (_, test_file, _) in JOBS.items() if test_file in files])
     if names:
         threading.Thread(target=lambda: [_run(n) for n in names], daemon=True, name="interp-jobs").start()
+    with _lock:
+        lane = [n for n, (test_file, _) in LANE2.items() if test_file in files and n not in _lane2]
+        for n in lane:
+            _lane2[n] = threading.Event()
+    if lane:
+        threading.Thread(target=_lane2_run, args=(lane,), daemon=True, name="interp-lane2").start()
 
 
 def interp_result(name: str) -> dict:

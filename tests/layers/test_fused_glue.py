@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,23 +29,18 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 
-def _interp(which: str) -> dict:
-    """Run interp_glue.py `which` on a fresh seed, drawn here so that every failure names it (rerun with
-    `python tests/ops/triton/interp_glue.py WHICH SEED`)."""
-    seed = int.from_bytes(os.urandom(4), "little") % 2**31
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "ops" / "triton" / "interp_glue.py"), which, str(seed)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, f"interp_glue.py {which} {seed}: exit {r.returncode}\n{r.stderr[-4000:]}"
+def _interp(lane2, which: str) -> dict:
+    """interp_glue.py `which` on a seed drawn from the run's (started at collection in the suite's second lane:
+    tests/conftest.py); every failure names it (rerun with `python tests/ops/triton/interp_glue.py WHICH SEED`)."""
+    r = lane2(f"glue_{which}")
+    assert r.returncode == 0, f"interp_glue.py {which}: exit {r.returncode}\n{r.stderr[-4000:]}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    res = json.loads(line[len("RESULT "):])
-    assert res["seed"] == seed
-    return res
+    return json.loads(line[len("RESULT "):])
 
 
 @pytest.fixture(scope="module")
-def interp_layers():
-    return _interp("layers")
+def interp_layers(lane2):
+    return _interp(lane2, "layers")
 
 
 @pytest.mark.parametrize("case", ["gdn_split_B2_T20", "gdn_fused_varlen", "gdn_olmo_beta2_mask", "kda_B2_T17",
@@ -140,8 +133,8 @@ def test_gpu_bf16_fused_glue_equals_reference(kind, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def interp_full():
-    return _interp("full")
+def interp_full(lane2):
+    return _interp(lane2, "full")
 
 
 @pytest.mark.parametrize("case", ["full_gdn_split_T70", "full_gdn_olmo_varlen", "full_kda_T66"])

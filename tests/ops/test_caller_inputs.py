@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -183,13 +180,12 @@ TRITON_TOL = {"fp32": (2e-6, 1e-5), "fp16": (1e-3, 2e-3)}
 
 
 @pytest.fixture(scope="module")
-def interp_callers():
+def interp_callers(lane2):
     """tests/ops/triton/interp_callers.py's results: {case: {"tol": "fp32" | "fp16", tensor: rel error}}."""
     pytest.importorskip("triton")
-    # the child imports the hybridlm of this checkout, as pytest does (its script's folder is first on its path)
-    path = os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", HYBRIDLM_INTERP_SEED=str(draw_seed()), PYTHONPATH=path)
-    r = subprocess.run([sys.executable, str(INTERP)], capture_output=True, text=True, env=env, timeout=600)
+    # started at collection in the suite's second lane (tests/conftest.py), with this checkout's hybridlm and a
+    # seed from the run's
+    r = lane2("callers")
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,10 +34,9 @@ SUMS = ("dA_log", "ddt_bias")
 
 
 @pytest.fixture(scope="module")
-def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(HERE / "triton" / "interp_glue.py"), "ops"], capture_output=True,
-                       text=True, env=env, timeout=600)
+def interp_results(lane2):
+    """interp_glue.py ops (started at collection in the suite's second lane: tests/conftest.py)."""
+    r = lane2("glue_ops")
     assert r.returncode == 0, r.stderr[-4000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
