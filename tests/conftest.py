@@ -55,10 +55,17 @@ def _claim(names: list[str]) -> list[str]:
 # rest of the suite runs. name: (the test file whose fixture reads it, script argv after the interpreter). Each
 # child draws its own fresh seed (or gets one from the run's seed) and reports it in its RESULT line.
 _OPS = HERE / "ops" / "triton"
-LANE2 = {"callers": ("tests/ops/test_caller_inputs.py", [str(_OPS / "interp_callers.py")]),
-         "glue_layers": ("tests/layers/test_fused_glue.py", [str(_OPS / "interp_glue.py"), "layers"]),
-         "glue_full": ("tests/layers/test_fused_glue.py", [str(_OPS / "interp_glue.py"), "full"]),
-         "glue_ops": ("tests/ops/test_triton_glue.py", [str(_OPS / "interp_glue.py"), "ops"])}
+# name: (the test file whose fixture reads it, the script and its arguments, the derive_seed name of the seed
+# passed as its last argument or None), in the order the suite reads them
+LANE2 = {"glue_layers": ("tests/layers/test_fused_glue.py", ["interp_glue.py", "layers"], "glue_layers"),
+         "glue_full": ("tests/layers/test_fused_glue.py", ["interp_glue.py", "full"], "glue_full"),
+         "add_norm": ("tests/ops/test_add_rms_norm.py", ["interp_add_norm.py"],
+                      "tests/ops/test_add_rms_norm.py::interp"),
+         "callers": ("tests/ops/test_caller_inputs.py", ["interp_callers.py"], None),
+         "ce": ("tests/ops/test_linear_ce.py", ["interp_ce.py"], "tests/ops/test_linear_ce.py::interp"),
+         "decode": ("tests/ops/test_multi_token_decode.py", ["interp_decode.py"],
+                    "tests/ops/test_multi_token_decode.py::interp"),
+         "glue_ops": ("tests/ops/test_triton_glue.py", ["interp_glue.py", "ops"], None)}
 _lane2: dict[str, threading.Event] = {}
 _lane2_out: dict[str, object] = {}
 
@@ -70,8 +77,8 @@ def _lane2_env(name: str) -> dict:
 
 
 def _lane2_argv(name: str) -> list[str]:
-    argv = LANE2[name][1]
-    return argv + [str(derive_seed(name))] if argv[0].endswith("interp_glue.py") and argv[1] != "ops" else argv
+    _, (script, *args), seed_name = LANE2[name]
+    return [str(_OPS / script), *args, *([str(derive_seed(seed_name))] if seed_name else [])]
 
 
 def _lane2_run(names: list[str]) -> None:
@@ -111,7 +118,7 @@ def pytest_collection_modifyitems(session, config, items):
     if names:
         threading.Thread(target=lambda: [_run(n) for n in names], daemon=True, name="interp-jobs").start()
     with _lock:
-        lane = [n for n, (test_file, _) in LANE2.items() if test_file in files and n not in _lane2]
+        lane = [n for n, (test_file, *_) in LANE2.items() if test_file in files and n not in _lane2]
         for n in lane:
             _lane2[n] = threading.Event()
     if lane:

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from decode_cases import case_names, run_case
-
-import hybridlm
 
 pytest.importorskip("triton")
 from hybridlm.ops import decode as dec  # noqa: E402
@@ -42,14 +37,11 @@ def _check(name: str, res: dict, seed: int, tol: float = TOL, tol_o: float = TOL
 
 
 @pytest.fixture(scope="module")
-def kernel_results(derive_seed) -> dict:
-    """Every case through the kernel under TRITON_INTERPRET=1, in one child process importing this hybridlm."""
-    seed = derive_seed("tests/ops/test_multi_token_decode.py::interp")
-    root = str(Path(hybridlm.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(SCRIPT), str(seed)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0, f"interp_decode.py (seed {seed}): exit {r.returncode}\n{r.stderr[-4000:]}"
+def kernel_results(lane2) -> dict:
+    """Every case through the kernel under TRITON_INTERPRET=1, in one child process importing this hybridlm
+    (started at collection in the suite's second lane: tests/conftest.py)."""
+    r = lane2("decode")
+    assert r.returncode == 0, f"interp_decode.py: exit {r.returncode}\n{r.stderr[-4000:]}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 
