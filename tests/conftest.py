@@ -2,7 +2,9 @@
 each under TRITON_INTERPRET=1) start in the background as soon as pytest has collected a test that needs them, one
 after the other, so that on CI's two cores they run beside the rest of the suite instead of after it. A test
 module's `interp_results` fixture waits for its job (`interp_job("gdn")`), or runs it itself when nothing started
-it. Each job draws its own fresh seed and prints it, as when the fixture ran it."""
+it. Each job draws its own fresh seed and prints it, as when the fixture ran it. A second lane (`LANE2`) does the
+same for the shorter interpreter children of other modules (glue, callers' inputs, cross-entropy, add-norm, decode),
+whose fixtures read them through `lane2`; their seeds derive from the run's."""
 
 from __future__ import annotations
 
