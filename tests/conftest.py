@@ -2,9 +2,9 @@
 each under TRITON_INTERPRET=1) start in the background as soon as pytest has collected a test that needs them, one
 after the other, so that on CI's two cores they run beside the rest of the suite instead of after it. A test
 module's `interp_results` fixture waits for its job (`interp_job("gdn")`), or runs it itself when nothing started
-it. Each job draws its own fresh seed and prints it, as when the fixture ran it. A second lane (`LANE2`) does the
-same for the shorter interpreter children of other modules (glue, callers' inputs, cross-entropy, add-norm, decode),
-whose fixtures read them through `lane2`; their seeds derive from the run's."""
+it. Each job draws its own fresh seed or takes one derived from the run's, and reports it. A second lane does the
+same, beside the first, for the shorter interpreter children of other modules (glue, callers' inputs,
+cross-entropy, add-norm, decode), whose fixtures read them through `interp_job` too."""
 
 from __future__ import annotations
 
@@ -25,20 +25,41 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels run in this process too
     from interp_patches import patch_interpreter
 
     patch_interpreter()
-# job: (its script, the test file whose tests read it, timeout in seconds), in the order the suite reads them
-JOBS = {"gdn": (HERE / "ops" / "triton" / "interp_gdn.py", "tests/ops/test_triton_gdn.py", 1200),
-        "kda": (HERE / "ops" / "triton" / "interp_kda.py", "tests/ops/test_triton_kda.py", 1200)}
+_OPS = HERE / "ops" / "triton"
+# job: (its lane, the test file whose fixture reads it, the script and its arguments, the derive_seed name of a seed
+# passed as its last argument or None: the script then draws its own), each lane in the order the suite reads them.
+# Lane 0 holds the two long jobs; lane 1 the shorter children (tens of seconds each) that the fixtures would
+# otherwise run in line.
+JOBS = {"gdn": (0, "tests/ops/test_triton_gdn.py", ["interp_gdn.py"], None),
+        "kda": (0, "tests/ops/test_triton_kda.py", ["interp_kda.py"], None),
+        "glue_layers": (1, "tests/layers/test_fused_glue.py", ["interp_glue.py", "layers"], "glue_layers"),
+        "glue_full": (1, "tests/layers/test_fused_glue.py", ["interp_glue.py", "full"], "glue_full"),
+        "add_norm": (1, "tests/ops/test_add_rms_norm.py", ["interp_add_norm.py"],
+                     "tests/ops/test_add_rms_norm.py::interp"),
+        "callers": (1, "tests/ops/test_caller_inputs.py", ["interp_callers.py"], None),
+        "ce": (1, "tests/ops/test_linear_ce.py", ["interp_ce.py"], "tests/ops/test_linear_ce.py::interp"),
+        "decode": (1, "tests/ops/test_multi_token_decode.py", ["interp_decode.py"],
+                   "tests/ops/test_multi_token_decode.py::interp"),
+        "glue_ops": (1, "tests/ops/test_triton_glue.py", ["interp_glue.py", "ops"], None)}
+TIMEOUT = 1200  # seconds a job may run
 _lock = threading.Lock()
 _finished: dict[str, threading.Event] = {}  # a job is claimed once its event exists
 _results: dict[str, object] = {}  # CompletedProcess, or the exception that stopped the run
 
 
+def _argv(name: str) -> list[str]:
+    _, _, (script, *args), seed_name = JOBS[name]
+    return [str(_OPS / script), *args, *([str(derive_seed(seed_name))] if seed_name else [])]
+
+
 def _run(name: str) -> None:
-    script, _, timeout = JOBS[name]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    """Job `name` under the interpreter with this checkout's hybridlm first on the path (the child's own path starts
+    at its script's folder) and HYBRIDLM_INTERP_SEED from the run's seed (for the scripts that read it)."""
+    path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, HYBRIDLM_INTERP_SEED=str(derive_seed(name)))
     try:
-        _results[name] = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                                        timeout=timeout)
+        _results[name] = subprocess.run([sys.executable, *_argv(name)], capture_output=True, text=True, env=env,
+                                        timeout=TIMEOUT)
     except Exception as e:  # noqa: BLE001 (reported by the fixture that reads the job)
         _results[name] = e
     _finished[name].set()
@@ -52,79 +73,13 @@ def _claim(names: list[str]) -> list[str]:
         return new
 
 
-# A second lane: shorter interpreter children that module fixtures would otherwise run in line (tens of seconds
-# each), started one after the other at collection beside the first lane, so that the two cores stay busy while the
-# rest of the suite runs. name: (the test file whose fixture reads it, script argv after the interpreter). Each
-# child draws its own fresh seed (or gets one from the run's seed) and reports it in its RESULT line.
-_OPS = HERE / "ops" / "triton"
-# name: (the test file whose fixture reads it, the script and its arguments, the derive_seed name of the seed
-# passed as its last argument or None), in the order the suite reads them
-LANE2 = {"glue_layers": ("tests/layers/test_fused_glue.py", ["interp_glue.py", "layers"], "glue_layers"),
-         "glue_full": ("tests/layers/test_fused_glue.py", ["interp_glue.py", "full"], "glue_full"),
-         "add_norm": ("tests/ops/test_add_rms_norm.py", ["interp_add_norm.py"],
-                      "tests/ops/test_add_rms_norm.py::interp"),
-         "callers": ("tests/ops/test_caller_inputs.py", ["interp_callers.py"], None),
-         "ce": ("tests/ops/test_linear_ce.py", ["interp_ce.py"], "tests/ops/test_linear_ce.py::interp"),
-         "decode": ("tests/ops/test_multi_token_decode.py", ["interp_decode.py"],
-                    "tests/ops/test_multi_token_decode.py::interp"),
-         "glue_ops": ("tests/ops/test_triton_glue.py", ["interp_glue.py", "ops"], None)}
-_lane2: dict[str, threading.Event] = {}
-_lane2_out: dict[str, object] = {}
-
-
-def _lane2_env(name: str) -> dict:
-    """The child's environment: the interpreter on, this checkout's hybridlm first, a seed from the run's."""
-    path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
-    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, HYBRIDLM_INTERP_SEED=str(derive_seed(name)))
-
-
-def _lane2_argv(name: str) -> list[str]:
-    _, (script, *args), seed_name = LANE2[name]
-    return [str(_OPS / script), *args, *([str(derive_seed(seed_name))] if seed_name else [])]
-
-
-def _lane2_run(names: list[str]) -> None:
-    for n in names:
-        try:
-            _lane2_out[n] = subprocess.run([sys.executable, *_lane2_argv(n)], capture_output=True, text=True,
-                                           env=_lane2_env(n), timeout=900)
-        except Exception as e:  # noqa: BLE001 (reported by the fixture that reads it)
-            _lane2_out[n] = e
-        _lane2[n].set()
-
-
-def lane2_result(name: str) -> subprocess.CompletedProcess:
-    """The finished child `name` of the second lane (waiting for it, or running it here when nothing started it)."""
-    with _lock:
-        started = name in _lane2
-        if not started:
-            _lane2[name] = threading.Event()
-    if not started:
-        _lane2_run([name])
-    _lane2[name].wait()
-    r = _lane2_out[name]
-    if isinstance(r, Exception):
-        raise AssertionError(f"{' '.join(_lane2_argv(name))}: {type(r).__name__}: {r}")
-    return r
-
-
-@pytest.fixture(scope="session")
-def lane2():
-    return lane2_result
-
-
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only jobs that a selected test reads
 def pytest_collection_modifyitems(session, config, items):
     files = {item.nodeid.split("::")[0] for item in items}
-    names = _claim([n for n, (_, test_file, _) in JOBS.items() if test_file in files])
-    if names:
-        threading.Thread(target=lambda: [_run(n) for n in names], daemon=True, name="interp-jobs").start()
-    with _lock:
-        lane = [n for n, (test_file, *_) in LANE2.items() if test_file in files and n not in _lane2]
-        for n in lane:
-            _lane2[n] = threading.Event()
-    if lane:
-        threading.Thread(target=_lane2_run, args=(lane,), daemon=True, name="interp-lane2").start()
+    names = _claim([n for n, (_, test_file, _, _) in JOBS.items() if test_file in files])
+    for lane in sorted({JOBS[n][0] for n in names}):
+        mine = [n for n in names if JOBS[n][0] == lane]
+        threading.Thread(target=lambda m=mine: [_run(n) for n in m], daemon=True, name=f"interp-lane{lane}").start()
 
 
 def interp_result(name: str) -> dict:
@@ -132,10 +87,10 @@ def interp_result(name: str) -> dict:
     if _claim([name]):
         _run(name)
     _finished[name].wait()
-    r = _results[name]
+    r, what = _results[name], " ".join(Path(a).name for a in _argv(name))
     if isinstance(r, Exception):
-        raise AssertionError(f"{JOBS[name][0].name}: {type(r).__name__}: {r}")
-    assert r.returncode == 0, f"{JOBS[name][0].name}: exit {r.returncode}\n{r.stderr[-4000:]}"
+        raise AssertionError(f"{what}: {type(r).__name__}: {r}")
+    assert r.returncode == 0, f"{what}: exit {r.returncode}\n{r.stderr[-4000:]}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
 

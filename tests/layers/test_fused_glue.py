@@ -16,7 +16,6 @@ CUDA: the same comparison in bfloat16 (skipped without CUDA).
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 
@@ -29,18 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 
-def _interp(lane2, which: str) -> dict:
-    """interp_glue.py `which` on a seed drawn from the run's (started at collection in the suite's second lane:
-    tests/conftest.py); every failure names it (rerun with `python tests/ops/triton/interp_glue.py WHICH SEED`)."""
-    r = lane2(f"glue_{which}")
-    assert r.returncode == 0, f"interp_glue.py {which}: exit {r.returncode}\n{r.stderr[-4000:]}"
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
-
-
 @pytest.fixture(scope="module")
-def interp_layers(lane2):
-    return _interp(lane2, "layers")
+def interp_layers(interp_job):
+    """interp_glue.py layers on a seed derived from the run's (started at collection in the suite's second lane:
+    tests/conftest.py); every failure names it (rerun with `python tests/ops/triton/interp_glue.py layers SEED`)."""
+    return interp_job("glue_layers")
 
 
 @pytest.mark.parametrize("case", ["gdn_split_B2_T20", "gdn_fused_varlen", "gdn_olmo_beta2_mask", "kda_B2_T17",
@@ -133,8 +125,8 @@ def test_gpu_bf16_fused_glue_equals_reference(kind, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def interp_full(lane2):
-    return _interp(lane2, "full")
+def interp_full(interp_job):
+    return interp_job("glue_full")
 
 
 @pytest.mark.parametrize("case", ["full_gdn_split_T70", "full_gdn_olmo_varlen", "full_kda_T66"])

@@ -17,7 +17,6 @@ are torch's, dbranch is dx rounded to branch's dtype.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -43,14 +42,10 @@ def _kw(kind: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def interp_results(lane2):
+def interp_results(interp_job):
+    """interp_add_norm.py's results (started at collection in the suite's second lane: tests/conftest.py)."""
     pytest.importorskip("triton")
-    # interp_add_norm.py, started at collection in the suite's second lane (tests/conftest.py) with this
-    # checkout's hybridlm and a seed from the run's
-    r = lane2("add_norm")
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interp_job("add_norm")
 
 
 def _bar(case: str, name: str) -> float:

@@ -13,7 +13,6 @@ interp_callers.py, ~30 s); tests/ops/test_caller_inputs_gpu.py runs them, and th
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import pytest
@@ -180,14 +179,11 @@ TRITON_TOL = {"fp32": (2e-6, 1e-5), "fp16": (1e-3, 2e-3)}
 
 
 @pytest.fixture(scope="module")
-def interp_callers(lane2):
-    """tests/ops/triton/interp_callers.py's results: {case: {"tol": "fp32" | "fp16", tensor: rel error}}."""
+def interp_callers(interp_job):
+    """tests/ops/triton/interp_callers.py's results: {case: {"tol": "fp32" | "fp16", tensor: rel error}} (started
+    at collection in the suite's second lane: tests/conftest.py)."""
     pytest.importorskip("triton")
-    # started at collection in the suite's second lane (tests/conftest.py), with this checkout's hybridlm and a
-    # seed from the run's
-    r = lane2("callers")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    return interp_job("callers")
 
 
 TRITON_CASES = ["gdn_inference_int64", "kda_inference_int32", "gdn_int64_grads", "gdn_qk_fp32_v_fp16",

@@ -20,7 +20,6 @@ The `gpu` tests run the kernel on CUDA at vocabulary sizes that are not a multip
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -119,14 +118,10 @@ def test_impl_is_checked():
 
 
 @pytest.fixture(scope="module")
-def interp_results(lane2):
+def interp_results(interp_job):
+    """interp_ce.py's results (started at collection in the suite's second lane: tests/conftest.py)."""
     pytest.importorskip("triton")
-    # interp_ce.py, started at collection in the suite's second lane (tests/conftest.py) with this checkout's
-    # hybridlm and a seed from the run's
-    r = lane2("ce")
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interp_job("ce")
 
 
 @pytest.mark.parametrize("case", ROWS)

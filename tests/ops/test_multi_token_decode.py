@@ -6,7 +6,6 @@ counts and the rows that must keep their bits (tests/ops/decode_cases.py); bad i
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -37,13 +36,10 @@ def _check(name: str, res: dict, seed: int, tol: float = TOL, tol_o: float = TOL
 
 
 @pytest.fixture(scope="module")
-def kernel_results(lane2) -> dict:
+def kernel_results(interp_job) -> dict:
     """Every case through the kernel under TRITON_INTERPRET=1, in one child process importing this hybridlm
     (started at collection in the suite's second lane: tests/conftest.py)."""
-    r = lane2("decode")
-    assert r.returncode == 0, f"interp_decode.py: exit {r.returncode}\n{r.stderr[-4000:]}"
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interp_job("decode")
 
 
 @pytest.mark.parametrize("name", case_names())

@@ -19,7 +19,6 @@ a small one.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -34,12 +33,9 @@ SUMS = ("dA_log", "ddt_bias")
 
 
 @pytest.fixture(scope="module")
-def interp_results(lane2):
+def interp_results(interp_job):
     """interp_glue.py ops (started at collection in the suite's second lane: tests/conftest.py)."""
-    r = lane2("glue_ops")
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interp_job("glue_ops")
 
 
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_h0_T5", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_17_5",
