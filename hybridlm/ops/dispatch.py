@@ -206,13 +206,8 @@ def _signature(op: str, impl: str, q, k, v, kw: dict) -> tuple | None:
         return None
     sig = [op, impl, kw["chunk_size"], lb, torch.is_grad_enabled(), bool(kw["output_final_state"]),
            bool(kw["use_qk_l2norm"]), bool(kw["recompute"])]
-    for x in (q, k, v):
-        if not isinstance(x, torch.Tensor):
-            return None
-        sig += (x.shape, x.dtype, x.device, x.requires_grad)
-    for name in _TENSOR_ARGS:
-        x = kw.get(name)
-        if x is None:
+    for x in (q, k, v, *(kw.get(name) for name in _TENSOR_ARGS)):
+        if x is None:  # q, k or v None: the first call's checks refuse it, so nothing is remembered
             sig.append(None)
         elif isinstance(x, torch.Tensor):
             sig += (x.shape, x.dtype, x.device, x.requires_grad)
@@ -286,19 +281,15 @@ def _triton_supports(x: Inputs) -> str | None:
     return None if check is None else check(x.q, x.v)
 
 
-_GDN_FWD: list = []  # the module (or None) once imported
-
-
+@functools.cache
 def _gdn_fwd():
     """hybridlm.ops.gluon.gdn_fwd, or None when it does not import (no triton). Imported on first use, not with
     this module: it pulls in Triton, which CPU-only installs may lack; remembered, as each call asks twice."""
-    if not _GDN_FWD:
-        try:
-            from .gluon import gdn_fwd
-        except ImportError:
-            gdn_fwd = None
-        _GDN_FWD.append(gdn_fwd)
-    return _GDN_FWD[0]
+    try:
+        from .gluon import gdn_fwd
+    except ImportError:
+        return None
+    return gdn_fwd
 
 
 def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
