@@ -92,7 +92,7 @@ if _IMPORT_ERROR is None:
             # dS'^T in 16 bits (what dhb keeps, the left operand of dS'^T K^T) and e^{bL} dS'^T, before any product
             # is in flight (dS is the last product's result)
             s16 = dS.to(dt)
-            dS = dS * gl.max(_gate_cols(gb, 2, MS), axis=0)  # e^{bL}, in every column of row 2
+            dS = dS * gl.max(_gate_cols(gb, 2, MT), axis=0)  # e^{bL}, in every column of row 2
             s_op = gl.convert_layout(s16, A_T)
             z = warpgroup_mma(s_op, k_st.index(buf).permute((1, 0)), zt, use_acc=False, is_async=True)
             # e^{bL} dS'^T + (dO^T diag(qs)) Q, in flight beside it
