@@ -11,7 +11,8 @@ Non-standard here:
   and W in shared memory, with fp32 accumulation, as the Triton kernel's 16-bit path; dS stays fp32 between chunks.
   The transposed products:
       dVn^T = (dS'^T K^T) diag(sk) + dO^T P           dS^T = e^{bL} dS'^T + (dO^T diag(qs)) Q - dVn^T W
-  Q^T diag(qs) dO is issued with dS'^T K^T, both in flight at once; the W product accumulates onto it.
+  The products with Q and P need no dS', so all three (K, Q, P) are in flight at once; the W product then
+  accumulates onto the Q one: two dependent steps a chunk.
 - W, q, k, dO, P and the chunk's gate rows (`state_pass._bwd_gate_rows`: qs, sk, e^{bL} and a token mask, written
   by a small Triton launch before) arrive by TMA into two slots, issued by a one-warp partition
   (`gl.warp_specialize`). Rows past the sequence are the next sequence's (or zeros past the tensor): dO's are
@@ -95,11 +96,12 @@ if _IMPORT_ERROR is None:
             dS = dS * gl.max(_gate_cols(gb, 2, MT), axis=0)  # e^{bL}, in every column of row 2
             s_op = gl.convert_layout(s16, A_T)
             z = warpgroup_mma(s_op, k_st.index(buf).permute((1, 0)), zt, use_acc=False, is_async=True)
-            # e^{bL} dS'^T + (dO^T diag(qs)) Q, in flight beside it
+            # e^{bL} dS'^T + (dO^T diag(qs)) Q and dO^T P (dO's rows past the sequence masked), in flight beside it
             dot_t = do_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)  # dO^T [BV, C]
             qs_op = gl.convert_layout((dot_t * gl.expand_dims(_gate_cols(gb, 0, MT), 0)).to(dt), A_S)
             acc = warpgroup_mma(qs_op, q_st.index(buf), dS, use_acc=True, is_async=True)
             do_op = gl.convert_layout((dot_t * gl.expand_dims(_gate_cols(gb, 3, MT), 0)).to(dt), A_T)
+            x = warpgroup_mma(do_op, p_st.index(buf), zt, use_acc=False, is_async=True)
             # dS' leaves by TMA from hb_st (as [K, BV]) once the previous chunk's stores have read both buffers
             tma.store_wait(0)
             gl.thread_barrier()
@@ -108,11 +110,9 @@ if _IMPORT_ERROR is None:
             gl.thread_barrier()
             tma.async_copy_shared_to_global(dhb_desc, [slot * K, col0], hb_st)
 
-            # dVn^T = (dS'^T K^T) diag(sk) + dO^T P
-            z, s_op = warpgroup_mma_wait(1, deps=[z, s_op])
-            sk = gl.expand_dims(_gate_cols(gb, 1, MT), 0)
-            dvn_t = warpgroup_mma(do_op, p_st.index(buf), z * sk, use_acc=True, is_async=True)
-            acc, dvn_t, qs_op, do_op = warpgroup_mma_wait(0, deps=[acc, dvn_t, qs_op, do_op])
+            # dVn^T = (dS'^T K^T) diag(sk) + dO^T P, once all three products are done
+            acc, z, x, s_op, qs_op, do_op = warpgroup_mma_wait(0, deps=[acc, z, x, s_op, qs_op, do_op])
+            dvn_t = z * gl.expand_dims(_gate_cols(gb, 1, MT), 0) + x
             d16 = dvn_t.to(dt)
             # dS^T = acc - dVn^T W (the 16-bit dVn^T negated: exact)
             n_op = gl.convert_layout(-d16, A_S)
