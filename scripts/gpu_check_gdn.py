@@ -30,7 +30,7 @@ from hybridlm.ops.triton import kda as _kda
 _gdn.POISON = True  # outputs start as NaN: an unwritten element fails
 
 F64 = torch.float64
-BARS = {torch.bfloat16: (5e-3, 1e-2), torch.float32: (1e-5, 1e-5)}
+BARS = {torch.bfloat16: (5e-3, 1e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-5, 1e-5)}
 
 
 def rel(a, b):

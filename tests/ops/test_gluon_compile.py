@@ -4,8 +4,11 @@ Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drif
 Each kernel is compiled through `triton.compile` with a CUDA `GPUTarget` of capability 90, its arguments typed as
 the host wrapper passes them (16-byte aligned pointers, as torch allocations are): the solve with and without
 l2norm (with it, under the host's register cap), the chain in bf16 with both states, in fp16 without them, and with
-its states in a pool; K 128, and 64 in fp16.
-About 10 s a compile on one core.
+its states in a pool; K 128, and 64 in fp16. The backward's state-gradient chain (`chain_bwd`) in bf16 with the
+final-state cotangent and the initial-state gradient, in fp16 at K 64 without them, and at V 256: it must also
+compile without spills (no local memory: its state gradient and products fill a warpgroup's registers), and its
+gate rows launch (Triton) for sm_90.
+About 10 s a compile on one core (the backward chain about 1 s).
 
 A Triton without the Gluon API the kernels are written against fails here (it is the drift this file exists to
 catch; the pinned Triton, README and .ci/run, has it), it is not skipped.
@@ -18,11 +21,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 try:  # a Triton without Gluon breaks this import: each test below fails with it instead of the file not loading
-    from hybridlm.ops.gluon import gdn_fwd
+    from hybridlm.ops.gluon import chain_bwd, gdn_fwd
 
     GLUON_ERROR = gdn_fwd._IMPORT_ERROR
 except ImportError as e:
-    gdn_fwd, GLUON_ERROR = None, e
+    gdn_fwd = chain_bwd = None
+    GLUON_ERROR = e
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
 FP32_PTRS = ("g", "h0", "ht", "Gbuf")
@@ -110,3 +114,87 @@ def test_kernel_compiles_for_sm90(name, dtype, l2, state, pool, K, overlap):
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"
     if name == "_gdn_solve_kernel" and l2:
         assert f".maxnreg {gdn_fwd.SOLVE_REGS}" in k.asm["ptx"], "expected the solve's register cap in the PTX"
+
+
+BWD_FP32_PTRS = ("dht", "dh0")
+
+
+def compile_bwd_chain(dtype: str, *, K: int = 128, V: int = 128, dht: bool = True, dh0: bool = True):
+    """Compile `chain_bwd._gdn_chain_bwd_kernel` for sm_90 as `gdn_bwd.state_grad_chain` launches it."""
+    _require_gluon()
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = chain_bwd._gdn_chain_bwd_kernel
+    C, BV, R = chain_bwd.CHUNK, chain_bwd.BV, chain_bwd.GATE_ROWS
+    consts = dict(K=K, V=V, BV=BV, C=C, R=R, HAS_DHT=dht, STORE_DH0=dh0)
+    boxes = {"w_desc": [C, K], "q_desc": [C, K], "k_desc": [C, K], "do_desc": [C, BV], "p_desc": [C, C],
+             "g_desc": [R, C], "dhb_desc": [K, BV], "dvn_desc": [C, BV]}
+    sig, ptrs = {}, []
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in INTS:
+            sig[n] = "i32"
+        elif n in boxes:
+            sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, boxes[n])
+        else:
+            sig[n] = "*" + ("fp32" if n in BWD_FP32_PTRS else "i32" if n in INT_PTRS else dtype)
+            ptrs.append(n)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    from hybridlm.ops.gluon import gdn_bwd
+
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gdn_bwd.NUM_WARPS})
+
+
+def _resources(k) -> dict[str, int]:
+    """REG (registers a thread) and STACK (local memory a thread: spills) of a compiled kernel, from cuobjdump."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.cubin")
+        with open(p, "wb") as f:
+            f.write(k.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "-res-usage", p], capture_output=True, text=True, check=True).stdout
+    return {key: int(re.search(rf"{key}:(\d+)", out).group(1)) for key in ("REG", "STACK")}
+
+
+BWD_CASES = [  # dtype, K, V, dht, dh0
+    ("bf16", 128, 128, True, True),
+    ("fp16", 64, 64, False, False),
+    ("bf16", 128, 256, False, True),
+]
+
+
+@pytest.mark.parametrize("dtype,K,V,dht,dh0", BWD_CASES)
+def test_bwd_chain_compiles_for_sm90_without_spills(dtype, K, V, dht, dh0):
+    k = compile_bwd_chain(dtype, K=K, V=V, dht=dht, dh0=dh0)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx, "expected warpgroup MMA (wgmma) in the PTX"
+    assert "cp.async.bulk.tensor" in ptx, "expected TMA copies in the PTX"
+    assert "setmaxnreg.dec" in ptx, "expected the load partition to give its registers back (warp specialisation)"
+    assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"
+    res = _resources(k)
+    assert res["STACK"] == 0, f"expected no spills (local memory), got {res}"
+    assert res["REG"] <= 255, res
+
+
+def test_bwd_gate_rows_compile_for_sm90():
+    """The Triton launch before the chain (`state_pass._bwd_gate_rows`), with and without l2norm."""
+    from triton.compiler import ASTSource
+
+    from hybridlm.ops.triton import state_pass
+
+    assert state_pass.BWD_GATE_ROWS == chain_bwd.GATE_ROWS
+    fn = state_pass._bwd_gate_rows
+    for l2 in (True, False):
+        sig = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "G": "*fp32", "cu": "*i32", "chunk_seq": "*i32",
+               "chunk_start": "*i32", "scale": "fp32", "H": "i32", "HV": "i32", "K": "constexpr",
+               "BT": "constexpr", "L2": "constexpr"}
+        src = ASTSource(fn=fn, signature=sig, constexprs=dict(K=128, BT=chain_bwd.CHUNK, L2=l2))
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert _resources(k)["STACK"] == 0

@@ -12,7 +12,8 @@ gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
     W = T diag(beta gamma) K^,  U = T diag(beta) V                  `wy._wu_fwd`
     Vn = U - W S,  S' = e^{bL} S + (K^ e^{bL - b})^T Vn             `state_pass._recur_fwd` (serial over chunks)
     O = diag(gamma) Q^ S + (Q^ K^^T e^{b_i - b_j}, j <= i) Vn         `chunk_out._out_fwd_raw` (every chunk at once)
-The backward: `state_pass._recur_bwd` (dS', dVn, serial in reverse), then `chunk_bwd` (every chunk at once).
+The backward: `state_pass._recur_bwd` (dS', dVn, serial in reverse; on sm_90 with 16-bit inputs the Gluon chain
+`hybridlm.ops.gluon.gdn_bwd` instead, `_gluon_chain`), then `chunk_bwd` (every chunk at once).
 `dh0_without_dht` runs that serial pass alone with no final-state cotangent: the initial-state gradient that
 context parallelism needs before its one backward (D, `hybridlm.ops.context_parallel`); a differentiable call
 with an initial state offers it from its saved buffers (`offer_dh0`, a no-op outside that op's tracked forward).
@@ -73,6 +74,7 @@ class GDNLaunch(LaunchTable):
     bwd_bk: int = 64  # their key block (>= the V block: smaller gave a wrong dk on an H100, refused)
     bwd_bv: int | None = None  # their V block (None: 64, 32 at V 64)
     bwd_stages: int = 1  # their num_stages (2 pipelines the V and K loops: no gain measured)
+    gluon_chain: bool = True  # sm_90 16-bit: the state-gradient chain in Gluon where it takes the inputs
 
 
 TUNE = GDNLaunch()
@@ -339,6 +341,11 @@ def _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, HV: i
     """`state_pass._recur_bwd` over every sequence: dS' of every chunk into dhb, dVn into dvn and, with has_h0, the
     initial-state gradient into dh0; from dht (None: no final-state cotangent)."""
     H, K, BT = q.shape[2], q.shape[3], Pb.shape[-1]
+    if _gluon_chain(q, k, do, Wb, Pb):
+        from ..gluon import gdn_bwd
+
+        gdn_bwd.state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, scale, l2, has_h0)
+        return
     BV = _recur_bv(K, V, lay.N * HV, q.device, TUNE.rbwd_bv, per_sm=1)
     state_pass._recur_bwd[(V // BV, lay.N * HV)](
         g, Wb, q, k, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
@@ -346,6 +353,16 @@ def _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, HV: i
         LOWP=dhb.dtype != torch.float32, num_warps=_state_warps(TUNE.rbwd_warps, q.device, lay.nch),
         num_stages=fwd_stages(), scale=scale, L2=l2,
     )
+
+
+def _gluon_chain(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, Wb: torch.Tensor, Pb: torch.Tensor) -> bool:
+    """Whether the state-gradient chain runs in Gluon (`hybridlm.ops.gluon.gdn_bwd`) instead of `_recur_bwd`:
+    TUNE.gluon_chain and the Gluon chain takes the inputs (sm_90, 16-bit, K 64/128, V 64-256, chunks of 64)."""
+    if not TUNE.gluon_chain or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from ..gluon import gdn_bwd
+
+    return gdn_bwd.unsupported_reason(q, k, do, Wb, Pb) is None
 
 
 def dh0_without_dht(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, Wb: torch.Tensor,

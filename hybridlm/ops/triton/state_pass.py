@@ -10,6 +10,8 @@ Non-standard: GDN keeps no scaled copies of q and k. Its passes read the raw q, 
 and put the row scales on the other operand: the forward multiplies Vn's rows by s_k = rk e^{bL - b} (written by
 `wy._wu_fwd`) before the state-update dot; the backward puts qs = scale rq e^b on dO's rows and s_k on K dS'
 (`_raw_row_scales`). KDA's scaled tiles Qg, Kd carry per-channel decays, so it reads them as they are.
+`_bwd_gate_rows` writes the same row scales of every chunk to a buffer, for the Gluon backward chain
+(`hybridlm.ops.gluon.chain_bwd`), which reads them with its chunk by TMA instead of computing norms on its serial path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_jit import _chunk_p, _cum_split, _inv_norms, _op, _seq_load, _seq_store
+from .chunk_jit import _chunk_p, _chunk_rows, _cum_split, _inv_norms, _op, _seq_load, _seq_store
 
 
 @triton.jit
@@ -157,3 +159,33 @@ def _recur_bwd(
               - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)
+
+
+BWD_GATE_ROWS = 4  # rows of a chunk's block in `_bwd_gate_rows`' buffer (a TMA box side is a power of two)
+
+
+@triton.jit
+def _bwd_gate_rows(q, k, g, G, cu, chunk_seq, chunk_start, scale, H, HV, K: tl.constexpr, BT: tl.constexpr,
+                   L2: tl.constexpr):
+    """The row scales `_recur_bwd` (GDN) computes per chunk, written for every chunk ic and value head ihv (grid
+    (chunks, HV)) to G [chunks * HV, 4, BT] fp32 at slot ic * HV + ihv:
+        row 0: qs = scale rq e^b,   row 1: sk = rk e^{bL - b},   row 2: e^{bL} in every column,
+        row 3: 1 for the sequence's tokens, 0 past its end (rows 0 and 1 are 0 there too)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    ih = ihv // (HV // H)
+    _n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+    gs = tl.load(g + r64 * HV + ihv, mask=rmask, other=0.0).to(tl.float32)
+    if L2:
+        qr = _seq_load(q, bos, nval, 0, ih * K, H * K, BT, K)
+        kr = _seq_load(k, bos, nval, 0, ih * K, H * K, BT, K)
+    else:  # the raw rows are read only for their norms
+        qr = gs
+        kr = gs
+    qs, sk = _raw_row_scales(qr, kr, gs, scale, L2)
+    dec = tl.exp(tl.sum(gs, 0))
+    base = G + (ic * HV + ihv).to(tl.int64) * (4 * BT)  # 4: BWD_GATE_ROWS
+    tl.store(base + rows, tl.where(rmask, qs, 0.0))
+    tl.store(base + BT + rows, tl.where(rmask, sk, 0.0))
+    tl.store(base + 2 * BT + rows, tl.zeros([BT], dtype=tl.float32) + dec)
+    tl.store(base + 3 * BT + rows, tl.where(rmask, 1.0, 0.0))
