@@ -181,6 +181,8 @@ def _saved(seed, *, B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l
     N = B if lens is None else len(lens)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = (r(B, T, h, d).to(dtype) for h, d in ((H, K), (H, K), (HV, V)))
+    if not l2:  # the caller normalizes: raw N(0, 1) keys (|k|^2 ~ K) would make the recurrence diverge to inf
+        q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(dtype) for x in (q, k))
     g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)
     beta = (2.0 * torch.rand(B, T, HV, device=dev, generator=gen)).to(dtype)
     h0 = r(N, HV, K, V)
