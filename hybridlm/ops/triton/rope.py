@@ -11,7 +11,9 @@ Non-standard here:
   `hybridlm.ops.rope`, made on the device by the same PyTorch ops, cached): bit-identical to the tables' angle.
   It is then reduced to [-pi, pi] in float64 (2 pi as two float32 constants whose sum is exact in float64), so the
   float32 sin/cos see a small argument whichever way the backend lowers them (an approximate sin/cos loses
-  accuracy for the large angles of long contexts).
+  accuracy for the large angles of long contexts); the part of the reduced angle that float32 drops is added back
+  to first order (cos(a + e) = cos a - e sin a), which keeps float32 inputs as close to float64 as PyTorch's
+  float32 cos/sin.
 - Arithmetic in float32, one rounding to the output dtype. The PyTorch path rounds cos/sin to the input dtype and
   rounds each product and the sum: in bf16 the two differ by an ulp or two, and the kernel is the closer to float64.
 - The backward is the rotation's transpose (sin negated), the same kernel body; the rotated pass-through channels
@@ -87,8 +89,11 @@ def _rope_body(q, k, qo, ko, pos, freq, M, T, sqb, sqt, sqh, skb, skt, skh, spb,
     b_f = tl.load(freq + o_i, mask=o_i < HALF, other=0.0)
     b_a = (b_p[:, None] * b_f[None, :]).to(tl.float64)  # the reference's float32 angle, exactly
     b_n = tl.floor(b_a * INV_TWO_PI + 0.5)
-    b_r = ((b_a - b_n * TWO_PI_HI) - b_n * TWO_PI_LO).to(tl.float32)
-    b_c, b_s = tl.cos(b_r), tl.sin(b_r) * SIGN
+    b_r = (b_a - b_n * TWO_PI_HI) - b_n * TWO_PI_LO
+    b_rh = b_r.to(tl.float32)
+    b_rl = (b_r - b_rh.to(tl.float64)).to(tl.float32)  # what rounding the angle to float32 lost: first order
+    b_c0, b_s0 = tl.cos(b_rh), tl.sin(b_rh)
+    b_c, b_s = b_c0 - b_s0 * b_rl, (b_s0 + b_c0 * b_rl) * SIGN
     for j in tl.static_range(HG):
         h = i_g * HG + j
         if h < NH:
