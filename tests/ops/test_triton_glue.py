@@ -340,12 +340,12 @@ def test_gpu_small(dtype):
 def test_gpu_rope_and_gate(dtype):
     """RoPE on q, k as views of a fused projection at positions up to 2^17 (per-row offsets) and the output gate,
     on CUDA vs float64 (the float32 angle, cos/sin in float64): outputs and gradients within the dtype's unit
-    roundoff relative L2 (float32: 1e-6; the GPU's own sin/cos on the reduced angle), and no farther from float64
+    roundoff relative L2 (float32: 2e-6; the GPU's own sin/cos on the reduced angle), and no farther from float64
     than the PyTorch path in bf16 / fp16."""
     from hybridlm.ops.rope import inv_freq, rope_ref
     from hybridlm.ops.triton import rope
 
-    tol = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    tol = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     g = torch.Generator(device="cuda").manual_seed(0)
     B, T, nH, nKV, hd, rd = 2, 1000, 8, 2, 128, 128
     proj = torch.randn(B, T, nH * 2 * hd + nKV * hd, device="cuda", generator=g).to(dtype)

@@ -625,6 +625,85 @@ def layer_compiled_case(gen):
     return res
 
 
+def attention_case(gen, layer, *, B, T, pos_offset=0, cu=None, ref64=False):
+    """GatedAttention with impl="triton" (fused q/k norms, RoPE and output gate) against the same layer on the
+    PyTorch glue (impl="naive" everywhere; float64 with ref64): output, dx and every parameter gradient, relative
+    L2. Positions: per-row offsets (row b starts at b * pos_offset), or restarting at each packed document."""
+    from hybridlm.layers.attention import Documents, positions_for
+
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.3)
+                    + (1.0 if "norm" in n and layer.q_norm.kind != "zero_centered" else 0.0))
+    ref = copy.deepcopy(layer)
+    for m in layer.modules():
+        if hasattr(m, "impl"):
+            m.impl = "triton"
+    for m in ref.modules():
+        if hasattr(m, "impl"):
+            m.impl = "naive"
+    if ref64:
+        ref = ref.double()
+    D = layer.q_proj.in_features
+    x = torch.randn(B, T, D, generator=gen)
+    cot = torch.randn(B, T, D, generator=gen)
+    if cu is None:
+        mask, pos = None, torch.arange(T)[None] + pos_offset * torch.arange(B)[:, None]
+    else:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        mask, pos = Documents(cu_t), positions_for(T, cu_t, "cpu")
+    outs, calls = [], []
+    for m in (layer, ref):
+        dt = next(m.parameters()).dtype
+        xi = x.to(dt).requires_grad_()
+        with _count_calls(calls):
+            y = m(xi, mask, pos)
+        gr = torch.autograd.grad((y * cot.to(dt)).sum(), [xi] + list(m.parameters()))
+        outs.append([y, *gr])
+    names = ["y", "dx"] + ["d" + n for n, _ in layer.named_parameters()]
+    res = {n: rel(a, b) for n, a, b in zip(names, *outs)}
+    res["kernel_calls"] = len(calls)
+    return res
+
+
+@contextlib.contextmanager
+def _count_calls(calls: list):
+    """While active, each call of the RoPE and output-gate kernels' autograd functions appends its name to calls."""
+    saved = trope._Rope.apply, trope._SigmoidGate.apply
+
+    def counted(name, f):
+        def apply(*a):
+            calls.append(name)
+            return f(*a)
+        return apply
+
+    trope._Rope.apply, trope._SigmoidGate.apply = counted("rope", saved[0]), counted("gate", saved[1])
+    try:
+        yield
+    finally:
+        trope._Rope.apply, trope._SigmoidGate.apply = saved
+
+
+def attention_cases(gen, ref64=False) -> dict:
+    from hybridlm.layers import GatedAttention
+
+    pre = "full_" if ref64 else ""
+    return {
+        # the 357M bench's attention in small: elementwise gate, head q/k norms, rd = hd, GQA; per-row offsets
+        pre + "attn_elementwise_gqa": attention_case(
+            gen, GatedAttention(32, 4, 2, 16, gate="elementwise", qk_norm="head", rotary_dim=16), B=2, T=9,
+            pos_offset=300, ref64=ref64),
+        # headwise gate, no q/k norm (q and k strided views of the projection), partial rotary, packed documents
+        pre + "attn_headwise_partial_packed": attention_case(
+            gen, GatedAttention(32, 4, 1, 16, gate="headwise", qk_norm="none", rotary_dim=8), B=1, T=13,
+            cu=[0, 4, 5, 13], ref64=ref64),
+        # no gate, whole-projection norms (OLMo), Llama-style norm weights
+        pre + "attn_nogate_full_norm": attention_case(
+            gen, GatedAttention(32, 2, 2, 8, gate="none", qk_norm="full", norm_kind="llama", rotary_dim=8), B=2,
+            T=6, ref64=ref64),
+    }
+
+
 def layer_cases(gen) -> dict:
     from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
 
@@ -643,6 +722,7 @@ def layer_cases(gen) -> dict:
     res["gdn_glue_compiled"] = layer_compiled_case(gen)
     for kind in ("zero_centered", "llama", "fp32_weight"):
         res[f"rmsnorm_{kind}"] = rmsnorm_module_case(gen, kind)
+    res.update(attention_cases(gen))
     return res
 
 
@@ -683,6 +763,7 @@ def layer_full_cases(gen) -> dict:
     res["full_gdn_decode"] = layer_decode_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=66, D=D,
                                                steps=3)
     res["full_kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=5, D=D, steps=3)
+    res.update(attention_cases(gen, ref64=True))
     return res
 
 
@@ -691,7 +772,8 @@ def main() -> int:
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     res = {"seed": seed}
-    res.update({"ops": ops_cases, "layers": layer_cases, "full": layer_full_cases, "rope": rope_cases}[which](gen))
+    res.update({"ops": ops_cases, "layers": layer_cases, "full": layer_full_cases, "rope": rope_cases,
+                "attention": attention_cases, "attention64": lambda g: attention_cases(g, ref64=True)}[which](gen))
     print("RESULT " + json.dumps(res))
     return 0
 
