@@ -6,8 +6,9 @@
 
 Non-standard here:
 - cos/sin are computed in the kernel from the position ids (8 bytes a token) instead of read from the float32
-  [B, T, rd] tables (8 rd bytes a token, more than q and k's own traffic at nH + nKV = 2 rd / hd... heads, and two
-  more kernels to build them). The angle is the reference's float32 product position * inv_freq (`inv_freq` from
+  [B, T, rd] tables (8 rd bytes a token: 1 KB at rd 128, a fifth of what q and k move at 8 + 2 bf16 heads, plus
+  the kernels that build them); the sin/cos cost stays under the memory time (once per token and program, for
+  `TUNE.heads` heads). The angle is the reference's float32 product position * inv_freq (`inv_freq` from
   `hybridlm.ops.rope`, made on the device by the same PyTorch ops, cached): bit-identical to the tables' angle.
   It is then reduced to [-pi, pi] in float64 (2 pi as two float32 constants whose sum is exact in float64), so the
   float32 sin/cos see a small argument whichever way the backend lowers them (an approximate sin/cos loses
