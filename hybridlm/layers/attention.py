@@ -7,7 +7,8 @@ Non-standard here:
 - QK-norm: "head" normalises each head over hd before RoPE (Qwen, zero-centred); "full" normalises the whole
   q / k projection before the head split (OLMo-Hybrid); "none".
 - Partial RoPE: rotate_half RoPE on the first `rotary_dim` channels, the rest pass through; rotary_dim 0 is NoPE.
-  cos/sin are float32 and cast to the activations' dtype.
+  cos/sin are float32 and cast to the activations' dtype on the PyTorch path (`hybridlm.ops.rope`); the fused
+  kernel (`hybridlm.ops.glue.rotary`) computes them from the position ids in float32 and rounds once.
 - The mask is an explicit boolean [B, 1, T, T] built by `build_attention_mask` (causal, key padding, a cache).
   Each query may always see itself, so fully padded rows stay finite (their outputs are unused).
   mask None means plain causal with queries and keys aligned (no cache, nothing padded or packed): SDPA's
@@ -38,8 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops import glue
 from hybridlm.ops.context_parallel import gather
 from hybridlm.ops.offsets import host_offsets
+from hybridlm.ops.rope import apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here too)
 
 from .norm import RMSNorm, autocast_dtype
 from .projection import fused_linear
@@ -121,7 +124,7 @@ def positions_for(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tens
 
 
 class Rotary(nn.Module):
-    """cos/sin [B, T, rotary_dim] (float32) for position ids [B, T].
+    """cos/sin [B, T, rotary_dim] (float32) for position ids [B, T] (`hybridlm.ops.rope.rotary_cos_sin`).
 
     The inverse frequencies are recomputed in float32 at each call instead of kept in a buffer, so casting the
     model to bf16 (or building it on the meta device) never rounds them."""
@@ -131,22 +134,7 @@ class Rotary(nn.Module):
         self.rotary_dim, self.theta = rotary_dim, float(theta)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rd = self.rotary_dim
-        exponent = torch.arange(0, rd, 2, dtype=torch.float32, device=position_ids.device) / rd
-        inv_freq = 1.0 / (self.theta**exponent)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, h, T, hd]; cos/sin: [B, T, rd]. Rotates pairs (i, i + rd/2) of the first rd channels."""
-    rd = cos.shape[-1]
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    rot, rest = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+        return rotary_cos_sin(position_ids, self.rotary_dim, self.theta)
 
 
 class Documents:
@@ -385,7 +373,8 @@ def normed_heads(q: torch.Tensor, k: torch.Tensor, layer: nn.Module) -> tuple[to
 
 
 class GatedAttention(nn.Module):
-    """x: [B, T, D] -> [B, T, D]. impl: the model's, for the q/k RMSNorms (fused Triton norm when it resolves so)."""
+    """x: [B, T, D] -> [B, T, D]. impl: the model's, for the glue (`hybridlm.ops.glue`): the q/k RMSNorms, RoPE and
+    the output gate take their fused Triton kernels when it resolves so."""
 
     supports_cp = True  # forward takes cp_group (context parallelism)
 
@@ -397,6 +386,7 @@ class GatedAttention(nn.Module):
         if gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"gate: expected 'elementwise', 'headwise' or 'none', got {gate!r}")
         self.nH, self.nKV, self.hd, self.gate, self.qk_norm = num_heads, num_kv_heads, head_dim, gate, qk_norm
+        self.impl = impl
         gate_width = {"elementwise": head_dim, "headwise": 1, "none": 0}[gate]
         self.gate_width = gate_width
         D = hidden_size
@@ -421,10 +411,10 @@ class GatedAttention(nn.Module):
         if self.gate_width:
             q, gate = q.view(B, T, self.nH, self.hd + self.gate_width).split([self.hd, self.gate_width], dim=-1)
         q, k = normed_heads(q, k, self)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.nKV, self.hd).transpose(1, 2)
         if self.rotary is not None:
-            cos, sin = self.rotary(position_ids)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = glue.rotary(q, k, position_ids, rotary_dim=self.rotary.rotary_dim, theta=self.rotary.theta,
+                               impl=self.impl)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, self.nKV, self.hd).transpose(1, 2)
         if cache is not None:
             if cp_group is not None:
                 raise ValueError("cp_group: expected no generation cache with context parallelism, got one")
@@ -433,5 +423,5 @@ class GatedAttention(nn.Module):
             k, v = cp_gather_kv(k, v, cp_group)
         o = sdpa(q, k, v, mask, self.hd**-0.5).transpose(1, 2)  # [B, T, nH, hd]
         if gate is not None:
-            o = o * torch.sigmoid(gate)  # headwise gate [.., 1] broadcasts over hd
+            o = glue.sigmoid_gate(o, gate, impl=self.impl)  # headwise gate [.., 1] broadcasts over hd
         return self.o_proj(o.reshape(B, T, self.nH * self.hd))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.ops import deltaformer_attention
+from hybridlm.ops import deltaformer_attention, glue
 
-from .attention import Rotary, apply_rotary, normed_heads
+from .attention import Rotary, normed_heads
 from .history import HistoryHeads, gate_dtype, run_over_history
 from .projection import fused_linear
 
@@ -37,9 +37,8 @@ class DeltaFormerAttention(HistoryHeads):
         if self.rotary is not None:
             if position_ids is None:
                 raise ValueError("position_ids: DeltaFormer with RoPE needs position ids [B|1, T], got None")
-            cos, sin = self.rotary(position_ids)
-            q = apply_rotary(q.transpose(1, 2), cos, sin).transpose(1, 2)
-            k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+            q, k = glue.rotary(q, k, position_ids, rotary_dim=self.rotary.rotary_dim, theta=self.rotary.theta,
+                               impl=self.impl)
         beta = torch.sigmoid(gate_dtype(b))
         return dict(q=q, k=k, v=v.view(B, T, self.nKV, self.hd), beta=beta)
 

@@ -1,6 +1,7 @@
 """The layer glue with its kernel choice: short conv (+ decode step), RMSNorm (also with the residual add before it),
-gated RMSNorm, the delta-rule gates and SwiGLU's silu(gate) * up, each on its fused Triton kernel
-(`hybridlm.ops.triton.{conv,norm,add_norm,gates,swiglu}`) or on the PyTorch op.
+gated RMSNorm, the delta-rule gates, SwiGLU's silu(gate) * up, attention's RoPE on q and k and its sigmoid output
+gate, each on its fused Triton kernel (`hybridlm.ops.triton.{conv,norm,add_norm,gates,swiglu,rope}`) or on the
+PyTorch op (`hybridlm.ops.rope` for the last two).
 
 Non-standard here:
 - `impl` is the layer's: "triton" always takes the kernel (it refuses CPU tensors outside TRITON_INTERPRET=1 and
@@ -26,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from . import conv as _conv
 from . import norm as _norm
+from . import rope as _rope
 from .dispatch import resolve_impl
 from .offsets import host_offsets
 
@@ -36,11 +38,12 @@ try:  # the fused kernels (importing them registers their custom ops)
     from .triton import conv as _tconv
     from .triton import gates as _tgates
     from .triton import norm as _tnorm
+    from .triton import rope as _trope
     from .triton import swiglu as _tswiglu
 
     _TRITON_ERROR = None
 except ImportError as _e:  # no triton: the PyTorch ops only
-    _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = _tce = None
+    _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = _tce = _trope = None
     _TRITON_ERROR = repr(_e)
 
 log = logging.getLogger("hybridlm.ops")
@@ -187,6 +190,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> tor
             and gate.shape == up.shape:
         return _SiluMul.apply(gate, up)
     return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, *, rotary_dim: int, theta: float,
+           impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the first rotary_dim channels of q [B, T, nH, hd] and k [B, T, nKV, hd] at position_ids [B|1, T]
+    -> q, k [B, T, h, hd]: on the fused kernel (one launch each way, contiguous outputs) or the PyTorch reference
+    (`hybridlm.ops.rope.rope_ref`: transposed views of [B, h, T, hd] tensors)."""
+    if use_triton("rotary", impl, q):
+        return _trope.rotary(q, k, position_ids, rotary_dim=rotary_dim, theta=theta)
+    return _rope.rope_ref(q, k, position_ids, rotary_dim=rotary_dim, theta=theta)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Attention's output gate o [B, T, h, d] * sigmoid(gate [B, T, h, d or 1]), on the fused kernel (contiguous
+    output; gate may be a strided slice of the projection) or PyTorch."""
+    if use_triton("sigmoid_gate", impl, o):
+        return _trope.sigmoid_gate(o, gate)
+    return _rope.sigmoid_gate_ref(o, gate)
 
 
 # ---------------------------------------------------------------------------------------------------- decode

@@ -8,7 +8,10 @@ backward's token ranges ending inside documents (both ways of shifting dpre), la
 (conv and gated norm); the pooled decode step; gated RMSNorm (SiLU / sigmoid +
 fp32 output, with and without weight) at D = 64, 100, 128, 256; RMSNorm kinds at D = 48..2560; the GDN gates
 (beta_scale 1 and 2, both softplus branches) and Kimi's channel-wise gates; SwiGLU's silu(gate) * up (a partial
-last block); a torch.compile(fullgraph, aot_eager) call through the custom ops.
+last block); a torch.compile(fullgraph, aot_eager) call through the custom ops. RoPE on q and k (views of a fused
+projection; GQA, partial rotary, per-row offsets, one broadcast position row, packed-document positions, angles
+past 16K and 123K, token and head blocks other than the defaults) and the sigmoid output gate (elementwise and
+headwise, o a transposed view, gate a strided slice) in float32, bfloat16 and float16, see test_rope_*.
 Tolerances (relative L2 vs float64, measured ~1e-7 everywhere): outputs and states 2e-6, every gradient 5e-6
 (dA_log / ddt_bias are sums over all tokens: 1e-5). Final states are copies of inputs: exact.
 bfloat16: three cases (conv + SiLU, gated RMSNorm, SwiGLU) at the GPU's bf16 bars (5e-3 outputs, 1e-2 gradients),
@@ -20,6 +23,7 @@ a small one.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -84,6 +88,55 @@ def test_glue_kernels_bf16_within_bf16_bars(interp_results, case):
         assert err <= tol, f"{case} {name}: rel {err:.3g} > {tol} (seed {seed})"
 
 
+ROPE = {"rope_gqa_fp32_offsets": torch.float32, "rope_partial_bf16_broadcast": torch.bfloat16,
+        "rope_packed_fp16": torch.float16, "rope_long_bf16_blocks": torch.bfloat16,
+        "rope_long_fp32_blocks": torch.float32}
+GATE = {"gate_elementwise_fp32": torch.float32, "gate_headwise_fp32": torch.float32,
+        "gate_elementwise_bf16": torch.bfloat16, "gate_headwise_fp16": torch.float16,
+        "gate_elementwise_fp32_blocks": torch.float32}
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("case", list(ROPE))
+def test_rope_matches_float64_and_the_torch_path(interp_results, case):
+    """RoPE on q, k and its backward (interp_glue.rope_case) vs float64 on the same rounded inputs (the float32
+    angle of the layers, cos/sin in float64): float32 within 2e-6 (outputs) / 5e-6 (gradients) relative L2
+    (measured ~5e-8); bf16 / fp16 within the dtype's unit roundoff (one rounding; measured 0.3x of it) and no
+    farther than the PyTorch path (measured 0.7x of its error). Against the PyTorch path in the same dtype: at most
+    2 ulps at the scale of each rotated pair (measured 2.0 over 20 seeds, each dtype)."""
+    res, seed, dtype = dict(interp_results[case]), interp_results["seed"], ROPE[case]
+    assert res.pop("dtype_ok") == 1.0, f"{case}: outputs not contiguous in the inputs' dtype"
+    for n in ("q", "k", "dq", "dk"):
+        err, err_torch, ulps = res[n], res["torch_" + n], res["ulps_" + n]
+        if dtype == torch.float32:
+            tol = TOL_GRAD if n.startswith("d") else TOL_OUT
+            assert err <= tol, f"{case} {n}: rel {err:.3g} > {tol} (seed {seed})"
+        else:
+            tol = UNIT_ROUNDOFF[dtype]
+            assert err <= min(tol, err_torch), f"{case} {n}: rel {err:.3g}, bar {tol:.3g}, torch {err_torch:.3g} " \
+                                               f"(seed {seed})"
+        assert ulps <= 2.0, f"{case} {n}: {ulps} ulps from the PyTorch path (seed {seed})"
+
+
+@pytest.mark.parametrize("case", list(GATE))
+def test_sigmoid_gate_matches_float64(interp_results, case):
+    """o * sigmoid(gate) and both gradients (interp_glue.gate_case) vs float64: float32 within 2e-6 / 5e-6 relative
+    L2 (measured <= 4e-7), bf16 / fp16 within the unit roundoff (measured 0.5x); the gate's slice of the
+    projection gets its gradient, the query's slice none."""
+    res, seed, dtype = dict(interp_results[case]), interp_results["seed"], GATE[case]
+    assert res.pop("dtype_ok") == 1.0 and res.pop("untouched") == 1.0, case
+    assert set(res) == {"y", "do", "dgate"}
+    for n, err in res.items():
+        tol = UNIT_ROUNDOFF.get(dtype, TOL_GRAD if n.startswith("d") else TOL_OUT)
+        assert err <= tol, f"{case} {n}: rel {err:.3g} > {tol} (seed {seed})"
+
+
+def test_rope_and_gate_compiled_fullgraph_match_eager(interp_results):
+    res = interp_results["rope_compiled"]
+    assert set(res) == {"q", "k", "y", "dq", "dk", "do", "dgate"}
+    assert all(v <= TOL_OUT for v in res.values()), res
+
+
 @pytest.mark.parametrize("case", ["conv_decode_W4_pool", "conv_decode_W2"])
 def test_conv_decode_matches_float64(interp_results, case):
     res = interp_results[case]
@@ -102,6 +155,7 @@ def test_fake_kernels_trace():
     import hybridlm.ops.triton.conv  # noqa: F401  (registers the ops)
     import hybridlm.ops.triton.gates  # noqa: F401
     import hybridlm.ops.triton.norm  # noqa: F401
+    import hybridlm.ops.triton.rope  # noqa: F401
 
     ops = torch.ops.hybridlm
     with FakeTensorMode():
@@ -122,6 +176,16 @@ def test_fake_kernels_trace():
         assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16
         assert [t.shape for t in ops.gates_bwd(g, beta, a, b, torch.empty(32), torch.empty(32), 1.0)] == [
             a.shape, b.shape, (32,), (32,)]
+        proj = torch.empty(2, 50, 4 * 256 + 2 * 128, dtype=torch.bfloat16)
+        q, k = proj[..., :1024].view(2, 50, 4, 256)[..., :128], proj[..., 1024:].view(2, 50, 2, 128)
+        pos = torch.empty(1, 50, dtype=torch.long)
+        for fn in (ops.rope_fwd, ops.rope_bwd):
+            qo, ko = fn(q, k, pos, 64, 1e4)
+            assert qo.shape == q.shape and ko.shape == k.shape and qo.is_contiguous() and qo.dtype == q.dtype
+        y = ops.sigmoid_gate_fwd(q, proj[..., :1024].view(2, 50, 4, 256)[..., 128:129])
+        assert y.shape == q.shape and y.is_contiguous()
+        do, dg = ops.sigmoid_gate_bwd(y, q, proj[..., :1024].view(2, 50, 4, 256)[..., 128:129])
+        assert do.shape == q.shape and dg.shape == (2, 50, 4, 1)
 
 
 def test_norm_backward_launch_plan_by_width():
@@ -183,7 +247,7 @@ def test_split_block_falls_back_below_the_default_channel_block():
 
 
 def test_bad_inputs_are_clear_errors():
-    from hybridlm.ops.triton import conv, gates, norm
+    from hybridlm.ops.triton import conv, gates, norm, rope
 
     x, w = torch.randn(1, 5, 8), torch.randn(8, 4)
     with pytest.raises(ValueError, match=r"weight: expected shape \[C=8, W\]"):
@@ -212,6 +276,22 @@ def test_bad_inputs_are_clear_errors():
         gates.gdn_gates(torch.randn(2, 3), torch.randn(2, 3), torch.randn(4), torch.randn(3))
     with pytest.raises(ValueError, match=r"f, b: expected \[B, T, H \* K\]"):
         gates.kda_gates(torch.randn(2, 10), torch.randn(2, 3), torch.randn(3), torch.randn(10))
+    q, k, pos = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.arange(5)[None]
+    for rd in (7, 0, 18, 8.0):
+        with pytest.raises(ValueError, match=rf"rotary_dim: expected an even int in 2..16 \(the head dim\), got {rd}"):
+            rope.rotary(q, k, pos, rotary_dim=rd, theta=1e4)
+    with pytest.raises(ValueError, match=r"q, k: expected \[B, T, nH, hd\] and \[B, T, nKV, hd\], got "
+                                         r"\(2, 5, 4, 16\) and \(2, 5, 2, 8\)"):
+        rope.rotary(q, k[..., :8], pos, rotary_dim=8, theta=1e4)
+    for bad in (pos[:, :4], torch.arange(5), pos.expand(3, 5)):
+        msg = f"position_ids: expected shape [2 or 1, 5], got {tuple(bad.shape)}"
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            rope.rotary(q, k, bad, rotary_dim=8, theta=1e4)
+    with pytest.raises(TypeError, match="k: expected dtype"):
+        rope.rotary(q, k.double(), pos, rotary_dim=8, theta=1e4)
+    with pytest.raises(ValueError, match=r"gate: expected shape \[B, T, h, d or 1\] with o's \[B, T, h, d\] = "
+                                         r"\(2, 5, 4, 16\), got \(2, 5, 4, 2\)"):
+        rope.sigmoid_gate(q, q[..., :2])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the interpreter off")
@@ -245,3 +325,56 @@ def test_gpu_small(dtype):
     g, beta = gates.gdn_gates(a, b, A, dt)
     g2 = -A.double().exp() * torch.nn.functional.softplus(a.double() + dt.double())
     assert rel(g, g2) <= tol and rel(beta, b.double().sigmoid()) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_rope_and_gate(dtype):
+    """RoPE on q, k as views of a fused projection at positions up to 2^17 (per-row offsets) and the output gate,
+    on CUDA vs float64 (the float32 angle, cos/sin in float64): outputs and gradients within the dtype's unit
+    roundoff relative L2 (float32: 2e-6; the GPU's own sin/cos on the reduced angle), and no farther from float64
+    than the PyTorch path in bf16 / fp16."""
+    from hybridlm.ops.rope import inv_freq, rope_ref
+    from hybridlm.ops.triton import rope
+
+    tol = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, nH, nKV, hd, rd = 2, 1000, 8, 2, 128, 128
+    proj = torch.randn(B, T, nH * 2 * hd + nKV * hd, device="cuda", generator=g).to(dtype)
+    pos = torch.arange(T, device="cuda")[None] + torch.tensor([[0], [130000]], device="cuda")
+
+    def views(p):
+        return p[..., :nH * 2 * hd].view(B, T, nH, 2 * hd)[..., :hd], p[..., nH * 2 * hd:].view(B, T, nKV, hd)
+
+    def f64(x):
+        ang = (pos[..., None].float() * inv_freq(rd, 1e4, "cuda")).double()[:, :, None]
+        c, s, h = ang.cos(), ang.sin(), rd // 2
+        return torch.cat([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+
+    cot = torch.randn(proj.shape, device="cuda", generator=g).to(dtype)
+    outs = {}
+    for name, fn, dt in (("kernel", rope.rotary, dtype), ("torch", rope_ref, dtype), ("f64", None, torch.float64)):
+        leaf = proj.to(dt).requires_grad_()
+        q, k = views(leaf)
+        qo, ko = (f64(q), f64(k)) if fn is None else fn(q, k, pos, rotary_dim=rd, theta=1e4)
+        cq, ck = views(cot.to(dt))
+        (dp,) = torch.autograd.grad((qo * cq).sum() + (ko * ck).sum(), [leaf])
+        outs[name] = (qo, ko, *views(dp))
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    for i, n in enumerate(("q", "k", "dq", "dk")):
+        err = rel(outs["kernel"][i], outs["f64"][i])
+        assert err <= tol, f"{dtype} {n}: rel {err:.3g} > {tol:.3g}"
+        if dtype != torch.float32:
+            assert err <= rel(outs["torch"][i], outs["f64"][i]), f"{dtype} {n}: farther from float64 than PyTorch"
+    o = torch.randn(B, nH, T, hd, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    for gate in (views(proj)[0], proj[..., :nH * 2 * hd].view(B, T, nH, 2 * hd)[..., hd:hd + 1]):
+        ol, gl = o.detach().requires_grad_(), gate.detach().requires_grad_()
+        o64, g64 = o.double().requires_grad_(), gate.double().requires_grad_()
+        y, y64 = rope.sigmoid_gate(ol, gl), o64 * torch.sigmoid(g64)
+        dy = torch.randn(y.shape, device="cuda", generator=g).to(dtype)
+        grads = torch.autograd.grad((y * dy).sum(), [ol, gl])
+        grads64 = torch.autograd.grad((y64 * dy.double()).sum(), [o64, g64])
+        for n, a, b in zip(("y", "do", "dgate"), (y, *grads), (y64, *grads64)):
+            err = rel(a, b)
+            assert err <= max(tol, 2e-6), f"gate {tuple(gate.shape)} {dtype} {n}: rel {err:.3g}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton  # noqa: F401  (ImportError here means: no Triton, nothing registered)
 
 from ..dispatch import TRITON_KERNELS, TRITON_SUPPORTS
-from . import add_norm, ce, conv, gates, norm, swiglu  # noqa: F401  (fused glue: hybridlm::conv_*, norm_*, ce_rows, ...)
+from . import add_norm, ce, conv, gates, norm, rope, swiglu  # noqa: F401  (fused glue: hybridlm::conv_*, norm_*, ...)
 from . import kda as _kda
 from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update, unsupported_reason
 from .kda import chunk_kda, fused_recurrent_kda_update

@@ -34,10 +34,11 @@ from hybridlm.ops import causal_conv1d, causal_conv1d_update, gated_rms_norm, rm
 from hybridlm.ops.triton import conv as tconv  # noqa: E402
 from hybridlm.ops.triton import gates as tgates  # noqa: E402
 from hybridlm.ops.triton import norm as tnorm  # noqa: E402
+from hybridlm.ops.triton import rope as trope  # noqa: E402
 from hybridlm.ops.triton import swiglu as tswiglu  # noqa: E402
 from hybridlm.ops.triton.tune import tuned  # noqa: E402
 
-tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = True
+tconv.POISON = tnorm.POISON = tgates.POISON = tswiglu.POISON = trope.POISON = True
 
 F64 = torch.float64
 
@@ -199,6 +200,137 @@ def gates_case(gen, *, B, T, H, K, beta_scale, kda):
     return res
 
 
+# ---------------------------------------------------------------------------------------------------- RoPE, gate
+
+BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # significand bits: unit roundoff 2^-bits
+
+
+def rope_f64(x, pos, rd, theta):
+    """x [B, T, h, hd] (float64) rotated at pos [B|1, T]: the layers' float32 angle, cos/sin in float64."""
+    from hybridlm.ops.rope import inv_freq
+
+    ang = (pos[..., None].float() * inv_freq(rd, theta, "cpu")).to(F64)[:, :, None]  # [B|1, T, 1, rd/2]
+    c, s, h = ang.cos(), ang.sin(), rd // 2
+    return torch.cat([x[..., :h] * c - x[..., h:rd] * s, x[..., h:rd] * c + x[..., :h] * s, x[..., rd:]], -1)
+
+
+def pair_ulps(a, b, x, rd, dtype):
+    """max |a - b| in ulps of dtype at the scale of each rotated pair, max(|x_i|, |x_{i + rd/2}|) (the pass-through
+    channels at |x_i|): the PyTorch path rounds products of x, so its error follows the pair, not the result."""
+    h = rd // 2
+    sc = x.detach().abs().to(F64).clone()
+    m = torch.maximum(sc[..., :h], sc[..., h:rd])
+    sc[..., :h], sc[..., h:rd] = m, m
+    ulp = torch.exp2(torch.floor(torch.log2(sc.clamp_min(1e-30))) - (BITS[dtype] - 1))
+    return ((a.detach().to(F64) - b.detach().to(F64)).abs() / ulp).max().item()
+
+
+def rope_case(gen, *, B, T, nH, nKV, hd, rd, pos, dtype, theta=10000.0):
+    """RoPE on q and k read as views of one fused projection [B, T, nH (hd query | hd gate) | nKV hd] (as
+    GatedAttention makes it): the kernel against float64 (`rope_f64`; relative L2 within the dtype's unit roundoff
+    for bf16/fp16: one rounding) and against the PyTorch path in the same dtype (pair_ulps), outputs and gradients
+    (cotangents in the dtype, so the gradient reaching the op is exact)."""
+    from hybridlm.ops.rope import rope_ref
+
+    W = nH * 2 * hd + nKV * hd
+    proj = torch.randn(B, T, W, generator=gen).to(dtype)
+    pos = torch.tensor(pos)
+
+    def views(p):
+        return p[..., :nH * 2 * hd].view(B, T, nH, 2 * hd)[..., :hd], p[..., nH * 2 * hd:].view(B, T, nKV, hd)
+
+    cq = torch.randn(B, T, nH, hd, generator=gen).to(dtype)
+    ck = torch.randn(B, T, nKV, hd, generator=gen).to(dtype)
+    outs = {}
+    for name, fn, dt in (("kernel", trope.rotary, dtype), ("torch", rope_ref, dtype), ("f64", None, F64)):
+        leaf = proj.to(dt).requires_grad_()
+        q, k = views(leaf)
+        if fn is None:
+            qo, ko = rope_f64(q, pos, rd, theta), rope_f64(k, pos, rd, theta)
+        else:
+            qo, ko = fn(q, k, pos, rotary_dim=rd, theta=theta)
+        (dp,) = torch.autograd.grad((qo * cq.to(dt)).sum() + (ko * ck.to(dt)).sum(), [leaf])
+        outs[name] = (qo, ko, *views(dp))
+    names = ("q", "k", "dq", "dk")
+    ins = views(proj) + (cq, ck)
+    res = {"dtype_ok": float(outs["kernel"][0].dtype == outs["kernel"][1].dtype == dtype
+                             and outs["kernel"][0].is_contiguous())}
+    for i, n in enumerate(names):
+        res[n] = rel(outs["kernel"][i], outs["f64"][i])
+        res["torch_" + n] = rel(outs["torch"][i], outs["f64"][i])
+        res["ulps_" + n] = pair_ulps(outs["kernel"][i], outs["torch"][i], ins[i], rd, dtype)
+    return res
+
+
+def gate_case(gen, *, B, T, h, d, headwise, dtype):
+    """o * sigmoid(gate): o a transposed view of [B, h, T, d] (as SDPA's output), gate a strided slice of a fused
+    [B, T, h, (d | gate)] projection; against float64 (outputs and both gradients)."""
+    gw = 1 if headwise else d
+    o0 = torch.randn(B, h, T, d, generator=gen).to(dtype)
+    p0 = (3 * torch.randn(B, T, h, d + gw, generator=gen)).to(dtype)
+    dy = torch.randn(B, T, h, d, generator=gen).to(dtype)
+    outs = []
+    for fn, dt in ((trope.sigmoid_gate, dtype), (lambda o, g: o * torch.sigmoid(g), F64)):
+        o_leaf, p_leaf = o0.to(dt).requires_grad_(), p0.to(dt).requires_grad_()
+        o, g = o_leaf.transpose(1, 2), p_leaf[..., d:]
+        y = fn(o, g)
+        do, dp = torch.autograd.grad((y * dy.to(dt)).sum(), [o_leaf, p_leaf])
+        outs.append((y, do, dp[..., d:], dp[..., :d]))
+    res = {"dtype_ok": float(outs[0][0].dtype == dtype and outs[0][0].is_contiguous()),
+           "untouched": float(outs[0][3].abs().max().item() == 0.0)}
+    res.update({n: rel(a, b) for n, a, b in zip(("y", "do", "dgate"), outs[0], outs[1])})
+    return res
+
+
+def rope_compiled_case(gen):
+    """RoPE and the output gate under torch.compile(fullgraph=True, aot_eager) against eager: the fake kernels
+    trace, outputs and gradients agree."""
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k, o, g = r(2, 5, 4, 16), r(2, 5, 2, 16), r(2, 5, 4, 16), r(2, 5, 4, 1)
+    pos = torch.arange(5)[None] + torch.tensor([[0], [7]])
+
+    def f(q, k, o, g):
+        qo, ko = trope.rotary(q, k, pos, rotary_dim=8, theta=500.0)
+        return qo, ko, trope.sigmoid_gate(o, g)
+
+    leaves = [[t.clone().requires_grad_() for t in (q, k, o, g)] for _ in range(2)]
+    outs = [torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves[0]), f(*leaves[1])]
+    res = {n: rel(a, b) for n, a, b in zip(("q", "k", "y"), *outs)}
+    grads = [torch.autograd.grad(sum((t * (i + 1)).sum() for i, t in enumerate(out)), lv)
+             for out, lv in zip(outs, leaves)]
+    res.update({n: rel(a, b) for n, a, b in zip(("dq", "dk", "do", "dgate"), *grads)})
+    return res
+
+
+def rope_cases(gen) -> dict:
+    res = {}
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    offs = lambda B, T, o: [[t + o * b for t in range(T)] for b in range(B)]  # noqa: E731
+    # GQA, rd = hd, per-row position offsets
+    res["rope_gqa_fp32_offsets"] = rope_case(gen, B=2, T=7, nH=4, nKV=2, hd=16, rd=16, pos=offs(2, 7, 1000),
+                                             dtype=f32)
+    # partial rotary (rd < hd, rd/2 not a power of two), one position row for the batch, odd T
+    res["rope_partial_bf16_broadcast"] = rope_case(gen, B=2, T=9, nH=2, nKV=1, hd=32, rd=12, pos=[list(range(9))],
+                                                   dtype=bf16)
+    # packed documents: positions restart at each document (positions_for)
+    res["rope_packed_fp16"] = rope_case(gen, B=1, T=13, nH=3, nKV=3, hd=24, rd=16,
+                                        pos=[[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6]], dtype=f16)
+    # long-context angles (the float64 reduction), several token blocks and head groups crossing q -> k
+    with tuned(trope.TUNE, bt=4, heads=3):
+        res["rope_long_bf16_blocks"] = rope_case(gen, B=1, T=11, nH=4, nKV=1, hd=64, rd=64,
+                                                 pos=offs(1, 11, 16370), dtype=bf16, theta=1e6)
+        res["rope_long_fp32_blocks"] = rope_case(gen, B=2, T=6, nH=2, nKV=2, hd=32, rd=32,
+                                                 pos=offs(2, 6, 123457), dtype=f32)
+    res["gate_elementwise_fp32"] = gate_case(gen, B=2, T=5, h=3, d=16, headwise=False, dtype=f32)
+    res["gate_headwise_fp32"] = gate_case(gen, B=1, T=7, h=2, d=24, headwise=True, dtype=f32)
+    res["gate_elementwise_bf16"] = gate_case(gen, B=1, T=9, h=2, d=32, headwise=False, dtype=bf16)
+    res["gate_headwise_fp16"] = gate_case(gen, B=2, T=3, h=3, d=16, headwise=True, dtype=f16)
+    with tuned(trope.TUNE, gate_rows=4):
+        res["gate_elementwise_fp32_blocks"] = gate_case(gen, B=1, T=7, h=3, d=20, headwise=False, dtype=f32)
+    res["rope_compiled"] = rope_compiled_case(gen)
+    return res
+
+
 def compiled_case(gen):
     """conv + SwiGLU + gated norm + gates under torch.compile(fullgraph=True, aot_eager): the fake kernels
     trace."""
@@ -301,6 +433,7 @@ def ops_cases(gen) -> dict:
     res["swiglu_2x7x300"] = swiglu_case(gen, shape=(2, 7, 300))  # 4200 elements: 3 blocks, the last partial
     res["swiglu_5x16"] = swiglu_case(gen, shape=(5, 16))
     res["compiled"] = compiled_case(gen)
+    res.update(rope_cases(gen))
     return res
 
 
@@ -492,6 +625,85 @@ def layer_compiled_case(gen):
     return res
 
 
+def attention_case(gen, layer, *, B, T, pos_offset=0, cu=None, ref64=False):
+    """GatedAttention with impl="triton" (fused q/k norms, RoPE and output gate) against the same layer on the
+    PyTorch glue (impl="naive" everywhere; float64 with ref64): output, dx and every parameter gradient, relative
+    L2. Positions: per-row offsets (row b starts at b * pos_offset), or restarting at each packed document."""
+    from hybridlm.layers.attention import Documents, positions_for
+
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.3)
+                    + (1.0 if "norm" in n and layer.q_norm.kind != "zero_centered" else 0.0))
+    ref = copy.deepcopy(layer)
+    for m in layer.modules():
+        if hasattr(m, "impl"):
+            m.impl = "triton"
+    for m in ref.modules():
+        if hasattr(m, "impl"):
+            m.impl = "naive"
+    if ref64:
+        ref = ref.double()
+    D = layer.q_proj.in_features
+    x = torch.randn(B, T, D, generator=gen)
+    cot = torch.randn(B, T, D, generator=gen)
+    if cu is None:
+        mask, pos = None, torch.arange(T)[None] + pos_offset * torch.arange(B)[:, None]
+    else:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        mask, pos = Documents(cu_t), positions_for(T, cu_t, "cpu")
+    outs, calls = [], []
+    for m in (layer, ref):
+        dt = next(m.parameters()).dtype
+        xi = x.to(dt).requires_grad_()
+        with _count_calls(calls):
+            y = m(xi, mask, pos)
+        gr = torch.autograd.grad((y * cot.to(dt)).sum(), [xi] + list(m.parameters()))
+        outs.append([y, *gr])
+    names = ["y", "dx"] + ["d" + n for n, _ in layer.named_parameters()]
+    res = {n: rel(a, b) for n, a, b in zip(names, *outs)}
+    res["kernel_calls"] = len(calls)
+    return res
+
+
+@contextlib.contextmanager
+def _count_calls(calls: list):
+    """While active, each call of the RoPE and output-gate kernels' autograd functions appends its name to calls."""
+    saved = trope._Rope.apply, trope._SigmoidGate.apply
+
+    def counted(name, f):
+        def apply(*a):
+            calls.append(name)
+            return f(*a)
+        return apply
+
+    trope._Rope.apply, trope._SigmoidGate.apply = counted("rope", saved[0]), counted("gate", saved[1])
+    try:
+        yield
+    finally:
+        trope._Rope.apply, trope._SigmoidGate.apply = saved
+
+
+def attention_cases(gen, ref64=False) -> dict:
+    from hybridlm.layers import GatedAttention
+
+    pre = "full_" if ref64 else ""
+    return {
+        # the 357M bench's attention in small: elementwise gate, head q/k norms, rd = hd, GQA; per-row offsets
+        pre + "attn_elementwise_gqa": attention_case(
+            gen, GatedAttention(32, 4, 2, 16, gate="elementwise", qk_norm="head", rotary_dim=16), B=2, T=9,
+            pos_offset=300, ref64=ref64),
+        # headwise gate, no q/k norm (q and k strided views of the projection), partial rotary, packed documents
+        pre + "attn_headwise_partial_packed": attention_case(
+            gen, GatedAttention(32, 4, 1, 16, gate="headwise", qk_norm="none", rotary_dim=8), B=1, T=13,
+            cu=[0, 4, 5, 13], ref64=ref64),
+        # no gate, whole-projection norms (OLMo), Llama-style norm weights
+        pre + "attn_nogate_full_norm": attention_case(
+            gen, GatedAttention(32, 2, 2, 8, gate="none", qk_norm="full", norm_kind="llama", rotary_dim=8), B=2,
+            T=6, ref64=ref64),
+    }
+
+
 def layer_cases(gen) -> dict:
     from hybridlm.layers import GatedDeltaNet, KimiDeltaAttention
 
@@ -510,6 +722,7 @@ def layer_cases(gen) -> dict:
     res["gdn_glue_compiled"] = layer_compiled_case(gen)
     for kind in ("zero_centered", "llama", "fp32_weight"):
         res[f"rmsnorm_{kind}"] = rmsnorm_module_case(gen, kind)
+    res.update(attention_cases(gen))
     return res
 
 
@@ -550,6 +763,7 @@ def layer_full_cases(gen) -> dict:
     res["full_gdn_decode"] = layer_decode_case(gen, GatedDeltaNet(D, 1, 2, 64, 64, layout="split"), B=2, T=66, D=D,
                                                steps=3)
     res["full_kda_decode"] = layer_decode_case(gen, KimiDeltaAttention(D, 1, 64), B=2, T=5, D=D, steps=3)
+    res.update(attention_cases(gen, ref64=True))
     return res
 
 
@@ -558,7 +772,8 @@ def main() -> int:
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else torch.seed() % 2**31
     gen = torch.Generator().manual_seed(seed)
     res = {"seed": seed}
-    res.update({"ops": ops_cases, "layers": layer_cases, "full": layer_full_cases}[which](gen))
+    res.update({"ops": ops_cases, "layers": layer_cases, "full": layer_full_cases, "rope": rope_cases,
+                "attention": attention_cases, "attention64": lambda g: attention_cases(g, ref64=True)}[which](gen))
     print("RESULT " + json.dumps(res))
     return 0
 
