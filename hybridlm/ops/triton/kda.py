@@ -14,6 +14,20 @@ products over channels is KDA's own (`kda_prep`, `kda_bwd`, the decay forms in `
 Backward: `state_pass._recur_bwd`, then `kda_bwd._kda_bwd_out_blk` and `_kda_bwd_state_blk`. `dh0_without_dht`:
 the serial pass alone with no final-state cotangent, offered to context parallelism as GDN's (`gdn.py`).
 
+Kimi's gate inside the kernels (`chunk_kda(..., A_log=, dt_bias=, lower_bound=)`, g then the raw gate; `Gate`): no
+launch of its own either way. The prep's first launch (`_kda_prep_ap`, DIAG 3, whose every program runs over its
+whole chunk) computes g from raw, A_log and dt_bias in fp32 and writes it where a separate gate launch would have;
+every later launch and the backward read that g. Written, not recomputed: the kernels read g in several layouts
+(row tiles, the next row, single rows of each 16-row block) and sum their exponents from it, so recomputing it
+would put a softplus into each of those reads. The state backward's last pass, where dg is final (the reverse
+cumsum), multiplies it by dg/draw and writes the raw gate's gradient in raw's dtype instead of dg; the row sums
+for dt_bias ([chunks, HV, K]) and A_log ([chunks, HV]) are fp32 partials per (chunk, head) summed here (no
+atomics: deterministic). Bytes an element of [B, T, HV, K] against the gates kernel's two launches, for bf16 raw:
+forward 6 -> 6 (raw read, g written) with the prep's first g read now from what the same program just wrote, and
+one launch fewer; backward 12 -> 4 (dg's fp32 write, the gates kernel's dg and raw reads and draw write become a
+raw read and a draw write in the state backward), and one launch fewer. The decode step (`kda_decode`) still
+takes g: the layer's cached token computes it first (`hybridlm.ops.kda_gate`, fused=True).
+
 Custom ops (torch.library, with fake kernels): `hybridlm::kda_chunk_fwd`, `hybridlm::kda_chunk_bwd`,
 `hybridlm::kda_chunk_bwd_rc`, `hybridlm::kda_decode`.
 """

@@ -6,7 +6,8 @@ backward wrote.
 
 Non-standard: as in the prep, K is walked in blocks of BK channels with the l2 norms as row/column scales; the l2
 norm's backward is applied in place at the end of each kernel (`_l2_bwd_blk`), since its row sums need every
-block first. dq, dk, dg are fp32 [tokens, HV, K]: they are read back and added to within the launch.
+block first. dq, dk, dg are fp32 [tokens, HV, K]: they are read back and added to within the launch. With Kimi's
+gate inside the op the state backward's last pass applies the gate's backward where dg becomes final (GATE).
 """
 
 from __future__ import annotations

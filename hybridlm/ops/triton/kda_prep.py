@@ -6,6 +6,8 @@ memory; four launches, one per decay form, `kda_decay._diag_pass`), the UT solve
 Non-standard: q and k are walked raw in blocks of BK key channels; the l2 norms enter as row/column scales of the
 [BT, BT] sums, from a first pass over K. The cumulative log-decay b is recomputed from g wherever it is needed (a
 cumsum of a tile that is loaded anyway) instead of being stored. W and U take fp32 operands (T is fp32 here).
+With Kimi's gate inside the op, the first launch of `_kda_prep_ap` makes g from the raw gate before anything
+reads it (GATE; `kda.py` says why g is written rather than recomputed).
 """
 
 from __future__ import annotations
