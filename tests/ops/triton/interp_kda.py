@@ -20,6 +20,9 @@ from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interp_gdn import ODD_DIMS, cliff_bounds, sums_case  # noqa: E402  (also applies the interpreter's fixes)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ops
+from float64_check import gate_sum_errors  # noqa: E402
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -121,34 +124,27 @@ def gate_case(gen, *, B, T, H, HV, K, V, lower_bound=None, cu=None, A_log=True, 
     want = [o2, ht2, *torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(),
                                           [x for x, u in zip(ref, use) if u])]
     out = {n: rel(a, b) for n, a, b in zip(["o", "final_state", *(n for n, u in zip(names, use) if u)], got, want)}
-    if A_log:
-        out["dA_log_vs_terms"] = _dA_log_vs_terms(got[7], want[7], ref, cu_t, lower_bound, do, dht)
+    sums = dict(zip([n for n, u in zip(names, use) if u], zip(got[2:], want[2:])))
+    dg = _log_decay_grad(ref, cu_t, lower_bound, do, dht, A_log, dt_bias)
+    pick = lambda n, i: sums[n][i] if n in sums else None  # noqa: E731
+    out.update(gate_sum_errors(pick("dA_log", 0), pick("dA_log", 1), pick("ddt_bias", 0), pick("ddt_bias", 1),
+                               ref[3].detach(), ref[5].detach() if A_log else None,
+                               ref[6].detach() if dt_bias else None, lower_bound, dg))
     if recompute:
         out["recompute_bitwise"] = float(all(torch.equal(a, b) for a, b in zip(got, grads(True))))
     return out
 
 
-def _dA_log_vs_terms(dA, dA_ref, ref, cu_t, lower_bound, do, dht) -> float:
-    """dA_log's error over the norm of sum_{t, c} |dg dg/dA_log| per head (float64): dA_log is a sum of such terms
-    of both signs, which under strong decay cancel to a few percent of their magnitudes, so its plain relative error
-    grows by that factor for the same fp32 dg (measured the same with the gates kernel apart)."""
+def _log_decay_grad(ref, cu_t, lower_bound, do, dht, A_log: bool, dt_bias: bool):
+    """dL/dg of the float64 chunk path, g = PyTorch's gate of ref's raw gate (a leaf here)."""
     from hybridlm.ops.kda_gate import kda_gate
 
-    raw, A_log, dt = ref[3].detach(), ref[5].detach(), ref[6].detach()
-    HV, K = raw.shape[-2:]
-    g = kda_gate(raw, A_log, dt, lower_bound, dtype=F64).requires_grad_()
     leaf = [x.detach() for x in ref]
-    leaf[3] = g
+    g = kda_gate(leaf[3], leaf[5] if A_log else None, leaf[6] if dt_bias else None, lower_bound,
+                 dtype=F64).requires_grad_()
     o, ht = kda(*leaf[:3], g=g, beta=leaf[4], initial_state=leaf[7], output_final_state=True, use_qk_l2norm=True,
                 cu_seqlens=cu_t, impl="chunk")
-    dg = torch.autograd.grad((o * do.to(F64)).sum() + (ht * dht.to(F64)).sum(), g)[0]
-    if lower_bound is None:
-        dgdA = g.detach()
-    else:
-        z = A_log.exp().view(HV, 1) * (raw + dt.view(HV, K))
-        dgdA = lower_bound * torch.sigmoid(z) * torch.sigmoid(-z) * z
-    terms = (dg * dgdA).abs().flatten(0, -3).sum((0, 2))
-    return ((dA.to(F64) - dA_ref).norm() / terms.norm()).item()
+    return torch.autograd.grad((o * do.to(F64)).sum() + (ht * dht.to(F64)).sum(), g)[0]
 
 
 def main() -> int:
