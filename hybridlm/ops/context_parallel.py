@@ -118,6 +118,12 @@ def _collect_offers():
         _OFFERS.reset(token)
 
 
+def wants_dh0() -> bool:
+    """Whether a kernel's forward should offer `offer_dh0`: only inside the tracked forward of `run`, never while
+    torch.compile traces (the offer reads the call's autograd node, which Dynamo cannot trace)."""
+    return not torch.compiler.is_compiling() and _OFFERS.get() is not None
+
+
 def offer_dh0(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Called by a differentiable kernel right after its forward: fn(do) is the gradient of that call's
     initial_state for the output cotangent do and no final-state cotangent ([N, HV, K, V], state dtype), from the

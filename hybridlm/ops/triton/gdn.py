@@ -40,7 +40,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from .. import decode as dec
-from ..context_parallel import offer_dh0
+from ..context_parallel import offer_dh0, wants_dh0
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
@@ -596,7 +596,7 @@ def chunk_gated_delta_rule(
     q, k, v, g, initial_state = pad_heads(q, k, v, g, initial_state, channel=False)
     o, ht = _ChunkGDN.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute))
-    if initial_state is not None and o.grad_fn is not None and not recompute:  # the saved buffers give D
+    if initial_state is not None and not recompute and wants_dh0() and o.grad_fn is not None:  # saved buffers give D
         offer_dh0(functools.partial(_offered_dh0, o.grad_fn, K, V))
     o, ht = unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..context_parallel import offer_dh0
+from ..context_parallel import offer_dh0, wants_dh0
 from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
 from .custom import call, custom_op
@@ -446,7 +446,7 @@ def chunk_kda(
     q, k, v, g, initial_state = gdn.pad_heads(q, k, v, g, initial_state, channel=True)
     o, ht = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(use_qk_l2norm),
                             bool(output_final_state), bool(recompute), A_log, dt_bias, lower_bound)
-    if initial_state is not None and o.grad_fn is not None and not recompute:  # the saved buffers give D
+    if initial_state is not None and not recompute and wants_dh0() and o.grad_fn is not None:  # saved buffers give D
         offer_dh0(functools.partial(_offered_dh0, o.grad_fn, K, V))
     o, ht = gdn.unpad_outputs(o, ht, K, V, output_final_state)
     return o, (ht if output_final_state else None)
