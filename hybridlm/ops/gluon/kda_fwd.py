@@ -52,7 +52,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if g is None or tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"g: expected [B, T, HV, K] = [{B}, {T}, {HV}, {K}], got {None if g is None else tuple(g.shape)}")
+        raise ValueError(f"g: expected [B, T, HV, K] = [{B}, {T}, {HV}, {K}], got "
+                         f"{None if g is None else tuple(g.shape)}")
     if beta is None or tuple(beta.shape) != (B, T, HV):
         raise ValueError(f"beta: expected [B, T, HV] = [{B}, {T}, {HV}], got "
                          f"{None if beta is None else tuple(beta.shape)}")
