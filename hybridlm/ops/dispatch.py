@@ -61,7 +61,7 @@ TRITON_KERNELS: dict[str, Callable] = {}
 # op name -> (q, v) -> None when the kernel takes these inputs, else the reason it does not
 TRITON_SUPPORTS: dict[str, Callable] = {}
 # ops with a forward-only Gluon kernel
-GLUON_OPS = ("gated_delta_rule",)
+GLUON_OPS = ("gated_delta_rule", "kda")
 # (op, device type, backend, reasons others were passed over): the choices impl="auto" has logged
 _LOGGED: set[tuple] = set()
 
@@ -301,8 +301,13 @@ def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def _run_gluon(x: Inputs):
-    """The Hopper forward, its checks skipped (done here); with a pool it reads and writes the rows itself."""
-    return _gdn_fwd().gated_delta_rule_fwd(
+    """The Hopper forward of the op (GDN's, or KDA's: the Triton prep, then the Gluon chain), its checks skipped
+    (done here); with a pool it reads and writes the rows itself."""
+    if x.op == "kda":
+        from .gluon.kda_fwd import kda_fwd as fwd
+    else:
+        fwd = _gdn_fwd().gated_delta_rule_fwd
+    return fwd(
         x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
         output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens, use_qk_l2norm=x.use_qk_l2norm,
         state_pool=x.state_pool, state_indices=x.state_indices, checked=True,
