@@ -175,11 +175,11 @@ def _kda_bwd_state_blk(
             dg_done = tl.load(dg + krow, mask=rmask[:, None], other=0.0)  # finished in pass 2
             dgv = tl.cumsum(db, 0, reverse=True) + dg_done
             if GATE:  # the gate's backward here: dg is never written, nor read back by another launch
-                _, dx, dA = _kimi_gate(raw, A_log, dt_bias, r64, rmask, ihv, HV, K, KR, offs, lb, LB)
+                _, dx, dgA = _kimi_gate(raw, A_log, dt_bias, r64, rmask, ihv, HV, K, KR, offs, lb, LB)
                 dr = dgv * dx
                 tl.store(draw + krow, dr.to(draw.dtype.element_ty), mask=rmask[:, None])
                 tl.store(ddtp + (ic * HV + ihv).to(tl.int64) * K + offs, tl.sum(dr, 0))
-                sA += tl.sum(dgv * dA, 1)
+                sA += tl.sum(dgv * dgA, 1)
             else:
                 tl.store(dg + krow, dgv, mask=rmask[:, None])
         if GATE:
