@@ -133,21 +133,26 @@ def kda_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
                             dict(common, V=V, BK=bk, BV=min(64, V)), T.prep_warps, 1)
     jobs["_out_fwd"] = (chunk_out._out_fwd, dict(chunks, Qg=sd, Pb=sd, hbuf=sd, vnbuf=sd, o=dt), dict(HV=i32),
                         dict(K=K, V=V, BT=BT, PREC=prec, BV=min(T.out_bv, V), LOWP=lowp), T.out_warps, 1)
+    # Kimi's gate inside the kernels (`kda.Gate`): its pointers and ints; unused (GATE off) they are g's
+    gate_ptrs, gate_ints = dict(raw=dt, A_log=f32, dt_bias=f32), dict(KR=i32, lb=f32)
     for mode in kda.DIAG_MODES:
         tag = f"DIAG {mode}"
-        jobs[f"_kda_prep_ap {tag}"] = (
-            kda_prep._kda_prep_ap, dict(chunks, q=dt, k=dt, g=f32, beta=dt, Tbuf=f32, Qg=sd, Kd=sd, Pb=sd, BL=f32,
-                                        redo=i32), dict(H=i32, HV=i32, scale=f32), dict(common, BK=bk, DIAG=mode),
-            T.prep_warps, 1)
+        for gate in (False, True) if mode == kda.DIAG_MODES[0] else (False,):  # the first launch makes g
+            jobs[f"_kda_prep_ap {tag}{' gate' if gate else ''}"] = (
+                kda_prep._kda_prep_ap, dict(chunks, q=dt, k=dt, g=f32, beta=dt, Tbuf=f32, Qg=sd, Kd=sd, Pb=sd,
+                                            BL=f32, redo=i32, **gate_ptrs), dict(H=i32, HV=i32, scale=f32, **gate_ints),
+                dict(common, BK=bk, DIAG=mode, GATE=gate), T.prep_warps, 1)
         jobs[f"_kda_bwd_out_blk {tag}"] = (
             kda_bwd._kda_bwd_out_blk, dict(chunks, q=dt, k=dt, g=f32, hbuf=sd, vnbuf=sd, do=dt, dq=f32, dk=f32,
                                            dg=f32, redo=i32), dict(scale=f32, H=i32, HV=i32),
             dict(common, V=V, BK=bk, BV=min(64, V), LOWP=lowp, DIAG=mode), T.bwd_warps, 1)
-        jobs[f"_kda_bwd_state_blk {tag}"] = (
-            kda_bwd._kda_bwd_state_blk, dict(chunks, k=dt, v=dt, g=f32, beta=dt, Tbuf=f32, BL=f32, hbuf=sd, dhbuf=sd,
-                                             vnbuf=sd, dvnbuf=sd, dk=f32, dv=dt, dg=f32, dbeta=f32, redo=i32),
-            dict(H=i32, HV=i32), dict(common, V=V, BK=bk, BV=min(64, V), LOWP=lowp, DIAG=mode, MARKED=True),
-            T.bwd_warps, 1)
+        for gate in (False, True):  # the last pass writes the raw gate's gradient
+            jobs[f"_kda_bwd_state_blk {tag}{' gate' if gate else ''}"] = (
+                kda_bwd._kda_bwd_state_blk, dict(chunks, k=dt, v=dt, g=f32, beta=dt, Tbuf=f32, BL=f32, hbuf=sd,
+                                                 dhbuf=sd, vnbuf=sd, dvnbuf=sd, dk=f32, dv=dt, dg=f32, dbeta=f32,
+                                                 redo=i32, draw=dt, dAp=f32, ddtp=f32, **gate_ptrs),
+                dict(H=i32, HV=i32, **gate_ints),
+                dict(common, V=V, BK=bk, BV=min(64, V), LOWP=lowp, DIAG=mode, MARKED=True, GATE=gate), T.bwd_warps, 1)
     return jobs
 
 

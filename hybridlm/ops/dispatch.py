@@ -14,8 +14,8 @@ Non-standard here:
   with a version counter and its host copy recorded (`hybridlm.ops.offsets`), so that int64 or inference-mode
   offsets are read back once a call, not once per kernel.
 - KDA's gate from raw inputs (`A_log`, `dt_bias`, `lower_bound`; `hybridlm.ops.kda_gate`) is checked in
-  `prepare` and computed in `execute`, once the backend is known: on the Triton gates kernel for the Triton
-  backend, in PyTorch (compute dtype, under autograd) for the others. Backends see only the log-decay.
+  `prepare`. The Triton backend takes it inside its kernels (`hybridlm.ops.triton.kda`: no launch of its own
+  either way); for the others `execute` computes the log-decay in PyTorch (compute dtype, under autograd) first.
 - A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
   gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
 - The checks and the choice are remembered per call signature (`_signature`: per tensor argument its shape, dtype,
@@ -61,7 +61,7 @@ TRITON_KERNELS: dict[str, Callable] = {}
 # op name -> (q, v) -> None when the kernel takes these inputs, else the reason it does not
 TRITON_SUPPORTS: dict[str, Callable] = {}
 # ops with a forward-only Gluon kernel
-GLUON_OPS = ("gated_delta_rule",)
+GLUON_OPS = ("gated_delta_rule", "kda")
 # (op, device type, backend, reasons others were passed over): the choices impl="auto" has logged
 _LOGGED: set[tuple] = set()
 
@@ -271,9 +271,11 @@ def _run_torch(x: Inputs, core: Callable, **kwargs) -> tuple[torch.Tensor, torch
 
 
 def _run_triton(x: Inputs):
+    gate = {} if x.A_log is None and x.lower_bound is None else dict(A_log=x.A_log, dt_bias=x.dt_bias,
+                                                                     lower_bound=x.lower_bound)
     return TRITON_KERNELS[x.op](x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
                                 output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens,
-                                use_qk_l2norm=x.use_qk_l2norm, recompute=x.recompute)
+                                use_qk_l2norm=x.use_qk_l2norm, recompute=x.recompute, **gate)
 
 
 def _triton_supports(x: Inputs) -> str | None:
@@ -299,8 +301,13 @@ def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def _run_gluon(x: Inputs):
-    """The Hopper forward, its checks skipped (done here); with a pool it reads and writes the rows itself."""
-    return _gdn_fwd().gated_delta_rule_fwd(
+    """The Hopper forward of the op (GDN's, or KDA's: the Triton prep, then the Gluon chain), its checks skipped
+    (done here); with a pool it reads and writes the rows itself."""
+    if x.op == "kda":
+        from .gluon.kda_fwd import kda_fwd as fwd
+    else:
+        fwd = _gdn_fwd().gated_delta_rule_fwd
+    return fwd(
         x.q, x.k, x.v, g=x.g, beta=x.beta, scale=x.scale, initial_state=x.initial_state,
         output_final_state=x.output_final_state, cu_seqlens=x.cu_seqlens, use_qk_l2norm=x.use_qk_l2norm,
         state_pool=x.state_pool, state_indices=x.state_indices, checked=True,
@@ -413,8 +420,8 @@ def _run(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def execute(b: Backend, x: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run prepared inputs on backend b, a state pool included."""
-    if x.A_log is not None or x.lower_bound is not None:
-        g = kda_gate(x.g, x.A_log, x.dt_bias, x.lower_bound, dtype=state_dtype(x.v.dtype), fused=b.name == "triton")
+    if (x.A_log is not None or x.lower_bound is not None) and b.name != "triton":
+        g = kda_gate(x.g, x.A_log, x.dt_bias, x.lower_bound, dtype=state_dtype(x.v.dtype))
         x = dataclasses.replace(x, g=g, A_log=None, dt_bias=None, lower_bound=None)
     if x.state_pool is None:
         return _run(b, x)

@@ -9,8 +9,10 @@ Non-standard here:
 - A_log may be None with lower_bound (then exp(A_log) reads as 1, as fla's chunk_kda takes it); dt_bias may be
   None (no bias). Without lower_bound A_log is required.
 - `fused=True` computes the first form on the Triton gates kernel (`hybridlm.ops.triton.gates.kda_decay`, one
-  launch forward and one backward, row sums of dA_log / ddt_bias in fp32); everything else is PyTorch under
-  autograd, in the compute dtype.
+  launch forward and one backward, row sums of dA_log / ddt_bias in fp32): the layer's cached decode token, whose
+  step kernel takes g. Everything else here is PyTorch under autograd, in the compute dtype: the reference, and
+  the gate of the PyTorch impls. The Triton chunk op does not call this: its kernels compute both forms themselves
+  (`hybridlm.ops.triton.kda`, `kda_decay._kimi_gate`), with no launch of their own.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Non-standard here:
 - Gates are keyword-only and always in the order `g` (log-decay, <= 0) then `beta` (write strength).
 - `impl` is explicit: "naive" (token loop), "chunk" (WY/UT in PyTorch), "triton" (GPU kernels, registered by
-  `hybridlm.ops.triton` when it imports), "gluon" (gated_delta_rule only: the Hopper forward of
-  `hybridlm.ops.gluon.gdn_fwd`, no autograd), "auto" (for gated_delta_rule the Gluon forward when no gradient is
+  `hybridlm.ops.triton` when it imports), "gluon" (gated_delta_rule and kda only: the Hopper forwards of
+  `hybridlm.ops.gluon.gdn_fwd` and `kda_fwd`, no autograd), "auto" (for those two the Gluon forward when no gradient is
   needed and it takes the inputs: sm_90, bf16/fp16, K 64 or 128, V 64 to 256; else triton on CUDA when a kernel
   exists for the op and takes the inputs; else chunk). Training keeps the Triton forward and backward: the Gluon
   forward does not write what the Triton backward reads. Every call goes one way, `hybridlm.ops.dispatch`: the
@@ -55,7 +55,7 @@ _COMMON_DOC = """
     updated in place) and int rows [N]:
     sequence n starts from state_pool[state_indices[n]] and its final state is written back there in place
     (chunked prefill and continuation in a server; rows distinct and in range, not checked).
-    impl: "auto" | "naive" | "chunk" | "triton" | "gluon" (gated_delta_rule only: the sm_90 forward, no autograd;
+    impl: "auto" | "naive" | "chunk" | "triton" | "gluon" (gated_delta_rule, kda: the sm_90 forward, no autograd;
     "auto" takes it when no gradient is needed and it takes the inputs, see the module docstring).
     recompute: keep only the inputs for the backward and compute the forward's intermediates again there (less
     activation memory for one more forward of this op; the Triton kernels rerun their forward kernels, the PyTorch

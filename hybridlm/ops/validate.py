@@ -17,7 +17,7 @@ from .offsets import host_offsets
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_SIZES = (16, 32, 64, 128)
-# the impls of the ops outside the recurrence dispatch's table ("gluon": gated_delta_rule only, hybridlm.ops.dispatch)
+# the impls of the ops outside the recurrence dispatch's table ("gluon": gated_delta_rule, kda; ops.dispatch)
 IMPLS = ("auto", "naive", "chunk", "triton", "gluon")
 
 

@@ -1,6 +1,6 @@
 """What the float64 equality tests of the ops share: the relative error they bound, the seed they draw, and the
-naive-against-chunk comparison with gradients; also the outputs-and-gradients call of the GPU comparisons and the
-marks of the Gluon kernels' GPU tests.
+naive-against-chunk comparison with gradients; also the outputs-and-gradients call of the GPU comparisons, the
+marks of the Gluon kernels' GPU tests and the yardstick of KDA's gate-parameter gradients (`gate_sum_errors`).
 
 Imported by the test modules beside it (tests/ops is on sys.path under pytest's default import mode).
 """
@@ -63,3 +63,28 @@ def outputs_and_grads(fn, x: dict[str, torch.Tensor], do: torch.Tensor) -> dict[
     o = fn(**leaves)
     got = torch.autograd.grad((o.to(do.dtype) * do).sum(), list(leaves.values()))
     return {"o": o.detach(), **{"d" + n: gr for n, gr in zip(leaves, got)}}
+
+
+def gate_sum_errors(dA, dA_ref, ddt, ddt_ref, raw, A_log, dt_bias, lower_bound, dg) -> dict:
+    """The errors of dA_log and ddt_bias over the norms of the sums of magnitudes of the terms they add up (float64:
+    sum_{t, c} |dg dg/dA_log| per head, sum_t |dg dg/dx| per channel; dg the float64 gradient of the log-decay).
+    Each is a sum of terms of both signs over every token, which cancel (under strong decay dA_log to a few
+    percent of its terms' magnitudes), so its plain relative error measures that cancelling, not the code: the
+    same fp32 dg gives the same errors with the gates kernel apart. None: the argument was not given."""
+    HV, K = raw.shape[-2:]
+    x = raw + (0.0 if dt_bias is None else dt_bias.view(HV, K))
+    A = (torch.zeros(HV, dtype=F64) if A_log is None else A_log).exp().view(HV, 1)
+    if lower_bound is None:
+        dgdx = -A * torch.sigmoid(x) * (x <= 20) - A * (x > 20)
+        dgdA = -A * torch.where(x > 20, x, torch.nn.functional.softplus(x))
+    else:
+        ds = lower_bound * torch.sigmoid(A * x) * torch.sigmoid(-A * x)
+        dgdx, dgdA = ds * A, ds * A * x
+    out = {}
+    if dA is not None:
+        terms = (dg * dgdA).abs().flatten(0, -3).sum((0, 2))
+        out["dA_log_vs_terms"] = ((dA.to(F64) - dA_ref).norm() / terms.norm()).item()
+    if ddt is not None:
+        terms = (dg * dgdx).abs().flatten(0, -3).sum(0).flatten()
+        out["ddt_bias_vs_terms"] = ((ddt.to(F64) - ddt_ref).norm() / terms.norm()).item()
+    return out

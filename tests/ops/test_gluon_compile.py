@@ -4,10 +4,10 @@ Numerics need the GPU (tests/ops/test_gluon_gdn.py); this catches Gluon API drif
 Each kernel is compiled through `triton.compile` with a CUDA `GPUTarget` of capability 90, its arguments typed as
 the host wrapper passes them (16-byte aligned pointers, as torch allocations are): the solve with and without
 l2norm (with it, under the host's register cap), the chain in bf16 with both states, in fp16 without them, and with
-its states in a pool; K 128, and 64 in fp16. The backward's state-gradient chain (`chain_bwd`) in bf16 with the
-final-state cotangent and the initial-state gradient, in fp16 at K 64 without them, and at V 256: it must also
-compile without spills (no local memory: its state gradient and products fill a warpgroup's registers), and its
-gate rows launch (Triton) for sm_90.
+its states in a pool; K 128, and 64 in fp16; the KDA chain (`kda_fwd`) the same ways. The backward's state-gradient
+chain (`chain_bwd`) in bf16 with the final-state cotangent and the initial-state gradient, in fp16 at K 64 without
+them, and at V 256: it must also compile without spills (no local memory: its state gradient and products fill a
+warpgroup's registers), and its gate rows launch (Triton) for sm_90.
 About 10 s a compile on one core (the backward chain about 1 s).
 
 A Triton without the Gluon API the kernels are written against fails here (it is the drift this file exists to
@@ -21,15 +21,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 try:  # a Triton without Gluon breaks this import: each test below fails with it instead of the file not loading
-    from hybridlm.ops.gluon import chain_bwd, gdn_fwd
+    from hybridlm.ops.gluon import chain_bwd, gdn_fwd, kda_fwd
 
     GLUON_ERROR = gdn_fwd._IMPORT_ERROR
 except ImportError as e:
-    gdn_fwd = chain_bwd = None
+    gdn_fwd = chain_bwd = kda_fwd = None
     GLUON_ERROR = e
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
-FP32_PTRS = ("g", "h0", "ht", "Gbuf")
+FP32_PTRS = ("g", "h0", "ht", "Gbuf", "bl")
 INT_PTRS = ("cu", "chunk_off", "rows", "flags")
 INTS = ("H", "HV")
 FP32S = ("scale",)
@@ -52,7 +52,9 @@ def _desc_type(dtype: str, box: list[int]) -> str:
 
 
 DESCS = {"q_desc": [64, 128], "k_desc": [64, 128], "v_desc": [64, 64], "t_desc": [64, 64], "o_desc": [64, 64],
-         "g_desc": [8, 64]}
+         "g_desc": [8, 64], "qg_desc": [64, 128], "kd_desc": [64, 128], "w_desc": [64, 128], "u_desc": [64, 64],
+         "p_desc": [64, 64]}
+KEY_WIDE = ("q_desc", "k_desc", "qg_desc", "kd_desc", "w_desc")  # boxes [64, K]
 
 
 def _require_gluon() -> None:
@@ -71,7 +73,7 @@ def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True
     _require_gluon()
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = getattr(gdn_fwd, name)
+    fn = getattr(kda_fwd if name.startswith("_kda") else gdn_fwd, name)
     consts = dict(K=K, V=128, BV=gdn_fwd.BV, C=gdn_fwd.CHUNK, R=gdn_fwd.GATE_ROWS, L2=l2, HAS_H0=state,
                   STORE_HT=state, POOL=pool, FLAG=overlap, WAIT=overlap)
     sig, ptrs = {}, []
@@ -83,7 +85,7 @@ def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True
         elif n in FP32S:
             sig[n] = "fp32"
         elif n in DESCS:
-            box = [DESCS[n][0], K] if n in ("q_desc", "k_desc") else DESCS[n]
+            box = [DESCS[n][0], K] if n in KEY_WIDE else DESCS[n]
             sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, box)
         else:
             sig[n] = "*" + ("fp32" if n in FP32_PTRS else "i32" if n in INT_PTRS else dtype)
@@ -103,6 +105,9 @@ CASES = [  # name, dtype, l2, state, pool, K, overlap (the solve publishes chunk
     ("_gdn_chain_kernel", "bf16", True, True, False, 128, True),
     ("_gdn_chain_kernel", "fp16", True, False, False, 64, False),
     ("_gdn_chain_kernel", "bf16", True, True, True, 128, False),  # states read from / written to a pool's rows
+    ("_kda_chain_kernel", "bf16", True, True, False, 128, False),
+    ("_kda_chain_kernel", "fp16", True, False, False, 64, False),
+    ("_kda_chain_kernel", "bf16", True, True, True, 128, False),
 ]
 
 

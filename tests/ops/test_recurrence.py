@@ -335,7 +335,9 @@ def test_auto_picks_gluon_only_without_gradients(caplog, monkeypatch):
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=False) == "gluon"
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=True) == "triton"
         assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v) == "triton"  # callers that do not say
-        assert rec.resolve_impl("kda", "auto", cuda, q, v, needs_grad=False) == "triton"  # no Gluon kernel
+        assert rec.resolve_impl("kda", "auto", cuda, q, v, needs_grad=False) == "gluon"
+        assert rec.resolve_impl("kda", "auto", cuda, q, v, needs_grad=True) == "triton"
+        assert rec.resolve_impl("delta_rule", "auto", cuda, q, v, needs_grad=False) == "chunk"  # no kernel at all
         verdict["why"] = "dtype torch.float32 (bfloat16 and float16 only)"
         for _ in range(2):
             assert rec.resolve_impl("gated_delta_rule", "auto", cuda, q, v, needs_grad=False) == "triton"
@@ -378,17 +380,75 @@ def test_gluon_impl_refuses_gradients():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["kda", "delta_rule", "gated_linear_attention", "linear_attention"])
-def test_gluon_impl_is_gated_delta_rule_only(name):
-    fn = {"kda": kda, "delta_rule": delta_rule, "gated_linear_attention": gated_linear_attention,
+@pytest.mark.parametrize("name", ["delta_rule", "gated_linear_attention", "linear_attention"])
+def test_gluon_impl_is_gated_delta_rule_and_kda_only(name):
+    fn = {"delta_rule": delta_rule, "gated_linear_attention": gated_linear_attention,
           "linear_attention": linear_attention}[name]
-    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 16, 16, channel_g=name == "kda")
-    kw = {"kda": dict(g=g, beta=beta), "delta_rule": dict(beta=beta), "gated_linear_attention": dict(g=g),
-          "linear_attention": {}}[name]
+    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 16, 16)
+    kw = {"delta_rule": dict(beta=beta), "gated_linear_attention": dict(g=g), "linear_attention": {}}[name]
     with pytest.raises(ValueError) as e:
         fn(q, k, v, impl="gluon", **kw)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("impl: expected one of") and name in msg and msg.endswith("got 'gluon'")
+
+
+def test_kda_gluon_impl_refuses_cpu_and_gradients():
+    """impl="gluon" for KDA: one line with the Gluon forward's reason on the CPU, and "forward only" where gradients
+    are needed."""
+    from hybridlm.ops.recurrence import gluon_unsupported_reason
+
+    q, k, v, g, beta, _ = make_inputs(1, 8, 1, 1, 128, 128, channel_g=True, dtype=torch.bfloat16)
+    why = gluon_unsupported_reason(q, v)
+    with torch.no_grad(), pytest.raises(RuntimeError) as e:
+        kda(q, k, v, g=g.float(), beta=beta, impl="gluon")
+    assert "\n" not in str(e.value) and why in str(e.value) and "'gluon'" in str(e.value)
+    with pytest.raises(RuntimeError, match="forward only") as e:
+        kda(q, k, v, g=g.float().requires_grad_(), beta=beta, impl="gluon")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_kda_gluon_backend_gets_the_gate_and_the_pool(monkeypatch, pool):
+    """The Gluon backend for KDA (its verdict monkeypatched, its forward replaced by the chunk form): the gate
+    inside the op (A_log, dt_bias, lower_bound) reaches it as the log-decay `kda_gate` computes, the state pool as
+    it is (the backend keeps the rows in place), and the call's result is the chunk form's on the same gate."""
+    import hybridlm.ops.dispatch as rec
+    from hybridlm.ops.gluon import kda_fwd as gk
+    from hybridlm.ops.kda_gate import kda_gate
+
+    seen = {}
+
+    def fake(q, k, v, *, g, beta, state_pool=None, state_indices=None, checked=False, **kw):
+        seen.update(g=g, pool=state_pool, checked=checked)
+        if state_pool is not None:
+            kw.update(initial_state=state_pool[state_indices.long()], output_final_state=True)
+        o, s = kda(q, k, v, g=g, beta=beta, impl="chunk", **kw)
+        if state_pool is not None:
+            state_pool[state_indices.long()] = s
+            s = None
+        return o, s
+
+    monkeypatch.setattr(rec, "gluon_unsupported_reason", lambda q, v: None)
+    monkeypatch.setattr(gk, "kda_fwd", fake)
+    q, k, v, g, beta, h0 = make_inputs(2, 20, 1, 2, 16, 16, channel_g=True, n_states=2)
+    A_log, dt_bias = torch.randn(2, dtype=F64), torch.randn(2 * 16, dtype=F64)
+    kw = dict(beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    expect_g = kda_gate(g, A_log, dt_bias, -5.0, dtype=F64)
+    if pool:
+        P = torch.randn(5, 2, 16, 16, dtype=F64)
+        rows = torch.tensor([3, 1], dtype=torch.int32)
+        P0 = P.clone()
+        o, _ = kda(q, k, v, g=g, state_pool=P, state_indices=rows, impl="gluon", **kw)
+        o_ref, s_ref = kda(q, k, v, g=expect_g, beta=beta, initial_state=P0[rows.long()], output_final_state=True,
+                           impl="chunk")
+        assert seen["pool"] is P
+        assert torch.equal(P[rows.long()], s_ref) and torch.equal(P[[0, 2, 4]], P0[[0, 2, 4]])
+    else:
+        o, s = kda(q, k, v, g=g, initial_state=h0, output_final_state=True, impl="gluon", **kw)
+        o_ref, s_ref = kda(q, k, v, g=expect_g, beta=beta, initial_state=h0, output_final_state=True, impl="chunk")
+        assert torch.equal(s, s_ref)
+    assert seen["checked"] and torch.equal(seen["g"], expect_g)
+    assert torch.equal(o, o_ref)
 
 
 # float32 chunk (C = 128) against the float64 recurrence at log-decays down to -30 a step. The bars sit ~5x above

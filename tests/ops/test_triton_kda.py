@@ -7,7 +7,8 @@ one dot, its diagonal blocks by one dot, by their 8-row halves, exactly), also w
 decay in different chunks and heads) and at a decay cliff, T = 1, 65, 70, K = 64 with V = 64/128, K = V = 256, the
 head dims 48, 96/192 and 32/16 (chunk ops zero-padded, decode masked), expanded o and final-state gradients, the
 public `kda(..., impl="triton")` (also with Kimi's gate inside it, GVA 4), fp16 and bf16 inputs, and the decode
-step on a state pool.
+step on a state pool; Kimi's gate inside the kernels (both forms, with and without A_log / dt_bias, a padded
+head dim, strong decay, varlen, bf16).
 Tolerances (relative RMS): 2e-6 for o and the states (against the naive recurrence and the chunk path), 1e-5 (the
 fp32 bar of the GPU check) for every gradient (q, k, v, g, beta, initial_state; against the float64 chunk path's
 autograd), the strong-decay cases included. Measured: outputs 2.9e-7, gradients 1.9e-6 (dbeta at K=V=256), dg at
@@ -65,15 +66,37 @@ def test_kda_forward_and_gradients_match_float64(interp_results, case):
         assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
 
 
-def test_kda_gate_in_op_gva4_every_gradient(interp_results):
-    """Kimi's gate inside the public op on the Triton path (the gates kernel writes g, GVA 4): o and the final state
-    within 2e-6, every gradient (raw, A_log, dt_bias included) within 1e-5 of the float64 chunk path."""
-    case = "gate_in_op_gva4_T70"
+GATE_CASES = ["gate_in_op_gva4_T70", "gate_lower_bound_varlen_gva2_T70", "gate_lower_bound_no_A_log_K32_T40",
+              "gate_strong_decay_K48_no_dt_bias_T70", "gate_bf16_varlen_gva2_T70"]
+
+
+@pytest.mark.parametrize("case", GATE_CASES)
+def test_kda_gate_in_kernels_every_gradient(interp_results, case):
+    """Kimi's gate inside the Triton kernels (the prep's first launch makes g from raw, the state backward's last
+    pass the gate's gradients), both forms, GVA, varlen, no A_log, no dt_bias, a padded head dim, log-decays of ~-35
+    a step, bf16: o and the final state within 2e-6 and every gradient (raw included) within 1e-5 of the float64
+    chunk path with PyTorch's gate applied before it (bf16: the GPU check's 5e-3 / 1e-2). dA_log and ddt_bias, sums
+    over every token, are held to the gradient bar relative to the magnitudes of the terms they add up (an error eps
+    in each term moves the sum by at most eps times that; `float64_check.gate_sum_errors`; measured 4e-8 to 9e-7,
+    bf16 1.3e-4 to 3.6e-3): their plain relative errors measure how far the terms cancel (dA_log at strong decay:
+    4e-6 to 9e-5 in fp32, the same with the gates kernel apart)."""
     res, seed = interp_results[case], interp_results["seed"]
-    for name in ("o", "final_state"):
-        assert res[name] <= TOL, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
-    for name in ("dq", "dk", "dv", "draw", "dbeta", "dA_log", "ddt_bias", "dh0"):
-        assert res[name] <= TOL_GRAD, f"{case} {name}: rel {res[name]:.3g} (seed {seed})"
+    bf16 = "bf16" in case
+    for name, err in res.items():
+        if name in ("recompute_bitwise", "dA_log", "ddt_bias"):
+            continue
+        bar = (1e-2 if bf16 else TOL_GRAD) if name.startswith("d") else (5e-3 if bf16 else TOL)
+        assert err <= bar, f"{case} {name}: {err:.3g} > {bar} (seed {seed})"
+    expect = {"draw", "dbeta", "dq", "dk", "dv", "dh0"} \
+        | ({"ddt_bias", "ddt_bias_vs_terms"} if "no_dt_bias" not in case else set()) \
+        | ({"dA_log", "dA_log_vs_terms"} if "no_A_log" not in case else set())
+    assert expect <= set(res), f"{case}: missing {expect - set(res)}"
+
+
+def test_kda_gate_in_kernels_recompute_bitwise(interp_results):
+    """recompute=True with the gate inside: the backward's rerun of the forward makes the same g, and o, the final
+    state and every gradient (raw, A_log, dt_bias included) are bitwise those of recompute=False."""
+    assert interp_results["gate_in_op_gva4_T70"]["recompute_bitwise"] == 1.0
 
 
 def test_kda_fp16_inputs_within_a_few_fp16_ulps(interp_results):

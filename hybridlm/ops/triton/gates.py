@@ -8,8 +8,9 @@ Non-standard here:
   Kimi's KDA has one per key channel (KG = head dim: a = f [.., H * KG] before the bias, dt_bias [H * KG],
   A_log one per head). softplus(x) = x for x > 20, log1p(e^x) else, as F.softplus and Kimi's code write it
   (log1p computed stably in fp32: e^x is rounded away from 1 + e^x for very negative x).
-- `kda_decay` is g alone (the KDA op's gate, `hybridlm.ops.kda_gate`): b has no columns, so the beta part of
-  both kernels is masked off; the decay's head count is A_log's, not b's.
+- `kda_decay` is g alone (`hybridlm.ops.kda_gate` with fused=True: a cached KDA decode token's gate; the chunked
+  KDA op takes its gate inside its own kernels): b has no columns, so the beta part of both kernels is masked off;
+  the decay's head count is A_log's, not b's.
 - beta_scale 2 is OLMo-Hybrid's layout (negative eigenvalues); the scale multiplies in fp32 before the cast.
 - Backward: da, db per element; dA_log and ddt_bias are row sums, reduced through per-program fp32 partials
   summed on the host (deterministic).

@@ -6,7 +6,8 @@ backward wrote.
 
 Non-standard: as in the prep, K is walked in blocks of BK channels with the l2 norms as row/column scales; the l2
 norm's backward is applied in place at the end of each kernel (`_l2_bwd_blk`), since its row sums need every
-block first. dq, dk, dg are fp32 [tokens, HV, K]: they are read back and added to within the launch.
+block first. dq, dk, dg are fp32 [tokens, HV, K]: they are read back and added to within the launch. With Kimi's
+gate inside the op the state backward's last pass applies the gate's backward where dg becomes final (GATE).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .chunk_bwd import _bwd_dp, _bwd_dqs_blk, _bwd_kd_blk, _bwd_u_blk, _bwd_w_blk
 from .chunk_jit import _chunk_rows, _dg_rows, _load_rows, _op, _row_inv_norms
-from .kda_decay import _cols_prod_blk, _diag_band, _diag_pass, _g_blk, _rows_prod_blk
+from .kda_decay import _cols_prod_blk, _diag_band, _diag_pass, _g_blk, _kimi_gate, _rows_prod_blk
 
 
 @triton.jit
@@ -88,8 +89,10 @@ def _kda_bwd_out_blk(
 @triton.jit
 def _kda_bwd_state_blk(
     k, v, g, beta, Tbuf, BL, hbuf, dhbuf, vnbuf, dvnbuf, dk, dv, dg, dbeta, redo, cu, chunk_seq, chunk_start,
+    raw, A_log, dt_bias, KR, lb, draw, dAp, ddtp,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr, MARKED: tl.constexpr = False,
+    GATE: tl.constexpr = False, LB: tl.constexpr = False,
 ):
     """Backward phase 2 (MARKED: see `_diag_pass`): the state write S' = e^{bL} S + Kd^T Vn,
     W = T diag(beta) (K^ e^b), U = T diag(beta) V and the UT transform (dA = -T^T dT T^T), in three passes:
@@ -98,7 +101,10 @@ def _kda_bwd_state_blk(
        the K and b gradients through Kd, S's decay and W, added to phase 1's parts in the dk and dg buffers; dg's
        part so far is finished there (`_dg_rows`);
     3. over K blocks, with the full dA: the decay products of A's gradient, whose db adds to dg by reverse cumsum,
-       dk; then the l2 norm's backward of dk."""
+       dk; then the l2 norm's backward of dk.
+    GATE: g was made from Kimi's raw gate (`kda_decay._kimi_gate`): pass 3 stores the raw gate's gradient
+    dg * dg/dx to draw (raw's dtype) instead of dg, this program's row sums of it to ddtp [chunks, HV, K] (-> dt_bias)
+    and its sum of dg * dg/dA_log to dAp [chunks, HV] (fp32 partials, summed on the host: deterministic)."""
     DT: tl.constexpr = hbuf.dtype.element_ty
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, MARKED):
         ic = tl.program_id(0)
@@ -149,6 +155,7 @@ def _kda_bwd_state_blk(
         bandR = _diag_band(Mr, BT, DIAG)
         bandC = _diag_band(tl.trans(Mc), BT, DIAG)
         sk = tl.zeros([BT], dtype=tl.float32)
+        sA = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             offs = k0 + tl.arange(0, BK)
             krow = (r64[:, None] * HV + ihv) * K + offs[None, :]
@@ -166,7 +173,17 @@ def _kda_bwd_state_blk(
             sk += tl.sum(kk * dkn, 1)
             tl.store(dk + krow, dkn, mask=rmask[:, None])
             dg_done = tl.load(dg + krow, mask=rmask[:, None], other=0.0)  # finished in pass 2
-            tl.store(dg + krow, tl.cumsum(db, 0, reverse=True) + dg_done, mask=rmask[:, None])
+            dgv = tl.cumsum(db, 0, reverse=True) + dg_done
+            if GATE:  # the gate's backward here: dg is never written, nor read back by another launch
+                _, dx, dgA = _kimi_gate(raw, A_log, dt_bias, r64, rmask, ihv, HV, K, KR, offs, lb, LB)
+                dr = dgv * dx
+                tl.store(draw + krow, dr.to(draw.dtype.element_ty), mask=rmask[:, None])
+                tl.store(ddtp + (ic * HV + ihv).to(tl.int64) * K + offs, tl.sum(dr, 0))
+                sA += tl.sum(dgv * dgA, 1)
+            else:
+                tl.store(dg + krow, dgv, mask=rmask[:, None])
+        if GATE:
+            tl.store(dAp + ic * HV + ihv, tl.sum(sA, 0))
         if L2:
             _l2_bwd_blk(dk, k, r64, rmask, ihv, rk, sk, HV, H * K, ih * K, K, BK)
         tl.store(dbeta + r64 * HV + ihv, dbeta_, mask=rmask)

@@ -28,6 +28,51 @@ import triton
 import triton.language as tl
 
 from .chunk_jit import _chunk_rows, _op
+from .gates import _softplus
+
+
+@triton.jit
+def _kimi_gate(raw, A_log, dt_bias, r64, rmask, ihv, HV, K: tl.constexpr, KR, offs, lb, LB: tl.constexpr):
+    """Kimi's gate of rows r64 and key channels offs of raw [tokens, HV, K] (any float dtype): x = raw + dt_bias[h],
+    A = exp(A_log[h]); g = -A softplus(x), or lb sigmoid(A x) with LB. Returns (g, dg/dx, dg/dA_log), [BT, BK] fp32,
+    each 0 on rows past rmask and on channels >= KR (a non-native head dim's zero padding: a zero log-decay there,
+    as `gdn.pad_heads` gives a padded g). raw is padded to K, dt_bias is [HV, KR] (not padded)."""
+    cm = offs < KR
+    m = rmask[:, None] & cm[None, :]
+    x = tl.load(raw + (r64[:, None] * HV + ihv) * K + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    x += tl.load(dt_bias + ihv * KR + offs, mask=cm, other=0.0).to(tl.float32)[None, :]
+    A = tl.exp(tl.load(A_log + ihv).to(tl.float32))
+    if LB:
+        z = A * x
+        e = tl.exp(-tl.abs(z))  # sigmoid(z) and sigmoid(-z) = 1 - sigmoid(z) each without a difference
+        sp = 1.0 / (1.0 + e)
+        sn = e / (1.0 + e)
+        s = tl.where(z >= 0, sp, sn)
+        ds = lb * sp * sn  # d g / d z
+        g = lb * s
+        dx = ds * A
+        dA = ds * z
+    else:
+        sp, s = _softplus(x)
+        g = -A * sp
+        dx = -A * s
+        dA = g  # d g / d A_log
+    return tl.where(m, g, 0.0), tl.where(m, dx, 0.0), tl.where(m, dA, 0.0)
+
+
+@triton.jit
+def _gate_store(raw, A_log, dt_bias, g, cu, chunk_seq, chunk_start, HV, K: tl.constexpr, KR, lb,
+                BK: tl.constexpr, BT: tl.constexpr, LB: tl.constexpr):
+    """g [tokens, HV, K] fp32 of this program's chunk and value head from the raw gate (`_kimi_gate`), then a
+    barrier: the same program reads the rows back at once, in other layouts (`_g_blk`, `_block_row`)."""
+    ic = tl.program_id(0)
+    ihv = tl.program_id(1)
+    n, bos, nval, rows, rmask, r64 = _chunk_rows(cu, chunk_seq, chunk_start, ic, BT)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        gv, _, _ = _kimi_gate(raw, A_log, dt_bias, r64, rmask, ihv, HV, K, KR, offs, lb, LB)
+        tl.store(g + (r64[:, None] * HV + ihv) * K + offs[None, :], gv, mask=rmask[:, None])
+    tl.debug_barrier()
 
 
 @triton.jit

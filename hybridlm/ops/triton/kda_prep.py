@@ -6,6 +6,8 @@ memory; four launches, one per decay form, `kda_decay._diag_pass`), the UT solve
 Non-standard: q and k are walked raw in blocks of BK key channels; the l2 norms enter as row/column scales of the
 [BT, BT] sums, from a first pass over K. The cumulative log-decay b is recomputed from g wherever it is needed (a
 cumsum of a tile that is loaded anyway) instead of being stored. W and U take fp32 operands (T is fp32 here).
+With Kimi's gate inside the op, the first launch of `_kda_prep_ap` makes g from the raw gate before anything
+reads it (GATE; `kda.py` says why g is written rather than recomputed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .kda_decay import (
     _block_row,
     _diag_pass,
     _g_blk,
+    _gate_store,
     _half_masks,
     _mid_sums,
     _off_exps_from,
@@ -31,9 +34,9 @@ from .wy import _tu_blk
 
 @triton.jit
 def _kda_prep_ap(
-    q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale,
+    q, k, g, beta, Tbuf, Qg, Kd, Pb, BL, redo, cu, chunk_seq, chunk_start, scale, raw, A_log, dt_bias, KR, lb,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr,
-    DIAG: tl.constexpr,
+    DIAG: tl.constexpr, GATE: tl.constexpr = False, LB: tl.constexpr = False,
 ):
     """Stage 1 of the K-blocked prep, per chunk: Qg = scale Q^ e^b, Kd = K^ e^{bL - b}, bL (BL), and
     the [BT, BT] sums over channels P_ij = scale sum_d q^_id k^_jd e^{b_id - b_jd} (j <= i, stored in Pb) and
@@ -42,7 +45,11 @@ def _kda_prep_ap(
     chunks whose log-decays allow it (`_diag_pass`) as one masked dot for A and one for P per key block, through
     the chunk's middle row (`_whole_sums`), with no blocks at all; the later launches take the others. The 16- and
     8-row blocks' references are their middle rows (CENTRE False): centred as in the backward, they made the forward
-    slower."""
+    slower.
+    GATE (the first launch only, DIAG 3): g is first made here from Kimi's raw gate (`kda_decay._gate_store`; raw,
+    A_log, dt_bias, KR, lb, LB as in `_kimi_gate`) and written to g for every later launch and kernel to read."""
+    if GATE:
+        _gate_store(raw, A_log, dt_bias, g, cu, chunk_seq, chunk_start, HV, K, KR, lb, BK, BT, LB)
     if _diag_pass(g, redo, cu, chunk_seq, chunk_start, HV, K, BK, BT, DIAG, False, False):
         ic = tl.program_id(0)
         ihv = tl.program_id(1)

@@ -20,6 +20,9 @@ from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interp_gdn import ODD_DIMS, cliff_bounds, sums_case  # noqa: E402  (also applies the interpreter's fixes)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ops
+from float64_check import gate_sum_errors  # noqa: E402
 from recompute_check import recompute_case  # noqa: E402
 
 _gdn.POISON = True  # kernel outputs start as NaN: an element a kernel forgets to write fails the comparison
@@ -84,29 +87,64 @@ def decode_case(gen, *, N, P, H, HV, K, V):
             "others_unchanged": float(torch.equal(pool[untouched], pool0[untouched]))}
 
 
-def gate_case(gen, *, B, T, H, HV, K, V) -> dict:
-    """Kimi's gate inside the public op, `kda(..., impl="triton", g=raw, A_log=, dt_bias=)` (the gates kernel
-    computes g, the KDA kernels run on it), against the float64 chunk path with the same gate arguments: o, the
-    final state and every gradient (q, k, v, raw, beta, A_log, dt_bias, initial_state)."""
+def gate_case(gen, *, B, T, H, HV, K, V, lower_bound=None, cu=None, A_log=True, dt_bias=True, strong=False,
+              dtype=torch.float32, recompute=False) -> dict:
+    """Kimi's gate inside the public op, `kda(..., impl="triton", g=raw, A_log=, dt_bias=, lower_bound=)` (the
+    kernels make g from raw and the gate's gradients themselves), against the float64 chunk path, whose gate is
+    PyTorch's applied before the recurrence (`hybridlm.ops.kda_gate`): o, the final state and every gradient (q,
+    k, v, raw, beta, A_log, dt_bias, initial_state). strong: A = 16 and raw ~ N(2, 1), log-decays of ~-35 a step
+    (the exact launches); 16-bit dtype: q, k, v, raw and beta in it (the reference gets the rounded values).
+    recompute: also 1.0 when recompute=True gives the same o, state and gradients bit for bit, else 0.0."""
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    xs = [r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), 2.0 * r(B, T, HV, K), 2.0 * torch.rand(B, T, HV, generator=gen),
-          torch.rand(HV, generator=gen) * 2 - 1, r(HV * K), r(B, HV, K, V)]
+    N = B if cu is None else len(cu) - 1
+    raw = r(B, T, HV, K) + 2.0 if strong else 2.0 * r(B, T, HV, K)
+    alog = torch.full((HV,), 16.0).log() if strong else torch.rand(HV, generator=gen) * 2 - 1
+    xs = [r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), raw, 2.0 * torch.rand(B, T, HV, generator=gen), alog,
+          r(HV * K), r(N, HV, K, V)]
+    xs = [x.to(dtype).float() if i < 5 else x for i, x in enumerate(xs)]
     names = ["dq", "dk", "dv", "draw", "dbeta", "dA_log", "ddt_bias", "dh0"]
+    use = [True] * 5 + [A_log, dt_bias, True]
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
 
-    def run(leaf, impl):
-        return kda(*leaf[:3], g=leaf[3], beta=leaf[4], A_log=leaf[5], dt_bias=leaf[6], initial_state=leaf[7],
-                   output_final_state=True, use_qk_l2norm=True, impl=impl)
+    def run(leaf, impl, rc=False):
+        return kda(*leaf[:3], g=leaf[3], beta=leaf[4], A_log=leaf[5] if A_log else None,
+                   dt_bias=leaf[6] if dt_bias else None, lower_bound=lower_bound, initial_state=leaf[7],
+                   output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu_t, impl=impl, recompute=rc)
 
-    leaf = [x.clone().requires_grad_() for x in xs]
-    o, ht = run(leaf, "triton")
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
-    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaf)
-    ref = [x.to(F64).requires_grad_() for x in xs]
+    def grads(rc):
+        leaf = [(x.to(dtype) if i < 5 else x.clone()).requires_grad_(u) for i, (x, u) in enumerate(zip(xs, use))]
+        o, ht = run(leaf, "triton", rc)
+        return [o, ht, *torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(),
+                                            [x for x, u in zip(leaf, use) if u])]
+
+    do, dht = torch.randn(B, T, HV, V, generator=gen).to(dtype).float(), torch.randn(N, HV, K, V, generator=gen)
+    got = grads(False)
+    ref = [x.to(F64).requires_grad_(u) for x, u in zip(xs, use)]
     o2, ht2 = run(ref, "chunk")
-    grads2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref)
-    out = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
-    out.update({n: rel(a, b) for n, a, b in zip(names, grads, grads2)})
+    want = [o2, ht2, *torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(),
+                                          [x for x, u in zip(ref, use) if u])]
+    out = {n: rel(a, b) for n, a, b in zip(["o", "final_state", *(n for n, u in zip(names, use) if u)], got, want)}
+    sums = dict(zip([n for n, u in zip(names, use) if u], zip(got[2:], want[2:])))
+    dg = _log_decay_grad(ref, cu_t, lower_bound, do, dht, A_log, dt_bias)
+    pick = lambda n, i: sums[n][i] if n in sums else None  # noqa: E731
+    out.update(gate_sum_errors(pick("dA_log", 0), pick("dA_log", 1), pick("ddt_bias", 0), pick("ddt_bias", 1),
+                               ref[3].detach(), ref[5].detach() if A_log else None,
+                               ref[6].detach() if dt_bias else None, lower_bound, dg))
+    if recompute:
+        out["recompute_bitwise"] = float(all(torch.equal(a, b) for a, b in zip(got, grads(True))))
     return out
+
+
+def _log_decay_grad(ref, cu_t, lower_bound, do, dht, A_log: bool, dt_bias: bool):
+    """dL/dg of the float64 chunk path, g = PyTorch's gate of ref's raw gate (a leaf here)."""
+    from hybridlm.ops.kda_gate import kda_gate
+
+    leaf = [x.detach() for x in ref]
+    g = kda_gate(leaf[3], leaf[5] if A_log else None, leaf[6] if dt_bias else None, lower_bound,
+                 dtype=F64).requires_grad_()
+    o, ht = kda(*leaf[:3], g=g, beta=leaf[4], initial_state=leaf[7], output_final_state=True, use_qk_l2norm=True,
+                cu_seqlens=cu_t, impl="chunk")
+    return torch.autograd.grad((o * do.to(F64)).sum() + (ht * dht.to(F64)).sum(), g)[0]
 
 
 def main() -> int:
@@ -147,7 +185,14 @@ def main() -> int:
     res["half_blocks_decay20_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                                       decay=20.0)
     res["T1"] = chunk_case(gen, B=2, T=1, H=1, HV=1, K=64, V=64, l2=True, h0=True)
-    res["gate_in_op_gva4_T70"] = gate_case(gen, B=1, T=70, H=1, HV=4, K=64, V=64)
+    res["gate_in_op_gva4_T70"] = gate_case(gen, B=1, T=70, H=1, HV=4, K=64, V=64, recompute=True)
+    res["gate_lower_bound_varlen_gva2_T70"] = gate_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, lower_bound=-5.0,
+                                                        cu=[0, 5, 70])
+    # no A_log (exp(A_log) read as 1) and a padded head dim (K=32 runs at 64: the padded channels' g is 0)
+    res["gate_lower_bound_no_A_log_K32_T40"] = gate_case(gen, B=2, T=40, H=1, HV=1, K=32, V=16, lower_bound=-3.0,
+                                                         A_log=False)
+    res["gate_strong_decay_K48_no_dt_bias_T70"] = gate_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, dt_bias=False,
+                                                            strong=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
     # 16-bit inputs: W, U, states, Vn, Qg, Kd, P stored in 16 bits, 16-bit dot operands in the recurrences and the
@@ -156,6 +201,8 @@ def main() -> int:
                                               cu=[0, 15, 150], dtype=torch.bfloat16)
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.float16)
+    res["gate_bf16_varlen_gva2_T70"] = gate_case(gen, B=1, T=70, H=1, HV=2, K=64, V=64, cu=[0, 15, 70],
+                                                 dtype=torch.bfloat16)
     res["decode"] = decode_case(gen, N=3, P=6, H=1, HV=2, K=64, V=64)
     # head dims off the native 64/128/256: the chunk ops run zero-padded (a zero log-decay on the padded key
     # channels), the decode step masked
