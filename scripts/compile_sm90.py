@@ -28,20 +28,15 @@ from hybridlm.ops.triton import chunk_bwd, chunk_out, decode, gdn, kda, kda_bwd,
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
+HEADS = {"H": 16, "HV": 16}  # H, HV as the benchmark launches them (--heads)
 
 
-def compile_one(fn, sig, constexprs, num_warps, num_stages, div16=(), maxnreg=None, dump=None):
-    """div16: argument names the launcher would specialise as multiples of 16 (pointers from torch allocations,
-    ints like H = 16): without that hint the loads and stores are not vectorised (one 64-bit address per element,
-    so far more registers than a real launch uses). maxnreg: the launch option of that name (ptxas' register cap
-    per thread; None: ptxas takes up to 255 at 8 warps, whatever the occupancy). dump: a path prefix to write the
-    kernel's TTGIR and PTX to (`.ttgir`, `.ptx`: which MMA each dot became, its layouts, the async copies)."""
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+def compile_one(fn, sig, constexprs, attrs, options, dump=None):
+    """Compile one launch (`launch`'s tuple) for sm_90 down to cubin: its shared memory, and registers and stack
+    from cuobjdump. dump: a path prefix to write the kernel's TTGIR and PTX to (`.ttgir`, `.ptx`: which MMA each
+    dot became, its layouts, the async copies)."""
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    k = triton.compile(src, target=TARGET, options=opts)
+    k = triton.compile(src, target=TARGET, options=options)
     res = {"shared": k.metadata.shared}
     if dump:
         for ext in ("ttgir", "ptx"):
@@ -156,6 +151,44 @@ def kda_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
     return jobs
 
 
+def all_jobs(dt: str = "bf16", K: int = 128, V: int = 128, BT: int = 64, bv: int = 32) -> dict:
+    """Every GDN and KDA launch (`gdn_jobs`, then `kda_jobs`) at one shape; the defaults are the script's."""
+    jobs = gdn_jobs(dt, K, V, BT, bv)
+    jobs.update(kda_jobs(dt, K, V, BT, bv))
+    return jobs
+
+
+def launch(jobs: dict, name: str, *, heads: dict | None = None, align: bool = True, num_warps: int | None = None):
+    """(fn, signature, constexprs, attrs, options) of job `name` of `jobs`, typed as Triton's launcher would see
+    the call: pointers as the table's dtypes (16-byte aligned unless not align), ints as i32/fp32 (an int in heads
+    equal to 1 becomes a constant, a multiple of 16 gets the divisibility hint), every other argument a constexpr
+    (the table's value, else the kernel's default). heads: {"H": .., "HV": ..} (default HEADS); num_warps: the
+    table's setting unless given."""
+    fn, ptrs, ints, cx, warps, stages = jobs[name]
+    heads = HEADS if heads is None else heads
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()}
+    sig = {}
+    consts = {n: cx[n] for n in fn.arg_names if n in cx}
+    div16 = []
+    for n in fn.arg_names:
+        if n in ptrs:
+            sig[n] = "*" + ptrs[n]
+            div16 += [n] if align else []
+        elif n in heads and heads[n] == 1:  # the launcher passes an int equal to 1 as a constant
+            sig[n] = "constexpr"
+            consts[n] = 1
+        elif n in ints:
+            sig[n] = ints[n]
+            div16 += [n] if n in heads and heads[n] % 16 == 0 else []
+        else:
+            sig[n] = "constexpr"
+            if n not in consts and defaults[n] is not inspect.Parameter.empty:
+                consts[n] = defaults[n]  # as the launcher does when the call leaves it out
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    options = {"num_warps": num_warps or warps, "num_stages": stages}
+    return fn, sig, consts, attrs, options
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bt", type=int, default=64, help="chunk size")
@@ -171,37 +204,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-align", action="store_true", help="no 16-byte alignment hint on the pointers "
                     "(unvectorised memory access: registers and spills overstated)")
     args = ap.parse_args(argv)
-    jobs = gdn_jobs(args.dtype, args.k, args.v, args.bt, args.bv)
-    jobs.update(kda_jobs(args.dtype, args.k, args.v, args.bt, args.bv))
+    jobs = all_jobs(args.dtype, args.k, args.v, args.bt, args.bv)
     heads = dict(zip(("H", "HV"), (int(x) for x in args.heads.split(","))))
     print(f"sm_90, K={args.k} V={args.v} BT={args.bt} {args.dtype}, state-pass BV={args.bv}, H,HV={args.heads}, "
           f"{'no ' if args.no_align else ''}pointer alignment hint")
-    for name, (fn, ptrs, ints, cx, warps, stages) in jobs.items():
+    for name, (_fn, _ptrs, _ints, _cx, warps, _stages) in jobs.items():
         if args.only and not any(name.startswith(x) for x in args.only.split(",")):
             continue
         for w in ([int(x) for x in args.warps.split(",")] if args.warps else [warps]):
-            names = fn.arg_names
-            defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()}
-            sig = {}
-            consts = {n: cx[n] for n in names if n in cx}
-            div16 = []
-            for n in names:
-                if n in ptrs:
-                    sig[n] = "*" + ptrs[n]
-                    div16 += [] if args.no_align else [n]
-                elif n in heads and heads[n] == 1:  # the launcher passes an int equal to 1 as a constant
-                    sig[n] = "constexpr"
-                    consts[n] = 1
-                elif n in ints:
-                    sig[n] = ints[n]
-                    div16 += [n] if n in heads and heads[n] % 16 == 0 else []
-                else:
-                    sig[n] = "constexpr"
-                    if n not in consts and defaults[n] is not inspect.Parameter.empty:
-                        consts[n] = defaults[n]  # as the launcher does when the call leaves it out
             try:
                 dump = os.path.join(args.dump, re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}_w{w}")) if args.dump else None
-                r = compile_one(fn, sig, consts, w, stages, div16, dump=dump)
+                r = compile_one(*launch(jobs, name, heads=heads, align=not args.no_align, num_warps=w), dump=dump)
                 flag = " SMEM OVER" if r["shared"] > SMEM_LIMIT else ""
                 print(f"{name:42} warps {w}: shared {r['shared'] / 1024:6.1f} KB, regs {r['regs']}, "
                       f"local(stack) {r['stack']} B{flag}")
