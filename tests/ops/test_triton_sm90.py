@@ -55,10 +55,13 @@ def build_ttgir(fn, signature, constexprs, attrs, options):
 @pytest.mark.parametrize("name", list(JOBS))
 def test_launch_builds_to_ttgir_for_sm90(name):
     fn, signature, constexprs, attrs, options = sm90.launch(JOBS, name)
+    module, error = None, None
     try:
         module = build_ttgir(fn, signature, constexprs, attrs, options)
-    except Exception as e:  # noqa: BLE001 (the job, then Triton's message, without the compiler's traceback)
+    except Exception as e:  # noqa: BLE001 (reported below, outside the handler: one message, no chained traceback)
+        error = f"{type(e).__name__}: {e}"
+    if error:
         pytest.fail(f"{name} (sm_90, bf16, K=V=128, BT=64, num_warps {options['num_warps']}) does not compile: "
-                    f"{type(e).__name__}: {e}", pytrace=False)
+                    f"{error}", pytrace=False)
     assert module.get_int_attr("ttg.num-warps") == options["num_warps"], f"{name}: not a TTGIR module"
     assert module.get_entry_func_name() == fn.__name__, name
