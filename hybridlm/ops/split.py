@@ -179,15 +179,17 @@ def _layout(lengths: tuple[int, ...], counts: tuple[int, ...], dev: torch.device
     merged = [ranges[0]]
     for a, b in ranges[1:]:
         merged[-1:] = [(merged[-1][0], b)] if merged[-1][1] == a else [merged[-1], (a, b)]
-    # copies without a device sync (pageable memory is staged at once)
+    # copies without a device sync (pageable memory is staged at once), normal tensors under inference_mode too
+    # (an inference tensor's host copy is never recorded, `hybridlm.ops.offsets`)
     i32 = lambda xs: remember_offsets(torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True), xs)  # noqa: E731
     i64 = lambda xs: torch.tensor(xs, dtype=torch.int64).to(dev, non_blocking=True)  # noqa: E731
     all_cut = len(cut) == len(lengths)
-    layout = _Layout(main=i32(main), pre=i32(pre), pre_ranges=merged,
-                     cut=None if all_cut else i64(cut), per_doc=S,
-                     pad=None if len(pad) == len(cut) * (S - 1) else i64(pad),
-                     sources=None if all_cut and all(c == S for c in counts) else i64(sources),
-                     last=i64(last), h0={})
+    with torch.inference_mode(False):
+        layout = _Layout(main=i32(main), pre=i32(pre), pre_ranges=merged,
+                         cut=None if all_cut else i64(cut), per_doc=S,
+                         pad=None if len(pad) == len(cut) * (S - 1) else i64(pad),
+                         sources=None if all_cut and all(c == S for c in counts) else i64(sources),
+                         last=i64(last), h0={})
     _LAYOUTS[key] = layout
     if len(_LAYOUTS) > MAX_LAYOUTS:
         _LAYOUTS.popitem(last=False)
@@ -199,8 +201,9 @@ def _pre_h0(lay: _Layout, P: int, HV: int, K: int, V: int, sd: torch.dtype, dev:
     key = (HV, K, V, sd)
     h0 = lay.h0.get(key)
     if h0 is None:
-        h0 = torch.zeros(P, HV, K, V + K, dtype=sd, device=dev)
-        h0[..., V:] = torch.eye(K, dtype=sd, device=dev)
+        with torch.inference_mode(False):
+            h0 = torch.zeros(P, HV, K, V + K, dtype=sd, device=dev)
+            h0[..., V:] = torch.eye(K, dtype=sd, device=dev)
         lay.h0[key] = h0
     return h0
 

@@ -11,6 +11,7 @@ and turned off by `split.disabled()`.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -158,3 +159,22 @@ def test_gluon_runner_cuts_logs_once_and_can_be_turned_off(monkeypatch, caplog, 
     with split.disabled():
         o, _ = dispatch._run_gluon(_prepared("gated_delta_rule", x, cu))
     assert calls == [2] and rel(o, o_ref) <= TOL, (calls, f"seed {seed}")
+
+
+def test_a_repeat_call_reads_nothing_back(monkeypatch, seed):
+    """Under inference_mode the layout's offsets are still normal tensors with their host copies recorded, kept per
+    lengths: a second call with the same lengths reads no tensor back to the host (a CUDA graph can capture it)."""
+    monkeypatch.setattr(split, "_LAYOUTS", OrderedDict())  # made here, under inference_mode
+    lens = [300, 40, 260]
+    _, T, N, cu = _layout(None, None, lens)
+    x = _inputs("kda", 1, T, N, seed, h0=True)
+    o_ref, final_ref = _reference("kda", x, cu)
+    with torch.inference_mode():
+        split.run(_prepared("kda", x, cu), RUNNERS["naive"], (4, 1, 3), wide=True)
+        again = _prepared("kda", x, cu)
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item"):
+                m.setattr(torch.Tensor, name, lambda self, *a: pytest.fail(f"read a tensor back ({tuple(self.shape)})"))
+            o, final = split.run(again, RUNNERS["naive"], (4, 1, 3), wide=True)
+    errs = {"o": rel(o, o_ref), "final": rel(final, final_ref)}
+    assert all(e <= TOL for e in errs.values()), f"seed {seed}: {errs}"
