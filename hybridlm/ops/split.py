@@ -12,8 +12,8 @@ Non-standard here:
   S_in(j + 1) = M_j S_in(j) + C_j. The main pass is one varlen call over every segment (uncut documents as one
   segment) from those states: o, and each document's final state is its last segment's.
 - The inputs are not copied for the main pass (the segments are the documents' tokens in order: only the offsets
-  change); the pre-pass takes a slice where the cut documents' leading segments are one range (one long
-  sequence), else one concatenation.
+  change); the pre-pass takes a slice where the cut documents' leading segments are one range from the first
+  token (one long sequence), else one concatenation.
 - Cost: the pre-pass walks S - 1 of S segments at width V + K (twice the state work at K = V), the main pass all
   of them: about three times the uncut state work, in S times as many programs, which finish in about 2/S of the
   uncut time where both grids fit the multiprocessors once.
@@ -175,17 +175,13 @@ def _layout(lengths: tuple[int, ...], counts: tuple[int, ...], dev: torch.device
         last.append(len(main) - 2)
         start += length
     pad = [i * (S - 1) + j for i, n in enumerate(cut) for j in range(counts[n] - 1)]
-    # contiguous ranges merge (the cut documents' leading segments of one long sequence are one slice)
-    merged = [ranges[0]]
-    for a, b in ranges[1:]:
-        merged[-1:] = [(merged[-1][0], b)] if merged[-1][1] == a else [merged[-1], (a, b)]
     # copies without a device sync (pageable memory is staged at once), normal tensors under inference_mode too
     # (an inference tensor's host copy is never recorded, `hybridlm.ops.offsets`)
     i32 = lambda xs: remember_offsets(torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True), xs)  # noqa: E731
     i64 = lambda xs: torch.tensor(xs, dtype=torch.int64).to(dev, non_blocking=True)  # noqa: E731
     all_cut = len(cut) == len(lengths)
     with torch.inference_mode(False):
-        layout = _Layout(main=i32(main), pre=i32(pre), pre_ranges=merged,
+        layout = _Layout(main=i32(main), pre=i32(pre), pre_ranges=ranges,
                          cut=None if all_cut else i64(cut), per_doc=S,
                          pad=None if len(pad) == len(cut) * (S - 1) else i64(pad),
                          sources=None if all_cut and all(c == S for c in counts) else i64(sources),
@@ -212,11 +208,13 @@ def _pre_h0(lay: _Layout, P: int, HV: int, K: int, V: int, sd: torch.dtype, dev:
 
 
 def _take(t: torch.Tensor | None, ranges: list[tuple[int, int]]) -> torch.Tensor | None:
-    """The tokens of `ranges` of t [1, T, ...] packed: a slice for one range, else one concatenation."""
+    """The tokens of `ranges` of t [1, T, ...] packed: a slice for one range from the first token, else one
+    concatenation (a slice from a later token may start off the 16-byte alignment the kernels were compiled for:
+    a per-token gate of one head is 4 bytes a token)."""
     if t is None:
         return None
-    if len(ranges) == 1:
-        return t[:, ranges[0][0] : ranges[0][1]]
+    if len(ranges) == 1 and ranges[0][0] == 0:
+        return t[:, : ranges[0][1]]
     return torch.cat([t[:, a:b] for a, b in ranges], dim=1)
 
 
