@@ -4,7 +4,8 @@ sequences and heads leave the GPU idle) against the float64 chunked reference, o
 GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
 inputs each run, the seed in every failure message; the Gluon outputs are NaN-poisoned (gdn_fwd.POISON,
 kda_fwd.POISON), the pre-pass's and the main pass's alike. Cases, for gated_delta_rule and kda through the public
-op (impl="gluon", no gradients): B1 T8192 H4 with an initial state; packed documents of 8192, 300, 5000 and 1000
+op (impl="gluon", no gradients), with mild gates and with long memory (the segments' maps O(0.1), so the chain
+through them counts): B1 T8192 H4 with an initial state; packed documents of 8192, 300, 5000 and 1000
 tokens (two cut, two whole) with GVA; GDN's documents from a state pool; and GDN's cut forward captured in a CUDA
 graph, replayed on fresh inputs. Each case asserts that the cut was taken. Bar (relative RMS vs float64 on the same
 rounded inputs) as the uncut Gluon forward's: 5e-3 for o and the final state.
@@ -46,15 +47,20 @@ def _cut(lens, HV) -> tuple[int, ...]:
     return counts
 
 
-def _inputs(op, gen, T, H, HV, N):
+def _inputs(op, gen, T, H, HV, N, memory="mild"):
+    """bf16 q, k, v, beta, fp32 g, an initial state. memory "mild": g = logsigmoid(N(3, 1)), beta = sigmoid(N(0, 1))
+    (a segment's map M ~ e^-60: the chain carries C alone); "long": g ~ -0.001 a step and beta ~0.05, so that M
+    stays O(0.1) over a segment and the chain through it counts."""
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     q, k, v = (x.to(torch.bfloat16) for x in (r(1, T, H, K), r(1, T, H, K), r(1, T, HV, V)))
     if op == "kda":
         g = kda_bench_gates("bench", 1, T, HV, K, "cuda", gen)
     else:
         g = torch.nn.functional.logsigmoid(r(1, T, HV) + 3.0)
-    beta = torch.sigmoid(r(1, T, HV)).to(torch.bfloat16)
-    return q, k, v, g, beta, r(N, HV, K, V)
+    beta = torch.sigmoid(r(1, T, HV))
+    if memory == "long":
+        g, beta = g / 60.0, beta / 10.0
+    return q, k, v, g, beta.to(torch.bfloat16), r(N, HV, K, V)
 
 
 def _reference(op, q, k, v, g, beta, h0, cu):
@@ -63,22 +69,24 @@ def _reference(op, q, k, v, g, beta, h0, cu):
                    cu_seqlens=cu, use_qk_l2norm=True, impl="chunk")
 
 
+@pytest.mark.parametrize("memory", ["mild", "long"])
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("lens,H,HV", [([8192], 4, 4), ([8192, 300, 5000, 1000], 2, 4)], ids=["B1_T8192", "varlen"])
-def test_cut_forward_against_float64(op, lens, H, HV):
+def test_cut_forward_against_float64(op, lens, H, HV, memory):
     seed = torch.seed() % 2**31
     gen = torch.Generator(device="cuda").manual_seed(seed)
     counts = _cut(lens, HV)
     T, N = sum(lens), len(lens)
     cu = None if N == 1 else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-    q, k, v, g, beta, h0 = _inputs(op, gen, T, H, HV, N)
+    q, k, v, g, beta, h0 = _inputs(op, gen, T, H, HV, N, memory)
     with torch.no_grad():
         o, ht = OPS[op](q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                         use_qk_l2norm=True, impl="gluon")
     o2, ht2 = _reference(op, q, k, v, g, beta, h0, cu)
     errs = {"o": rel_f64(o, o2), "final_state": rel_f64(ht, ht2)}
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
-    assert all(e <= BAR for e in errs.values()), f"seed {seed}: {op} lens={lens} H={H} HV={HV} cut {counts}: {errs}"
+    msg = f"seed {seed}: {op} lens={lens} H={H} HV={HV} {memory} memory, cut {counts}: {errs}"
+    assert all(e <= BAR for e in errs.values()), msg
 
 
 def test_cut_forward_from_a_state_pool():
@@ -88,7 +96,7 @@ def test_cut_forward_from_a_state_pool():
     lens, H, HV = [6000, 500, 4096], 2, 4
     _cut(lens, HV)
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-    q, k, v, g, beta, _ = _inputs("gated_delta_rule", gen, sum(lens), H, HV, 0)
+    q, k, v, g, beta, _ = _inputs("gated_delta_rule", gen, sum(lens), H, HV, 0, "long")
     pool = torch.randn(4, HV, K, V, device="cuda", generator=gen)
     rows = torch.tensor([2, 0, 3], device="cuda")
     start = pool.clone()
@@ -108,7 +116,7 @@ def test_cut_forward_in_a_cuda_graph():
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T, H, HV = 8192, 4, 4
     _cut([T], HV)
-    ins = _inputs("gated_delta_rule", gen, T, H, HV, 1)
+    ins = _inputs("gated_delta_rule", gen, T, H, HV, 1, "long")
 
     def run():
         with torch.no_grad():
@@ -120,7 +128,7 @@ def test_cut_forward_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o, ht = run()
-    new = _inputs("gated_delta_rule", gen, T, H, HV, 1)
+    new = _inputs("gated_delta_rule", gen, T, H, HV, 1, "long")
     for x, y in zip(ins, new):
         x.copy_(y)
     graph.replay()
