@@ -18,8 +18,6 @@ Non-standard here:
   either way); for the others `execute` computes the log-decay in PyTorch (compute dtype, under autograd) first.
 - A state pool is checked here once. A backend that reads and writes the pool's rows itself (`pool_in_place`)
   gets it as it is; any other gets the rows gathered as initial states, and its final states are scattered back.
-- The Gluon backend cuts a few long sequences with few heads into segments, chained through the affine map of
-  each segment's state (`hybridlm.ops.split`), so that its chain's programs fill the GPU.
 - The checks and the choice are remembered per call signature (`_signature`: per tensor argument its shape, dtype,
   device and requires_grad; the op, impl, chunk_size, lower_bound, the flags and whether grad mode is on), so a
   repeat call (every layer of every step of inference) skips them: the checks read nothing else of a call, and a
@@ -41,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
-from . import context_parallel, split
+from . import context_parallel
 from .chunk import recurrence_chunk
 from .kda_gate import check_kda_gate, kda_gate
 from .naive import recurrence_naive
@@ -303,18 +301,8 @@ def gluon_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def _run_gluon(x: Inputs):
-    """The Hopper forward of the op; a few long sequences with few heads cut into segments so that the chain's
-    programs fill the GPU (`hybridlm.ops.split`)."""
-    counts = split.counts_for(x)
-    if counts is None:
-        return _gluon_call(x)
-    wide = gluon_unsupported_reason(x.q, x.v.new_empty(()).expand(*x.v.shape[:-1], x.dims.V + x.dims.K)) is None
-    return split.run(x, _gluon_call, counts, wide=wide)
-
-
-def _gluon_call(x: Inputs):
-    """One call of the Hopper forward of the op (GDN's, or KDA's: the Triton prep, then the Gluon chain), its
-    checks skipped (done here); with a pool it reads and writes the rows itself."""
+    """The Hopper forward of the op (GDN's, or KDA's: the Triton prep, then the Gluon chain), its checks skipped
+    (done here); with a pool it reads and writes the rows itself."""
     if x.op == "kda":
         from .gluon.kda_fwd import kda_fwd as fwd
     else:

@@ -124,14 +124,6 @@ def _equal_offsets(B: int, T: int, most: int, dev: torch.device) -> tuple[torch.
     return cu, torch.arange(0, (B + 1) * most, most, dtype=torch.int32, device=dev)
 
 
-@functools.lru_cache(maxsize=64)
-def _chunk_offsets(nch: tuple[int, ...], dev: torch.device) -> torch.Tensor:
-    """Chunk offsets [N + 1] (int32) of sequences of nch chunks; cached, so that a repeat varlen call copies
-    nothing from the host (a copy from pageable memory cannot be captured in a CUDA graph). The first call makes
-    one copy without a device sync (pageable memory is staged at once)."""
-    return torch.tensor([0, *itertools.accumulate(nch)], dtype=torch.int32).to(dev, non_blocking=True)
-
-
 def gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -274,7 +266,8 @@ class _Call:
             host = host_offsets(cu)
             nch = [-(-(b - a) // CHUNK) for a, b in zip(host, host[1:])]
             most, total = max(nch, default=0), sum(nch)
-            chunk_off = _chunk_offsets(tuple(nch), dev)
+            # the chunk offsets from the host: one copy (no device sync: pageable memory is staged at once)
+            chunk_off = torch.tensor([0, *itertools.accumulate(nch)], dtype=torch.int32).to(dev, non_blocking=True)
             N = len(host) - 1
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
         self.g, self.beta = g.contiguous(), beta.contiguous()
