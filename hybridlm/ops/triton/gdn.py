@@ -41,6 +41,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from .. import decode as dec
+from .. import dispatch
 from ..context_parallel import offer_dh0, wants_dh0
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
@@ -665,13 +666,13 @@ def decode_fake(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def decode_call(op: str, q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, intermediate_states,
                 num_accepted, impl: str, *, channel: bool) -> torch.Tensor:
-    """The public decode entries' body: checks (`hybridlm.ops.decode`), the impl, then the custom op `op` (the
-    kernel) or `decode.decode_torch`."""
+    """The public decode entries' body: checks (`hybridlm.ops.decode`), the impl (`hybridlm.ops.dispatch`'s decode
+    backends), then the custom op `op` (the kernel) or `decode.decode_torch`."""
     dims = dec.check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=channel,
                                    max_dim=MAX_HEAD_DIM, intermediate_states=intermediate_states,
                                    num_accepted=num_accepted)
     scale = dims.K**-0.5 if scale is None else float(scale)
-    if dec.resolve_impl(op, impl, q.device) == "torch":
+    if dispatch.resolve_impl(op, impl, q.device, q, v, needs_grad=False) == "torch":
         xs = [x.unsqueeze(1) if dims.one else x for x in (q, k, v, g, beta)]
         o = dec.decode_torch(*xs, state_pool, state_indices, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
                              intermediate_states=intermediate_states, num_accepted=num_accepted)
