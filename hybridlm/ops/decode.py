@@ -1,7 +1,7 @@
 """Multi-token decode of the gated delta rule (GDN) and KDA on a state pool: the input checks shared with the
-Triton kernel's host code (`hybridlm.ops.triton.gdn.decode_call`), and the PyTorch path that runs where the kernel
-does not (the CPU). The impl is chosen in `hybridlm.ops.dispatch`'s table, as the recurrences' (its decode
-backends: "triton" and "torch").
+public entries (`hybridlm.ops.triton.decode_entry`), and the PyTorch path that runs where the kernel does not (the
+CPU). The impl is chosen in `hybridlm.ops.dispatch`'s table, as the recurrences' are (its decode backends: "triton"
+and "torch").
 
 Per sequence n, from S = state_pool[state_indices[n]], for each of its T tokens t (^: l2-normalised when asked):
     S <- e^{g_t} S,   S <- S + k^_t (beta_t (v_t - S^T k^_t))^T,   o_t = scale S^T q^_t

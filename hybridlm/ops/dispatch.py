@@ -343,7 +343,7 @@ def _no_triton_kernel(op: str) -> Exception:
 # impl="auto" tries them in this order. Under torch.compile the Triton kernels trace as custom ops with fake
 # kernels; the Gluon launch is plain Python, so compiled code keeps the Triton path. Training keeps the Triton
 # forward and backward: the Gluon forward does not write what the Triton backward reads. The decode's two come
-# last: its callers run them (`hybridlm.ops.triton.gdn.decode_call`), and both take every input its checks pass
+# last: its callers run them (`hybridlm.ops.triton.decode_entry`), and both take every input its checks pass
 # (`hybridlm.ops.decode`: the head dims are the kernel's on every impl), so neither judges the inputs.
 BACKENDS: tuple[Backend, ...] = (
     Backend("gluon", "Gluon forward", _run_gluon, ops=lambda: GLUON_OPS, unknown_op=_gluon_other_op,
