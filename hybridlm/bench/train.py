@@ -377,11 +377,9 @@ class _LogCollector(logging.Handler):
 def _collect_logs(name: str = "hybridlm"):
     """The `hybridlm` log records while the block runs. The impl="auto" choices are logged once per process; they are
     forgotten first, so this run logs its own even after other models ran in the process (pytest, say)."""
-    from hybridlm.ops import glue as _glue
-    from hybridlm.ops import recurrence as _rec
+    from hybridlm.ops import dispatch
 
-    _glue._LOGGED.clear()
-    _rec._LOGGED.clear()
+    dispatch.forget_logged()
     logger, handler = logging.getLogger(name), _LogCollector()
     old = logger.level
     logger.setLevel(logging.INFO)

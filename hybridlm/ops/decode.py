@@ -1,6 +1,7 @@
-"""Multi-token decode of the gated delta rule (GDN) and KDA on a state pool: the input checks and the impl choice
-shared with the Triton kernel's host code (`hybridlm.ops.triton.gdn.decode_call`), and the PyTorch path that runs
-where the kernel does not (the CPU).
+"""Multi-token decode of the gated delta rule (GDN) and KDA on a state pool: the input checks shared with the
+public entries (`hybridlm.ops.triton.decode_entry`), and the PyTorch path that runs where the kernel does not (the
+CPU). The impl is chosen in `hybridlm.ops.dispatch`'s table, as the recurrences' are (its decode backends: "triton"
+and "torch").
 
 Per sequence n, from S = state_pool[state_indices[n]], for each of its T tokens t (^: l2-normalised when asked):
     S <- e^{g_t} S,   S <- S + k^_t (beta_t (v_t - S^T k^_t))^T,   o_t = scale S^T q^_t
@@ -16,8 +17,6 @@ call that runs on the CPU runs on the GPU.
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +24,7 @@ import torch
 from .norm import l2norm
 from .validate import Dims, check_float, check_state_pool
 
-log = logging.getLogger("hybridlm.ops")
 MAX_DRAFT = 8  # tokens per sequence in one call; a longer continuation is prefill (the chunked ops take the pool)
-IMPLS = ("auto", "triton", "torch")
-_LOGGED: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -42,23 +38,6 @@ class DecodeDims:
     K: int
     V: int
     one: bool
-
-
-def resolve_impl(op: str, impl: str, device: torch.device) -> str:
-    """"auto" -> "triton" where the kernel runs (CUDA, or any device under TRITON_INTERPRET=1: the interpreter was
-    asked for), else "torch"; logged once per (op, device type, choice) on the `hybridlm.ops` logger."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    kernel = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    impl = "triton" if kernel else "torch"
-    key = (op, device.type, impl)
-    if key not in _LOGGED and not torch.compiler.is_compiling():
-        _LOGGED.add(key)
-        log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", op, impl, device.type,
-                 "" if kernel else " (the Triton kernel runs on CUDA or under TRITON_INTERPRET=1)")
-    return impl
 
 
 def check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, *, channel: bool, max_dim: int,

@@ -1,6 +1,7 @@
 """The one dispatch path of the delta-rule family's public ops (`hybridlm.ops.recurrence`): the inputs validated
 once into `Inputs`, a table of backends (`BACKENDS`), one function that picks one (`choose`, also behind
-`resolve_impl` for the other ops), one log line per new choice.
+`resolve_impl` for the other ops and for the multi-token decode), one log line per new choice (`log_choice`, which
+the layer glue's choice logs through too).
 
 Non-standard here:
 - A backend states up front what it covers: the ops it has a kernel for, the device types impl="auto" takes it on,
@@ -25,6 +26,14 @@ Non-standard here:
   batches differ): they are checked on every call, from the host copy `hybridlm.ops.offsets` keeps. A remembered
   "auto" choice is used while its log line is in `_LOGGED`, so forgetting the logged choices (tests, the training
   bench) makes the next call choose and log again. Nothing is remembered while torch.compile traces.
+- The multi-token decode on a state pool (`DECODE_OPS`, `hybridlm.ops.decode`) has backends of its own in the
+  table (`decode=True`: "triton", the kernel, and "torch", its PyTorch path), apart from the recurrences' (its
+  impls are "auto", "triton", "torch"; theirs "auto", "gluon", "triton", "chunk", "naive"). Its callers check the
+  inputs and run the backend themselves (`resolve_impl`); "auto" takes the kernel on CUDA, or on any device under
+  TRITON_INTERPRET=1 (`auto_interpret`: the interpreter was asked for), else the PyTorch path.
+- Every impl="auto" choice of `hybridlm.ops` is logged by `log_choice`, once per (op, device type, choice, reasons
+  others were passed over), into the one `_LOGGED` (`forget_logged` empties it); nothing is logged while
+  torch.compile traces (a log call breaks a compiled graph).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -62,7 +72,9 @@ TRITON_KERNELS: dict[str, Callable] = {}
 TRITON_SUPPORTS: dict[str, Callable] = {}
 # ops with a forward-only Gluon kernel
 GLUON_OPS = ("gated_delta_rule", "kda")
-# (op, device type, backend, reasons others were passed over): the choices impl="auto" has logged
+# the multi-token decode on a state pool (the custom ops of hybridlm.ops.triton), run by the decode backends alone
+DECODE_OPS = ("gdn_decode", "kda_decode")
+# (op, device type, choice, reasons others were passed over): the choices impl="auto" has logged (`log_choice`)
 _LOGGED: set[tuple] = set()
 
 
@@ -104,15 +116,18 @@ class Backend:
 
     name: str  # the impl that asks for it
     label: str  # how a log line or an error names it
-    run: Callable[[Inputs], tuple]  # (o, final state or None) of prepared inputs with T > 0
+    run: Callable[[Inputs], tuple] | None  # (o, final state or None) of prepared inputs with T > 0; None: the
+    # callers run it themselves (`resolve_impl`)
     ops: Callable[[], Collection[str]] | None = None  # ops it has a kernel for (read at each call); None: all
     unknown_op: Callable[[str], Exception] | None = None  # the error of an explicit impl for another op
     supports: Callable[[Inputs], str | None] = lambda x: None  # None, or why it does not take these inputs
     auto: bool = True  # impl="auto" considers it
     auto_devices: tuple[str, ...] | None = None  # device types "auto" takes it on (None: any)
+    auto_interpret: bool = False  # "auto" takes it on any device under TRITON_INTERPRET=1 too
     autograd: bool = True  # has a backward (a forward-only backend is asked only where no gradient is needed)
     traceable: bool = True  # runs under torch.compile ("auto" skips it while compiling otherwise)
     pool_in_place: bool = False  # reads and writes state_pool's rows itself
+    decode: bool = False  # runs the decode ops (DECODE_OPS) and no other; the other backends never run them
 
 
 def _needs_grad(*xs: torch.Tensor | None) -> bool:
@@ -148,7 +163,7 @@ def prepare(op: str, g_kind: str, delta: bool, q, k, v, *, g, beta, A_log=None, 
     if seen is None:
         dims = check_recurrence_inputs(q, k, v, g=g, g_kind=g_kind, beta=beta, initial_state=initial_state,
                                        cu_seqlens=cu_seqlens, chunk_size=chunk_size, impl=impl, mixed_qk=True,
-                                       impls=_impls())
+                                       impls=_impls(op))
         if A_log is not None or dt_bias is not None or lower_bound is not None:
             check_kda_gate(g, A_log, dt_bias, lower_bound)
         if state_pool is not None or state_indices is not None:
@@ -315,7 +330,7 @@ def _run_gluon(x: Inputs):
 
 
 def _gluon_other_op(op: str) -> Exception:
-    others = tuple(i for i in _impls() if i != "gluon")
+    others = tuple(i for i in _impls(op) if i != "gluon")
     return ValueError(f"impl: expected one of {others} for {op} ('gluon' runs {', '.join(GLUON_OPS)} only), "
                       "got 'gluon'")
 
@@ -327,7 +342,9 @@ def _no_triton_kernel(op: str) -> Exception:
 
 # impl="auto" tries them in this order. Under torch.compile the Triton kernels trace as custom ops with fake
 # kernels; the Gluon launch is plain Python, so compiled code keeps the Triton path. Training keeps the Triton
-# forward and backward: the Gluon forward does not write what the Triton backward reads.
+# forward and backward: the Gluon forward does not write what the Triton backward reads. The decode's two come
+# last: its callers run them (`hybridlm.ops.triton.decode_entry`), and both take every input its checks pass
+# (`hybridlm.ops.decode`: the head dims are the kernel's on every impl), so neither judges the inputs.
 BACKENDS: tuple[Backend, ...] = (
     Backend("gluon", "Gluon forward", _run_gluon, ops=lambda: GLUON_OPS, unknown_op=_gluon_other_op,
             supports=lambda x: gluon_unsupported_reason(x.q, x.v), auto_devices=("cuda",), autograd=False,
@@ -336,19 +353,33 @@ BACKENDS: tuple[Backend, ...] = (
             supports=_triton_supports, auto_devices=("cuda",)),
     Backend("chunk", "chunkwise PyTorch form", lambda x: _run_torch(x, recurrence_chunk, chunk_size=x.chunk_size)),
     Backend("naive", "token loop", lambda x: _run_torch(x, recurrence_naive), auto=False),
+    Backend("triton", "Triton decode kernel", None, auto_devices=("cuda",), auto_interpret=True, decode=True),
+    Backend("torch", "PyTorch decode", None, decode=True),
 )
-_BY_NAME = {b.name: b for b in BACKENDS}
+_BY_NAME = {b.name: b for b in BACKENDS if not b.decode}  # the recurrences' impls, and the other ops'
+_DECODE_BY_NAME = {b.name: b for b in BACKENDS if b.decode}
 
 
 # ------------------------------------------------------------------------------------------------- the choice
 
 
-def _impls() -> tuple[str, ...]:
-    return ("auto", *_BY_NAME)
+def _named(op: str) -> dict[str, Backend]:
+    """The backends an explicit impl may name for op, by name."""
+    return _DECODE_BY_NAME if op in DECODE_OPS else _BY_NAME
+
+
+def _impls(op: str) -> tuple[str, ...]:
+    return ("auto", *_named(op))
 
 
 def _covers(b: Backend, op: str) -> bool:
-    return b.ops is None or op in b.ops()
+    return b.decode == (op in DECODE_OPS) and (b.ops is None or op in b.ops())
+
+
+def _takes_device(b: Backend, device: torch.device) -> bool:
+    """Whether "auto" takes b on this device (its type; any under TRITON_INTERPRET=1 where b says so)."""
+    return (b.auto_devices is None or device.type in b.auto_devices
+            or b.auto_interpret and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _ask(b: Backend, x: Inputs) -> Backend:
@@ -374,13 +405,14 @@ def choose(x: Inputs, impl: str) -> Backend:
 def _choice(x: Inputs, impl: str) -> tuple[Backend, tuple | None]:
     """`choose`, with the key of the log line of an "auto" choice (None for an explicit impl)."""
     if impl != "auto":
-        if impl not in _BY_NAME:
-            raise ValueError(f"impl: expected one of {_impls()}, got {impl!r}")
-        return _ask(_BY_NAME[impl], x), None
+        named = _named(x.op)
+        if impl not in named:
+            raise ValueError(f"impl: expected one of {_impls(x.op)}, got {impl!r}")
+        return _ask(named[impl], x), None
     compiling = torch.compiler.is_compiling()
     whys = []
     for b in BACKENDS:
-        if not (b.auto and _covers(b, x.op)) or (b.auto_devices is not None and x.device.type not in b.auto_devices):
+        if not (b.auto and _covers(b, x.op) and _takes_device(b, x.device)):
             continue
         if (x.needs_grad and not b.autograd) or (compiling and not b.traceable):
             continue
@@ -388,20 +420,32 @@ def _choice(x: Inputs, impl: str) -> tuple[Backend, tuple | None]:
         if why is None:
             break
         whys.append(f"{b.label} not used: {why}")
-    why = "; ".join(whys) or None
-    key = (x.op, x.device.type, b.name, why)
-    if key not in _LOGGED and not compiling:  # logged by the first eager call (a log call breaks a compiled graph)
+    return b, log_choice(x.op, x.device.type, b.name, "; ".join(whys) or None)
+
+
+def log_choice(op: str, device_type: str, choice: str, why: str | None) -> tuple:
+    """Log an impl="auto" choice on the `hybridlm.ops` logger, once per (op, device type, choice, why), and not
+    while torch.compile traces (logged by the first eager call: a log call breaks a compiled graph). Returns that
+    key. why: the reasons other impls were passed over, or None."""
+    key = (op, device_type, choice, why)
+    if key not in _LOGGED and not torch.compiler.is_compiling():
         _LOGGED.add(key)
-        log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", x.op, b.name, x.device.type,
-                 f" ({why})" if why else "")
-    return b, key
+        log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", op, choice, device_type, f" ({why})" if why else "")
+    return key
+
+
+def forget_logged() -> None:
+    """Forget the logged choices: the next impl="auto" call of each op chooses and logs again (the training bench,
+    to log a run's own choices; tests)."""
+    _LOGGED.clear()
 
 
 def resolve_impl(op: str, impl: str, device: torch.device, q: torch.Tensor | None = None,
                  v: torch.Tensor | None = None, *, needs_grad: bool = True) -> str:
-    """`choose` for callers that run the op themselves (the other ops, the layers' decode step): the impl's name.
-    With q and v given, backends judge inputs like them; without, only the op, the device type and needs_grad
-    decide. needs_grad's default keeps callers that do not say off forward-only backends."""
+    """`choose` for callers that run the op themselves (the other ops, the layers' decode step, the decode ops of
+    `DECODE_OPS`): the impl's name. With q and v given, backends judge inputs like them; without, only the op, the
+    device type and needs_grad decide. needs_grad's default keeps callers that do not say off forward-only
+    backends."""
     return choose(Inputs(op=op, q=q, v=v, device=device, needs_grad=needs_grad), impl).name
 
 

@@ -5,9 +5,11 @@ PyTorch op (`hybridlm.ops.rope` for the last two).
 
 Non-standard here:
 - `impl` is the layer's: "triton" always takes the kernel (it refuses CPU tensors outside TRITON_INTERPRET=1 and
-  float64); "auto" takes it on CUDA for float16/bfloat16/float32 inputs when triton imports, and logs its choice
-  once per (op, device type, dtype) on the `hybridlm.ops` logger, as the recurrences do; "torch", "naive" and
-  "chunk" (the recurrence impls a layer passes on) take the PyTorch op.
+  float64); "auto" takes it on CUDA for float16/bfloat16/float32 inputs when triton imports; "torch", "naive" and
+  "chunk" (the recurrence impls a layer passes on) take the PyTorch op. The choice is a test of the input's device
+  and dtype, not a walk of `hybridlm.ops.dispatch`'s backend table (no glue op has more than the two ways, and it
+  runs in every layer of every step); its log line is the table's: `dispatch.log_choice`, once per (op, device
+  type, choice, reason), into the one set of logged choices.
   `hybridlm.ops.linear_ce` (the LM head's loss) picks its Triton cross-entropy kernel with `use_triton` too.
 - The PyTorch gates and silu(gate) * up live here (the other glue ops have theirs in `conv.py` / `norm.py`):
   they are what the layers computed inline, with the same rounding; silu(gate) * up saves only gate and up.
@@ -19,8 +21,6 @@ Non-standard here:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from . import conv as _conv
 from . import norm as _norm
 from . import rope as _rope
-from .dispatch import resolve_impl
+from .dispatch import log_choice, resolve_impl
 from .offsets import host_offsets
 
 try:  # the fused kernels (importing them registers their custom ops)
@@ -46,9 +46,7 @@ except ImportError as _e:  # no triton: the PyTorch ops only
     _tk = _tconv = _tgates = _tnorm = _taddnorm = _tswiglu = _tce = _trope = None
     _TRITON_ERROR = repr(_e)
 
-log = logging.getLogger("hybridlm.ops")
 IMPLS = ("auto", "torch", "triton", "naive", "chunk")
-_LOGGED: set[tuple] = set()
 
 
 def use_triton(op: str, impl: str, x: torch.Tensor) -> bool:
@@ -69,11 +67,8 @@ def use_triton(op: str, impl: str, x: torch.Tensor) -> bool:
         why = f"{x.dtype} inputs"
     elif _TRITON_ERROR is not None:
         why = "triton does not import"
-    key = (op, x.device.type, x.dtype)
-    if key not in _LOGGED and not torch.compiler.is_compiling():  # logged by the first eager call
-        _LOGGED.add(key)
-        log.info("hybridlm.ops.%s: impl='auto' picked %r on %s%s", op, "torch" if why else "triton", x.device.type,
-                 f" (Triton kernel not used: {why})" if why else "")
+    log_choice(op, x.device.type, "torch" if why else "triton",
+               None if why is None else f"Triton kernel not used: {why}")
     return why is None
 
 

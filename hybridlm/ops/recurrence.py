@@ -30,7 +30,6 @@ import torch
 # the dispatch's table and choice, re-exported: hybridlm.ops.triton registers its kernels in TRITON_KERNELS and
 # TRITON_SUPPORTS, and the other ops choose their impl with resolve_impl
 from .dispatch import (  # noqa: F401
-    _LOGGED,
     GLUON_OPS,
     TRITON_KERNELS,
     TRITON_SUPPORTS,

@@ -222,7 +222,7 @@ def test_whole_layer_decode_on_the_step_kernels(interp_full, case):
 
 def test_auto_takes_the_kernel_on_cuda_and_logs_once(caplog):
     """impl="auto" takes the Triton kernel for CUDA float16/bfloat16/float32 inputs and PyTorch for float64, and
-    logs each choice once per (op, device type, dtype); impl="triton" always takes the kernel."""
+    logs each choice once per (op, device type, choice, reason); impl="triton" always takes the kernel."""
     from types import SimpleNamespace
 
     from hybridlm.ops import glue

@@ -169,17 +169,30 @@ def test_bad_input_after_good_calls_raises_its_one_line_error(counted, bad, err,
 
 
 def test_forgetting_the_logged_choices_logs_the_next_one(caplog, monkeypatch):
-    """A remembered "auto" choice holds while its log line is remembered: clearing `_LOGGED` (the training bench
-    does, to log a run's choices) makes the next call choose and log again."""
+    """A remembered "auto" choice holds while its log line is remembered: `forget_logged` (the training bench calls
+    it, to log a run's choices) makes the next call choose and log again; the layer glue's and the decode's choices
+    are in the same one set, forgotten by the same call."""
+    from hybridlm.ops import glue
+
     monkeypatch.setattr(dispatch, "_LOGGED", set())
     q, k, v, g, beta = _inputs()
+    cpu = torch.device("cpu")
+
+    def choose_all():
+        gated_delta_rule(q, k, v, g=g, beta=beta)
+        gated_delta_rule(q, k, v, g=g, beta=beta)
+        glue.use_triton("silu_mul", "auto", q)
+        glue.use_triton("silu_mul", "auto", q)
+        dispatch.resolve_impl("kda_decode", "auto", cpu, q, v, needs_grad=False)
+
     with caplog.at_level("INFO", logger="hybridlm.ops"):
-        gated_delta_rule(q, k, v, g=g, beta=beta)
-        gated_delta_rule(q, k, v, g=g, beta=beta)
-        dispatch._LOGGED.clear()
-        gated_delta_rule(q, k, v, g=g, beta=beta)
-    msgs = [r.getMessage() for r in caplog.records if "gated_delta_rule" in r.getMessage()]
-    assert msgs == ["hybridlm.ops.gated_delta_rule: impl='auto' picked 'chunk' on cpu"] * 2
+        choose_all()
+        dispatch.forget_logged()
+        choose_all()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["hybridlm.ops.gated_delta_rule: impl='auto' picked 'chunk' on cpu",
+                    "hybridlm.ops.silu_mul: impl='auto' picked 'torch' on cpu (Triton kernel not used: on cpu)",
+                    "hybridlm.ops.kda_decode: impl='auto' picked 'torch' on cpu"] * 2, msgs
 
 
 def test_the_memory_is_bounded(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from decode_cases import case_names, run_case
 
 pytest.importorskip("triton")
-from hybridlm.ops import decode as dec  # noqa: E402
+from hybridlm.ops import dispatch  # noqa: E402
 from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update, fused_recurrent_kda_update  # noqa: E402
 from hybridlm.ops.triton import gdn as tgdn  # noqa: E402
 
@@ -66,16 +66,27 @@ def test_kernel_on_the_gpu_matches_one_token_steps(name, seed, monkeypatch):
 
 
 def test_auto_takes_the_torch_path_on_the_cpu_and_says_so(monkeypatch, caplog):
+    """The decode's impl is the dispatch table's decode backends: "auto" takes the kernel on CUDA, or on the CPU
+    under TRITON_INTERPRET=1, else the PyTorch path; each choice logged once; its own impl names."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(dec, "_LOGGED", set())
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    q, v = torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 2, 16)  # the device decides, not these CPU tensors
     with caplog.at_level(logging.INFO, logger="hybridlm.ops"):
-        assert dec.resolve_impl("gdn_decode", "auto", torch.device("cpu")) == "torch"
-        assert dec.resolve_impl("gdn_decode", "auto", torch.device("cpu")) == "torch"
-        assert dec.resolve_impl("kda_decode", "auto", torch.device("cuda")) == "triton"
+        assert dispatch.resolve_impl("gdn_decode", "auto", cpu, q, v, needs_grad=False) == "torch"
+        assert dispatch.resolve_impl("gdn_decode", "auto", cpu, q, v, needs_grad=False) == "torch"
+        assert dispatch.resolve_impl("kda_decode", "auto", cuda, q, v, needs_grad=False) == "triton"
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 2 and "picked 'torch' on cpu" in msgs[0] and "picked 'triton' on cuda" in msgs[1], msgs
+    assert msgs == ["hybridlm.ops.gdn_decode: impl='auto' picked 'torch' on cpu",
+                    "hybridlm.ops.kda_decode: impl='auto' picked 'triton' on cuda"], msgs
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dec.resolve_impl("gdn_decode", "auto", torch.device("cpu")) == "triton"
+    assert dispatch.resolve_impl("gdn_decode", "auto", cpu, q, v, needs_grad=False) == "triton"
+    assert dispatch.resolve_impl("gated_delta_rule", "auto", cpu, q, v) == "chunk"  # the recurrences: CUDA only
+    for impl in ("triton", "torch"):
+        assert dispatch.resolve_impl("gdn_decode", impl, cpu, q, v, needs_grad=False) == impl
+    for op, impl in (("gdn_decode", "chunk"), ("gated_delta_rule", "torch")):
+        with pytest.raises(ValueError, match=r"impl: expected one of \('auto', "):
+            dispatch.resolve_impl(op, impl, cpu, q, v, needs_grad=False)
 
 
 @pytest.mark.parametrize("op", ["gdn", "kda"])

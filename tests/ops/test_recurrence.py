@@ -231,16 +231,20 @@ def test_auto_falls_back_to_chunk_for_inputs_the_kernel_does_not_take(caplog, mo
 def test_the_backend_table():
     """impl="auto"'s order and what each backend declares: the forward-only Gluon kernel first (CUDA, no autograd,
     not under torch.compile, the pool's rows in place), then Triton (CUDA), then the chunk form; the token loop only
-    when asked for."""
+    when asked for. The multi-token decode's two follow, for its ops alone: its kernel (CUDA, or any device under
+    TRITON_INTERPRET=1), then its PyTorch path."""
     from hybridlm.ops import dispatch
 
-    table = {b.name: b for b in dispatch.BACKENDS}
-    assert [b.name for b in dispatch.BACKENDS if b.auto] == ["gluon", "triton", "chunk"]
+    table = {b.name: b for b in dispatch.BACKENDS if not b.decode}
+    assert [b.name for b in dispatch.BACKENDS if b.auto and not b.decode] == ["gluon", "triton", "chunk"]
     assert not table["naive"].auto
     gluon, triton = table["gluon"], table["triton"]
     assert gluon.auto_devices == ("cuda",) and not gluon.autograd and not gluon.traceable and gluon.pool_in_place
     assert triton.auto_devices == ("cuda",) and triton.autograd and triton.traceable and not triton.pool_in_place
     assert table["chunk"].auto_devices is None and table["chunk"].autograd
+    assert not any(b.auto_interpret for b in table.values())
+    decode = [(b.name, b.auto, b.auto_devices, b.auto_interpret) for b in dispatch.BACKENDS if b.decode]
+    assert decode == [("triton", True, ("cuda",), True), ("torch", True, None, False)]
 
 
 def test_a_training_backend_slots_in_ahead_of_triton(caplog, monkeypatch):

@@ -260,9 +260,9 @@ def test_auto_dispatch_takes_olmo_hybrid_head_dims_on_cuda(op, caplog):
         assert resolve_impl(op, "auto", cuda, q, v) == "triton", (K, V)
     assert "K=288" in TRITON_SUPPORTS[op](meta(1, 8, 2, 288), meta(1, 8, 4, 64))
     assert TRITON_SUPPORTS[op](meta(1, 8, 2, 96, dt=torch.float64), meta(1, 8, 4, 192)) == "float64 inputs"
-    from hybridlm.ops import recurrence
+    from hybridlm.ops import dispatch
 
-    recurrence._LOGGED.discard((op, "cuda", "triton", None))
+    dispatch._LOGGED.discard((op, "cuda", "triton", None))
     with caplog.at_level(logging.INFO, logger="hybridlm.ops"):
         resolve_impl(op, "auto", cuda, meta(1, 8, 2, 96), meta(1, 8, 4, 192))
     assert f"hybridlm.ops.{op}: impl='auto' picked 'triton' on cuda" in caplog.text

@@ -144,9 +144,10 @@ def test_kda_expanded_output_and_state_gradients(interp_results):
 
 def test_auto_picks_the_kernel_for_supported_inputs_only(caplog):
     import hybridlm.ops.recurrence as rec
+    from hybridlm.ops import dispatch
 
     cuda = torch.device("cuda")
-    rec._LOGGED.clear()
+    dispatch.forget_logged()
     with caplog.at_level("INFO", logger="hybridlm.ops"):
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64)) == "triton"
         assert rec.resolve_impl("kda", "auto", cuda, torch.zeros(1, 2, 1, 96), torch.zeros(1, 2, 1, 192)) == "triton"

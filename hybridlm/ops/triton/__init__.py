@@ -14,8 +14,9 @@ import triton  # noqa: F401  (ImportError here means: no Triton, nothing registe
 from ..dispatch import TRITON_KERNELS, TRITON_SUPPORTS
 from . import add_norm, ce, conv, gates, norm, rope, swiglu  # noqa: F401  (fused glue: hybridlm::conv_*, norm_*, ...)
 from . import kda as _kda
-from .gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update, unsupported_reason
-from .kda import chunk_kda, fused_recurrent_kda_update
+from .decode_entry import fused_recurrent_gated_delta_rule_update, fused_recurrent_kda_update
+from .gdn import chunk_gated_delta_rule, unsupported_reason
+from .kda import chunk_kda
 
 TRITON_KERNELS["gated_delta_rule"] = chunk_gated_delta_rule
 TRITON_SUPPORTS["gated_delta_rule"] = unsupported_reason

@@ -1,10 +1,9 @@
-"""Host side of the Triton gated delta rule: torch.library custom ops, autograd, and the public entry points.
+"""Host side of the Triton gated delta rule: torch.library custom ops, autograd, and the public entry point.
 
 - `chunk_gated_delta_rule(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.gated_delta_rule`
   (registered there as impl="triton"); differentiable in q, k, v, g, beta and initial_state.
-- `fused_recurrent_gated_delta_rule_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: T decode
-  tokens (1..8) for N sequences, each reading `state_pool[state_indices[n]]` and writing back the state after its
-  last (or accepted) token, or every token's state to a buffer (`hybridlm.ops.decode`); returns o.
+- `gdn_decode` / `decode_launch`: the multi-token decode kernel's custom op and launch (GDN's and KDA's), behind
+  the public decode entries of `decode_entry.py`.
 
 The forward chains the stages of docs/math.md's chunked algorithm, one file each (b = cumsum of g in a chunk,
 gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
@@ -40,7 +39,6 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from .. import decode as dec
 from ..context_parallel import offer_dh0, wants_dh0
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
@@ -663,42 +661,6 @@ def decode_fake(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return q.new_empty(*q.shape[:-2], v.shape[-2], v.shape[-1])
 
 
-def decode_call(op: str, q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, intermediate_states,
-                num_accepted, impl: str, *, channel: bool) -> torch.Tensor:
-    """The public decode entries' body: checks (`hybridlm.ops.decode`), the impl, then the custom op `op` (the
-    kernel) or `decode.decode_torch`."""
-    dims = dec.check_decode_inputs(q, k, v, g, beta, state_pool, state_indices, channel=channel,
-                                   max_dim=MAX_HEAD_DIM, intermediate_states=intermediate_states,
-                                   num_accepted=num_accepted)
-    scale = dims.K**-0.5 if scale is None else float(scale)
-    if dec.resolve_impl(op, impl, q.device) == "torch":
-        xs = [x.unsqueeze(1) if dims.one else x for x in (q, k, v, g, beta)]
-        o = dec.decode_torch(*xs, state_pool, state_indices, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
-                             intermediate_states=intermediate_states, num_accepted=num_accepted)
-        return o[:, 0] if dims.one else o
-    _check_device(q)
-    return call(op, q, k, v, g, beta, state_pool, state_indices.contiguous(), scale, bool(use_qk_l2norm),
-                intermediate_states, None if num_accepted is None else num_accepted.contiguous())
-
-
-def fused_recurrent_gated_delta_rule_update(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
-    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
-    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None, impl: str = "auto",
-) -> torch.Tensor:
-    """Decode T tokens (1..8: one step, or speculative draft tokens) for N sequences on a state pool.
-
-    q, k: [N, T, H, K] (or [N, H, K], one token each: then every input and o drop the T axis); v: [N, T, HV, V];
-    g, beta: [N, T, HV]; state_pool: [P, HV, K, V] float32 contiguous, read at rows state_indices (int32/int64 [N],
-    distinct, valid). What is written (`hybridlm.ops.decode`): intermediate_states (float32 [N, T, HV, K, V]) gets
-    the state after every token and leaves the pool as it was, unless num_accepted (int [N], 0..T) is given: then
-    pool row n gets the state after token num_accepted[n] - 1 (0: unchanged); with neither, the state after the
-    last token. impl: "auto" (the kernel on CUDA or under TRITON_INTERPRET=1, else PyTorch; logged once), "triton"
-    or "torch". Returns o [N, T, HV, V] in q's dtype. Not differentiable."""
-    return decode_call("gdn_decode", q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm,
-                       intermediate_states, num_accepted, impl, channel=False)
-
-
 def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> float:
     """Matmul flops of one chunked forward as these kernels do it (per chunk: KK^T, T solve ~ BT^3/3,
     W, U, W S, Q K^T, Q S, P Vn, K^T Vn)."""
@@ -708,6 +670,6 @@ def flops_chunk_fwd(B: int, T: int, HV: int, K: int, V: int, BT: int = 64) -> fl
     return nc * per
 
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_update", "unsupported_reason", "padded_dim",
+__all__ = ["chunk_gated_delta_rule", "unsupported_reason", "padded_dim",
            "gdn_chunk_fwd", "gdn_chunk_bwd",
            "gdn_decode", "flops_chunk_fwd", "triton"]

@@ -2,9 +2,8 @@
 
 - `chunk_kda(q, k, v, g=, beta=, ...)`: same contract as `hybridlm.ops.kda` (g [B, T, HV, K] per-channel
   log-decay, float32); differentiable in q, k, v, g, beta and initial_state.
-- `fused_recurrent_kda_update(q, k, v, g=, beta=, state_pool=, state_indices=, ...)`: T decode tokens (1..8) for
-  N sequences on a state pool (g [N, T, HV, K]), in place, or keeping every token's state
-  (`hybridlm.ops.decode`).
+- `kda_decode`: the custom op of the decode kernel with per-channel decay, behind `fused_recurrent_kda_update`
+  (`decode_entry.py`).
 
 The stages are GDN's (`gdn.py`) where the per-channel decay allows: the UT solve (`ut_solve._solve_blocks`), the
 serial state passes (`state_pass`, CHANNEL) and the decode step; the chunk-local work with the decay inside
@@ -468,17 +467,5 @@ def _(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm, interme
     return gdn.decode_fake(q, v)
 
 
-def fused_recurrent_kda_update(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, beta: torch.Tensor,
-    state_pool: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = False,
-    intermediate_states: torch.Tensor | None = None, num_accepted: torch.Tensor | None = None, impl: str = "auto",
-) -> torch.Tensor:
-    """KDA decode of T tokens (1..8) for N sequences on a state pool: as
-    `gdn.fused_recurrent_gated_delta_rule_update` with g float32 [N, T, HV, K] (or [N, HV, K] with 3-d inputs),
-    one log-decay per key channel. Returns o [N, T, HV, V] (or [N, HV, V])."""
-    return gdn.decode_call("kda_decode", q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm,
-                           intermediate_states, num_accepted, impl, channel=True)
-
-
-__all__ = ["chunk_kda", "fused_recurrent_kda_update", "kda_chunk_fwd", "kda_chunk_bwd", "kda_decode",
+__all__ = ["chunk_kda", "kda_chunk_fwd", "kda_chunk_bwd", "kda_decode",
            "unsupported_reason"]

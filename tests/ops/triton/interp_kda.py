@@ -14,9 +14,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from hybridlm.ops import kda  # noqa: E402
+from hybridlm.ops.triton import fused_recurrent_kda_update  # noqa: E402
 from hybridlm.ops.triton import gdn as _gdn  # noqa: E402
 from hybridlm.ops.triton import kda as _kda  # noqa: E402
-from hybridlm.ops.triton.kda import chunk_kda, fused_recurrent_kda_update  # noqa: E402
+from hybridlm.ops.triton.kda import chunk_kda  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interp_gdn import ODD_DIMS, cliff_bounds, sums_case  # noqa: E402  (also applies the interpreter's fixes)
