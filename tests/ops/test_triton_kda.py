@@ -31,6 +31,10 @@ sys.path.insert(0, str(HERE / "triton"))
 from recompute_check import check_recompute_result  # noqa: E402
 
 TOL, TOL_GRAD = 2e-6, 1e-5
+# dA_log against its terms' magnitudes at log-decays of ~-35 a step (fp32): the kernel's dg errors there are
+# correlated over the tokens they sum over, so the sum's error reaches a few 1e-5 of its terms (that case alone
+# over 30 seeds: 3.9e-7 to 5.4e-5, with draw, the same dg times dg/dx, within 6.7e-6); a wrong reduction is O(1)
+STRONG_SUM_BAR = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,8 @@ def test_kda_gate_in_kernels_every_gradient(interp_results, case):
         if name in ("recompute_bitwise", "dA_log", "ddt_bias"):
             continue
         bar = (1e-2 if bf16 else TOL_GRAD) if name.startswith("d") else (5e-3 if bf16 else TOL)
+        if name == "dA_log_vs_terms" and "strong" in case and not bf16:
+            bar = STRONG_SUM_BAR
         assert err <= bar, f"{case} {name}: {err:.3g} > {bar} (seed {seed})"
     expect = {"draw", "dbeta", "dq", "dk", "dv", "dh0"} \
         | ({"ddt_bias", "ddt_bias_vs_terms"} if "no_dt_bias" not in case else set()) \
