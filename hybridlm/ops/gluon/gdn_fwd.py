@@ -76,7 +76,9 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, *, channel: bool = False) -> None:
+    """One-line ValueErrors for what the Gluon forward does not take. channel: g is KDA's [B, T, HV, K] (one
+    log-decay a key channel), else GDN's [B, T, HV]."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k: expected equal shapes [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
@@ -90,9 +92,10 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
         raise ValueError(why)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x is None or tuple(x.shape) != (B, T, HV):
-            raise ValueError(f"{name}: expected [B, T, HV] = [{B}, {T}, {HV}], got "
+    g_dims = ("[B, T, HV, K]", (B, T, HV, K)) if channel else ("[B, T, HV]", (B, T, HV))
+    for name, x, (names, want) in (("g", g, g_dims), ("beta", beta, ("[B, T, HV]", (B, T, HV)))):
+        if x is None or tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected {names} = [{', '.join(map(str, want))}], got "
                              f"{None if x is None else tuple(x.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens: expected B = 1 (sequences packed along T), got B = {B}")

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import Dims, check_state_pool
-from .gdn_fwd import unsupported_reason
+from .gdn_fwd import _check_inputs, _check_pool, unsupported_reason
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:  # the kernel, named here for the callers and the compile test
@@ -35,48 +34,6 @@ CHUNK = 64  # tokens per chunk (the Triton prep's BT for 16-bit inputs)
 BV = 64  # value block of a chain program: one warpgroup's M (the transposed state's rows)
 NUM_WARPS = 4  # one warpgroup (the chain's output partition adds another)
 POISON = False  # tests set it: outputs start as NaN, so an element the kernel never writes fails the check
-
-
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k: expected equal shapes [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"v: expected [B, T, HV, V] = [{B}, {T}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2:]
-    if HV % H:
-        raise ValueError(f"v: expected its heads HV a multiple of q's H = {H}, got HV = {HV}")
-    why = unsupported_reason(q, v)
-    if why is not None:
-        raise ValueError(why)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if g is None or tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"g: expected [B, T, HV, K] = [{B}, {T}, {HV}, {K}], got "
-                         f"{None if g is None else tuple(g.shape)}")
-    if beta is None or tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta: expected [B, T, HV] = [{B}, {T}, {HV}], got "
-                         f"{None if beta is None else tuple(beta.shape)}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens: expected B = 1 (sequences packed along T), got B = {B}")
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, V):
-        raise ValueError(f"initial_state: expected [N, HV, K, V] = [{N}, {HV}, {K}, {V}], "
-                         f"got {tuple(initial_state.shape)}")
-
-
-def _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens) -> bool:
-    """True when a state pool is given (and well formed); see `hybridlm.ops.validate.check_state_pool`."""
-    if state_pool is None and state_indices is None:
-        return False
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    check_state_pool(state_pool, state_indices, initial_state=initial_state,
-                     dims=Dims(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N), dtype=torch.float32, device=q.device)
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool: expected a contiguous tensor (the kernel updates its rows in place)")
-    return True
 
 
 def _alloc(shape, dtype, dev) -> torch.Tensor:
@@ -117,7 +74,7 @@ def kda_fwd(
     if checked:
         pool = state_pool is not None
     else:
-        _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, channel=True)
         pool = _check_pool(q, v, state_pool, state_indices, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
