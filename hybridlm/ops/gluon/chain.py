@@ -231,15 +231,17 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
+def _tma_desc(x2: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor over the 2-D x2 in [rows, cols] boxes, in `_smem_layout`'s layout."""
+    return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
+
+
 def _descriptors(q, k, v, o, Tbuf, Gbuf, BV: int) -> tuple:
     """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v and o as [Ttot, HV * V] in
     [CHUNK, BV] boxes, T as [slots * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
     K, V = q.shape[-1], v.shape[-1]
-
-    def desc(x2, rows, cols):
-        return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
-
     q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
     v2, o2 = v.reshape(-1, v.shape[-2] * V), o.reshape(-1, o.shape[-2] * V)
-    return (desc(q2, CHUNK, K), desc(k2, CHUNK, K), desc(v2, CHUNK, BV), desc(Tbuf.reshape(-1, CHUNK), CHUNK, CHUNK),
-            desc(Gbuf.reshape(-1, CHUNK), Gbuf.shape[-2], CHUNK), desc(o2, CHUNK, BV))
+    return (_tma_desc(q2, CHUNK, K), _tma_desc(k2, CHUNK, K), _tma_desc(v2, CHUNK, BV),
+            _tma_desc(Tbuf.reshape(-1, CHUNK), CHUNK, CHUNK), _tma_desc(Gbuf.reshape(-1, CHUNK), Gbuf.shape[-2], CHUNK),
+            _tma_desc(o2, CHUNK, BV))
