@@ -2,13 +2,14 @@
 
 GPU only (`@pytest.mark.gpu`; skipped without CUDA, without compute capability 9.0, or without Gluon). Fresh random
 inputs each run, the seed in every failure message; outputs are NaN-poisoned by the wrapper (gdn_fwd.POISON), so an
-element the kernel never writes fails. Cases: T = 1, 63, 65, 128, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1,
-2, 4); mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
+element the kernel never writes fails. Cases (the lengths, varlen lengths, GVA ratios and head dims are the KDA
+forward's too: gluon_fwd_cases.py): T = 1, 63, 65, 128, 1000; varlen lengths 1, 15, 100, 700; GVA (HV/H = 1, 2, 4);
+mild log-decays (logsigmoid(N(3, 1))), strong ones (uniform down to -30 a step) and the decay cliff of
 scripts/gpu_check_gdn.py; with and without initial state; l2norm in the kernel and pre-normalised inputs; bf16 and
 fp16; head dims K 64 and 128 with V 64 to 256; chunked prefill through a state pool (up to 16 sequences of 4096
 tokens in 2048-token chunks) against whole sequences; the solve beside the chain (the overlapped form), also
-captured in a CUDA graph. Bar (relative RMS vs float64 on the same rounded inputs), as
-for the Triton kernels' 16-bit checks: 5e-3 for o and the final state.
+captured in a CUDA graph. Bar (relative RMS vs float64 on the same rounded inputs), as for the Triton kernels'
+16-bit checks: 5e-3 for o and the final state.
 
 Timing (not a test): `python tests/ops/test_gluon_gdn.py` prints, at B4 T4096 H16, B8 T2048 H32 and B1 T32768 H32
 D128 bf16 (inputs as `bench kernels`), the forward ms of our Triton kernels, fla (when installed) and the Gluon
@@ -17,7 +18,6 @@ forward, then each Gluon launch alone against its floors (see `_stage_rows`).
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -27,11 +27,20 @@ from hybridlm.ops import gated_delta_rule
 
 pytest.importorskip("triton")
 from float64_check import gluon_gpu_marks, rel_f64  # noqa: E402
+from gluon_fwd_cases import (  # noqa: E402
+    BAR,
+    GVA,
+    HEAD_DIMS,
+    LENGTHS,
+    VARLEN,
+    check_call,
+    check_prefill,
+    offsets,
+    prefill_lens,
+    seeded,
+)
 
 from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
-
-BAR = 5e-3
-
 
 pytestmark = gluon_gpu_marks()
 
@@ -53,12 +62,11 @@ def _gates(gen, B, T, HV, decay):
 
 
 def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dtype=torch.bfloat16, K=128, V=128):
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seed, gen = seeded()
     dev = "cuda"
     if lens is not None:
         B, T = 1, sum(lens)
-    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+    cu = None if lens is None else offsets(lens)
     N = B if lens is None else len(lens)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
@@ -68,34 +76,29 @@ def _case(*, B=1, T=64, H=2, HV=2, lens=None, decay="mild", h0=True, l2=True, dt
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     state = r(N, HV, K, V) if h0 else None
-    o, ht = gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                                               cu_seqlens=cu, use_qk_l2norm=l2)
-    d = lambda x: None if x is None else x.double()
-    o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(state),
-                               output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2, impl="chunk")
-    errs = {"o": rel_f64(o, o2), "final_state": rel_f64(ht, ht2)}
-    msg = (f"seed {seed}: B={B} T={T} H={H} HV={HV} K={K} V={V} lens={lens} decay={decay} h0={h0} l2={l2} {dtype}: "
-           f"{errs}")
-    assert o.dtype == dtype and ht.dtype == torch.float32, msg
-    assert all(e <= BAR for e in errs.values()), msg
+    kw = dict(initial_state=state, cu_seqlens=cu, use_qk_l2norm=l2)
+    got = gdn_fwd.gated_delta_rule_fwd(q, k, v, g=g, beta=beta, output_final_state=True, **kw)
+    check_call(got, gated_delta_rule, q, k, v, g=g, beta=beta, **kw,
+               msg=f"seed {seed}: B={B} T={T} H={H} HV={HV} K={K} V={V} lens={lens} decay={decay} h0={h0} l2={l2} "
+                   f"{dtype}")
 
 
-@pytest.mark.parametrize("T", [1, 63, 65, 128, 1000])
+@pytest.mark.parametrize("T", LENGTHS)
 def test_lengths(T):
     _case(B=2, T=T, H=2, HV=4)
 
 
 @pytest.mark.parametrize("decay", ["mild", "strong", "cliff"])
 def test_varlen(decay):
-    _case(lens=[1, 15, 100, 700], H=2, HV=2, decay=decay)
+    _case(lens=VARLEN, H=2, HV=2, decay=decay)
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (64, 256), (128, 64), (128, 256)])
+@pytest.mark.parametrize("K,V", HEAD_DIMS)
 def test_head_dims(K, V):
     _case(B=2, T=200, H=2, HV=4, K=K, V=V, decay="cliff")
 
 
-@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("ratio", GVA)
 def test_gva(ratio):
     _case(B=2, T=300, H=2, HV=2 * ratio, decay="strong")
 
@@ -114,39 +117,16 @@ def test_chunked_prefill_through_the_state_pool(n_seq, length, chunk):
     """Sequences prefilled chunk by chunk through a state pool (each call reads every sequence's pool row and the
     kernel writes the final state back there) against one float64 call per whole sequence; rows no sequence owns
     stay as they were. "server": 16 sequences of 4096 tokens in 2048-token chunks."""
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seed, gen = seeded()
     dev, H, HV, K, V = "cuda", 2, 4, 128, 128
-    lens = [max(1, length - 37 * i) for i in range(n_seq)]  # unequal lengths: sequences finish in different calls
+    lens = prefill_lens(n_seq, length)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = r(1, sum(lens), H, K), r(1, sum(lens), H, K), r(1, sum(lens), HV, V)
     g = _gates(gen, 1, sum(lens), HV, "mild")
     beta = torch.rand(1, sum(lens), HV, device=dev, generator=gen)
     q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
-    starts = [0, *itertools.accumulate(lens)]
-    rows = torch.randperm(2 * n_seq, device=dev, generator=gen)[:n_seq]
-    pool0 = r(2 * n_seq, HV, K, V)
-    pool = pool0.clone()
-    o = torch.full_like(v, float("nan"))
-    for c0 in range(0, max(lens), chunk):
-        live = [i for i, n in enumerate(lens) if n > c0]
-        pieces = [torch.arange(starts[i] + c0, starts[i] + min(lens[i], c0 + chunk), device=dev) for i in live]
-        at = torch.cat(pieces)
-        cu = torch.tensor([0, *itertools.accumulate(len(p) for p in pieces)], dtype=torch.int32, device=dev)
-        o_c, _ = gdn_fwd.gated_delta_rule_fwd(q[:, at], k[:, at], v[:, at], g=g[:, at], beta=beta[:, at],
-                                              cu_seqlens=cu, use_qk_l2norm=True, state_pool=pool,
-                                              state_indices=rows[live])
-        o[:, at] = o_c
-    cu_all = torch.tensor(starts, dtype=torch.int32, device=dev)
-    d = lambda x: x.double()  # noqa: E731
-    o2, ht2 = gated_delta_rule(d(q), d(k), d(v), g=d(g), beta=d(beta), initial_state=d(pool0[rows]),
-                               output_final_state=True, cu_seqlens=cu_all, use_qk_l2norm=True, impl="chunk")
-    errs = {"o": rel_f64(o, o2), "pool rows": rel_f64(pool[rows], ht2)}
-    others = torch.ones(2 * n_seq, dtype=torch.bool, device=dev)
-    others[rows] = False
-    msg = f"seed {seed}: {n_seq} sequences up to {length} tokens in chunks of {chunk}: {errs}"
-    assert all(e <= BAR for e in errs.values()), msg
-    assert torch.equal(pool[others], pool0[others]), f"{msg}: rows no sequence owns changed"
+    check_prefill(gdn_fwd.gated_delta_rule_fwd, gated_delta_rule, q, k, v, g=g, beta=beta, lens=lens, chunk=chunk,
+                  gen=gen, seed=seed)
 
 
 @pytest.mark.parametrize("start", ["state", "zeros", "pool", "cu_seqlens"])
@@ -164,8 +144,7 @@ def test_solve_beside_the_chain(monkeypatch, start):
         _case(B=1, T=T, H=2, HV=HV, h0=start == "state", lens=[T - 333, 333] if start == "cu_seqlens" else None,
               decay="cliff")
         return
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seed, gen = seeded()
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     q, k, v = (x.to(torch.bfloat16) for x in (r(1, T, 2, K), r(1, T, 2, K), r(1, T, HV, V)))
     g = _gates(gen, 1, T, HV, "mild")
@@ -188,8 +167,7 @@ def test_overlapped_forward_in_a_cuda_graph(monkeypatch):
     flags are zeroed inside the graph) and replayed twice on fresh inputs copied into the captured ones, against
     float64 each time."""
     monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seed, gen = seeded()
     T, H, HV, K, V = 700, 2, 4, 128, 128
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
 
@@ -230,8 +208,7 @@ def test_direct_launches_see_new_tensors(monkeypatch, overlap):
     if overlap:
         monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)
     monkeypatch.setattr(gdn_fwd, "_PLANS", type(gdn_fwd._PLANS)())
-    seed = torch.seed() % 2**31
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    seed, gen = seeded()
     B, T, H, HV, K, V = (1, 900, 2, 4, 128, 128) if overlap else (2, 700, 2, 4, 128, 128)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
 

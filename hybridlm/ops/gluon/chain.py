@@ -16,15 +16,10 @@ Per chunk, with Kn, Qn the normalised keys and queries (scale in Qn) and gamma =
     R^T  = V^T - (S^T K^T) diag(gamma rk)              V'^T = R^T (T diag(beta))^T
     S^T  = e^{b_last} S^T + (V'^T diag(rk e^{b_last - b})) K
     O    = diag(gamma rq) (Q S) + P V',   P[i, j] = q_i . k_j rq_i rk_j e^{b_i - b_j}  (i >= j)
-Barriers, two of each (chunk n uses slot n % 2):
-- ld[s]: the TMA of a chunk's inputs landed; both warpgroups wait on it.
-- hand[s]: the state warpgroup stored S^T and V'^T of the chunk (fenced for the async proxy).
-- done[s]: both warpgroups are done with the chunk's inputs (and the output one with its hand-over); the load warp
-  waits on it before it loads chunk n + 2 into the slot, the state warpgroup before it hands chunk n + 2 over (a
-  fresh barrier's phase 1 passes at once).
-A one-warp partition issues the loads. With WAIT it first waits, chunk by chunk, for a flag the solve sets once it
-has written that chunk's T and gate rows: the solve then runs beside the chain (gdn_fwd's overlapped form) instead
-of before it.
+The two slots, the ld, hand and done barriers and the hand-over buffers are `parts._chain_shared`'s, as in the KDA
+chain. A one-warp partition issues the loads. With WAIT it first waits, chunk by chunk, for a flag the solve sets
+once it has written that chunk's T and gate rows: the solve then runs beside the chain (gdn_fwd's overlapped form)
+instead of before it.
 """
 
 from __future__ import annotations
@@ -36,7 +31,22 @@ import torch
 from .parts import _IMPORT_ERROR, _chain_program, gl, gluon
 
 if _IMPORT_ERROR is None:
-    from .parts import TensorDescriptor, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from .parts import (
+        TensorDescriptor,
+        _arrive,
+        _chain_invalidate,
+        _chain_shared,
+        _hand_over,
+        _issue_st_product,
+        _state_ptrs,
+        _store_out,
+        _wait_chunk,
+        _wait_free,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
 CHUNK = 64
 
@@ -84,7 +94,7 @@ if _IMPORT_ERROR is None:
             n = c0 // C
             buf = n % 2
             slot = (t_first + n) * HV + i_hv
-            mbarrier.wait(done.index(buf), ((n // 2) & 1) ^ 1)
+            _wait_free(done, n)
             if WAIT:
                 _wait_ready(flags + slot)
             _tma_chunk(q_desc, k_desc, v_desc, t_desc, g_desc, ld.index(buf), q_st.index(buf), k_st.index(buf),
@@ -111,27 +121,21 @@ if _IMPORT_ERROR is None:
         MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         A_T: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MT, k_width=2)
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
-        r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MS))
-        c_k = gl.arange(0, K, layout=gl.SliceLayout(0, MS))
         if HAS_H0:
-            St = gl.load(h0 + (row * HV + i_hv) * K * V + col0 + (gl.expand_dims(c_k, 0) * V + gl.expand_dims(r_v, 1)))
+            St = gl.load(_state_ptrs(h0, row, i_hv, HV, col0, K, V, BV, MS))
         else:
             St = gl.zeros([BV, K], gl.float32, MS)
         for c0 in range(0, seq_len, C):
             n = c0 // C
             buf = n % 2
             # hand-over slot 1 - buf is free once the output partition is done with chunk n - 1
-            mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=c0 + C < seq_len)
-            mbarrier.wait(ld.index(buf), (n // 2) & 1)
+            _wait_free(done, n + 1, pred=c0 + C < seq_len)
+            _wait_chunk(ld, n)
             kb = k_st.index(buf)
             gb = g_st.index(buf)
             zt = gl.zeros([BV, C], gl.float32, MT)
 
-            # S^T K^T from S^T in 16 bits, which is also the output partition's copy of the state
-            s16 = St.to(dt)
-            s_op = gl.convert_layout(s16, A_T)
-            ks = warpgroup_mma(s_op, kb.permute((1, 0)), zt, use_acc=False, is_async=True)
-            hs.index(buf).store(s16)
+            ks, s_op = _issue_st_product(St, kb, hs.index(buf), zt, A_T)  # S^T K^T
 
             # V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)
             vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
@@ -139,20 +143,15 @@ if _IMPORT_ERROR is None:
             ks, s_op = warpgroup_mma_wait(0, deps=[ks, s_op])
             r_op = gl.convert_layout((vt - ks * gk).to(dt), A_T)
             Vn = warpgroup_mma(r_op, t_st.index(buf).permute((1, 0)), zt, use_acc=False)
-            hv.index(buf).store(Vn.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's stores fenced before the one arrival
-            mbarrier.arrive(hand.index(buf), count=1)
+            _hand_over(hv.index(buf), Vn.to(dt), hand.index(buf))
 
             # S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
             u_op = gl.convert_layout((Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0)).to(dt), A_S)
             decay = gl.max(_gate_cols(gb, 6, MT), axis=0)  # e^{b_last}, in every column of row 6
             St = warpgroup_mma(u_op, kb, St * decay, use_acc=True)
-            gl.thread_barrier()  # every warp of this partition is past its reads of the slot
-            mbarrier.arrive(done.index(buf), count=1)
+            _arrive(done.index(buf))
         if STORE_HT:
-            ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
-            gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
+            gl.store(_state_ptrs(ht, row, i_hv, HV, col0, K, V, BV, MS), St)
 
     @gluon.jit
     def _chain_output(o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld, hand,
@@ -161,14 +160,13 @@ if _IMPORT_ERROR is None:
         dt: gl.constexpr = q_st.dtype
         MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
-        LST: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         i_r = gl.arange(0, C, layout=gl.SliceLayout(1, MO))  # tokens i (queries)
         j_c = gl.arange(0, C, layout=gl.SliceLayout(0, MO))  # tokens j (keys)
         causal = gl.expand_dims(i_r, 1) >= gl.expand_dims(j_c, 0)
         for c0 in range(0, seq_len, C):
             n = c0 // C
             buf = n % 2
-            mbarrier.wait(ld.index(buf), (n // 2) & 1)
+            _wait_chunk(ld, n)
             qb = q_st.index(buf)
             gb = g_st.index(buf)
             zo = gl.zeros([C, BV], gl.float32, MO)
@@ -179,28 +177,14 @@ if _IMPORT_ERROR is None:
             decay = gl.exp(gl.where(causal, gl.expand_dims(b_i, 1) - gl.expand_dims(b_j, 0), float("-inf")))
             decay = decay * gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
             p_op = gl.convert_layout((warpgroup_mma_wait(0, deps=[qk]) * decay).to(dt), A_O)
-            mbarrier.wait(hand.index(buf), (n // 2) & 1)
+            _wait_chunk(hand, n)
             # Q S and P V' in two accumulators, both in flight at once (Q S is scaled by rows before the sum)
             qs = warpgroup_mma(qb, hs.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             pv = warpgroup_mma(p_op, hv.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             qs, pv, p_op = warpgroup_mma_wait(0, deps=[qs, pv, p_op])
             out = qs * gl.expand_dims(_gate_rows(gb, 3, MO), 1) + pv
-            gl.thread_barrier()  # every warp is past its reads of the slot and the hand-over
-            mbarrier.arrive(done.index(buf), count=1)
-
-            tma.store_wait(0)  # the previous chunk's store has read o_st
-            gl.thread_barrier()
-            o_st.store(out.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part of o_st written before the one TMA store
-            if c0 + C <= seq_len:
-                tma.async_copy_shared_to_global(o_desc, [bos + c0, v_col], o_st)
-            else:  # a whole-chunk store would write into the next sequence's rows
-                t_o = gl.arange(0, C, layout=gl.SliceLayout(1, LST))
-                c_o = gl.arange(0, BV, layout=gl.SliceLayout(0, LST))
-                o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
-                gl.store(o_chunk + gl.expand_dims(t_o * (HV * V), 1) + gl.expand_dims(c_o, 0), o_st.load(LST),
-                         mask=gl.expand_dims(c0 + t_o < seq_len, 1))
+            _arrive(done.index(buf))
+            _store_out(o_desc, o, o_st, out, bos, c0, seq_len, i_hv, HV, col0, v_col, V, BV, C)
         tma.store_wait(0)
 
     @gluon.jit
@@ -221,23 +205,12 @@ if _IMPORT_ERROR is None:
         col0 = i_v * BV
         v_col = i_hv * V + col0
 
-        SL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
-        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], dt)
         q_st = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
         k_st = gl.allocate_shared_memory(dt, [2, C, K], k_desc.layout)
         v_st = gl.allocate_shared_memory(dt, [2, C, BV], v_desc.layout)
         t_st = gl.allocate_shared_memory(dt, [2, C, C], t_desc.layout)
         g_st = gl.allocate_shared_memory(gl.float32, [2, R, C], g_desc.layout)
-        hs = gl.allocate_shared_memory(dt, [2, BV, K], SL_S)  # S^T of two chunks
-        hv = gl.allocate_shared_memory(dt, [2, BV, C], SL_V)  # V'^T of two chunks
-        o_st = gl.allocate_shared_memory(dt, [C, BV], o_desc.layout)
-        ld = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        hand = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(ld.index(s), count=1)
-            mbarrier.init(hand.index(s), count=1)
-            mbarrier.init(done.index(s), count=2)  # the state and the output partition
+        hs, hv, o_st, ld, hand, done = _chain_shared(dt, o_desc, K, BV, C)
         gl.warp_specialize([
             (_chain_state, (h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand,
                             done, K, V, BV, C, HAS_H0, STORE_HT)),
@@ -246,10 +219,7 @@ if _IMPORT_ERROR is None:
             (_chain_loads, (q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, i_h * K,
                             v_col, q_st, k_st, v_st, t_st, g_st, ld, done, C, R, WAIT)),
         ], [4, 1], [168, 40])
-        for s in gl.static_range(2):
-            mbarrier.invalidate(ld.index(s))
-            mbarrier.invalidate(hand.index(s))
-            mbarrier.invalidate(done.index(s))
+        _chain_invalidate(ld, hand, done)
 
 
 @functools.lru_cache(maxsize=32)
@@ -261,15 +231,17 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
+def _tma_desc(x2: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor over the 2-D x2 in [rows, cols] boxes, in `_smem_layout`'s layout."""
+    return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
+
+
 def _descriptors(q, k, v, o, Tbuf, Gbuf, BV: int) -> tuple:
     """TMA descriptors of the chain: q and k as [Ttot, H * K] in [CHUNK, K] boxes, v and o as [Ttot, HV * V] in
     [CHUNK, BV] boxes, T as [slots * CHUNK, CHUNK] rows, the gate rows as [slots * R, CHUNK]."""
     K, V = q.shape[-1], v.shape[-1]
-
-    def desc(x2, rows, cols):
-        return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
-
     q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
     v2, o2 = v.reshape(-1, v.shape[-2] * V), o.reshape(-1, o.shape[-2] * V)
-    return (desc(q2, CHUNK, K), desc(k2, CHUNK, K), desc(v2, CHUNK, BV), desc(Tbuf.reshape(-1, CHUNK), CHUNK, CHUNK),
-            desc(Gbuf.reshape(-1, CHUNK), Gbuf.shape[-2], CHUNK), desc(o2, CHUNK, BV))
+    return (_tma_desc(q2, CHUNK, K), _tma_desc(k2, CHUNK, K), _tma_desc(v2, CHUNK, BV),
+            _tma_desc(Tbuf.reshape(-1, CHUNK), CHUNK, CHUNK), _tma_desc(Gbuf.reshape(-1, CHUNK), Gbuf.shape[-2], CHUNK),
+            _tma_desc(o2, CHUNK, BV))

@@ -16,13 +16,12 @@ import torch
 from ..triton import state_pass
 from ..triton.chunk_layout import Layout
 from . import gdn_fwd
-from .chain import _smem_layout
+from .chain import _tma_desc
 from .chain_bwd import BV, CHUNK, GATE_ROWS
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:
     from .chain_bwd import _gdn_chain_bwd_kernel
-    from .parts import TensorDescriptor
 
 NUM_WARPS = 4  # the state warpgroup (the load partition adds one warp)
 GATE_WARPS = 4  # `_bwd_gate_rows`
@@ -51,17 +50,13 @@ def _descriptors(q, k, do, Wb, Pb, G, dhb, dvn):
     [tokens, HV * V] in [CHUNK, BV] boxes, P as [chunks * HV * CHUNK, CHUNK], the gate rows as
     [slots * GATE_ROWS, CHUNK] fp32, dhb as [chunks * HV * K, V] in [K, BV] boxes."""
     K = q.shape[-1]
-
-    def desc(x2, rows, cols):
-        return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
-
     q2, k2 = q.reshape(-1, q.shape[-2] * K), k.reshape(-1, k.shape[-2] * K)
     w2 = Wb.reshape(-1, Wb.shape[-2] * K)
     V = do.shape[-1]
     do2, dvn2 = do.reshape(-1, do.shape[-2] * V), dvn.reshape(-1, dvn.shape[-2] * V)
-    return (desc(w2, CHUNK, K), desc(q2, CHUNK, K), desc(k2, CHUNK, K), desc(do2, CHUNK, BV),
-            desc(Pb.reshape(-1, CHUNK), CHUNK, CHUNK), desc(G.reshape(-1, CHUNK), GATE_ROWS, CHUNK),
-            desc(dhb.reshape(-1, V), K, BV), desc(dvn2, CHUNK, BV))
+    return (_tma_desc(w2, CHUNK, K), _tma_desc(q2, CHUNK, K), _tma_desc(k2, CHUNK, K), _tma_desc(do2, CHUNK, BV),
+            _tma_desc(Pb.reshape(-1, CHUNK), CHUNK, CHUNK), _tma_desc(G.reshape(-1, CHUNK), GATE_ROWS, CHUNK),
+            _tma_desc(dhb.reshape(-1, V), K, BV), _tma_desc(dvn2, CHUNK, BV))
 
 
 def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale: float, l2: bool,

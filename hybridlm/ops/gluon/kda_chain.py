@@ -13,9 +13,7 @@ The per-channel decay of the state is a scale of S^T's columns. Rows past a sequ
 next sequence (or as zeros past the tensor): Vn's columns there are zeroed before the hand-over and the update, so
 W's and Kd's rows there weigh nothing; P's columns there are zero (the prep loads them masked), and those output
 rows are never stored.
-Barriers (two of each, chunk n uses slot n % 2): ld[s] (the TMA of a chunk's inputs landed), hand[s] (the state
-warpgroup stored S^T and Vn^T), done[s] (both warpgroups are done with the slot; the load warp waits on it before
-loading chunk n + 2, the state warpgroup before handing chunk n + 2 over).
+The slots, barriers and hand-over buffers are the GDN chain's (`parts._chain_shared`), Vn^T in the place of V'^T.
 """
 
 from __future__ import annotations
@@ -23,7 +21,21 @@ from __future__ import annotations
 from .parts import _IMPORT_ERROR, _chain_program, gl, gluon
 
 if _IMPORT_ERROR is None:
-    from .parts import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from .parts import (
+        _arrive,
+        _chain_invalidate,
+        _chain_shared,
+        _hand_over,
+        _issue_st_product,
+        _state_ptrs,
+        _store_out,
+        _wait_chunk,
+        _wait_free,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
 CHUNK = 64
 
@@ -41,7 +53,7 @@ if _IMPORT_ERROR is None:
             buf = n % 2
             slot = (t_first + n) * HV + i_hv
             bar = ld.index(buf)
-            mbarrier.wait(done.index(buf), ((n // 2) & 1) ^ 1)
+            _wait_free(done, n)
             mbarrier.expect(bar, nbytes)
             tok = bos + c0
             tma.async_copy_global_to_shared(qg_desc, [tok, k_col], bar, qg_st.index(buf))
@@ -60,11 +72,10 @@ if _IMPORT_ERROR is None:
         MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         A_T: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MT, k_width=2)
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
-        r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MS))
         c_k = gl.arange(0, K, layout=gl.SliceLayout(0, MS))
         j_c = gl.arange(0, C, layout=gl.SliceLayout(0, MT))
         if HAS_H0:
-            St = gl.load(h0 + (row * HV + i_hv) * K * V + col0 + (gl.expand_dims(c_k, 0) * V + gl.expand_dims(r_v, 1)))
+            St = gl.load(_state_ptrs(h0, row, i_hv, HV, col0, K, V, BV, MS))
         else:
             St = gl.zeros([BV, K], gl.float32, MS)
         for c0 in range(0, seq_len, C):
@@ -73,66 +84,42 @@ if _IMPORT_ERROR is None:
             # e^{bL} per key channel, loaded before the waits so that its latency hides behind them
             slot = (t_first + n) * HV + i_hv
             decay = gl.exp(gl.load(bl + slot.to(gl.int64) * K + c_k))
-            mbarrier.wait(done.index(1 - buf), (((n + 1) // 2) & 1) ^ 1, pred=c0 + C < seq_len)
-            mbarrier.wait(ld.index(buf), (n // 2) & 1)
+            # hand-over slot 1 - buf is free once the output partition is done with chunk n - 1
+            _wait_free(done, n + 1, pred=c0 + C < seq_len)
+            _wait_chunk(ld, n)
             zt = gl.zeros([BV, C], gl.float32, MT)
 
-            # S^T W^T from S^T in 16 bits, which is also the output partition's copy of the state
-            s16 = St.to(dt)
-            s_op = gl.convert_layout(s16, A_T)
-            sw = warpgroup_mma(s_op, w_st.index(buf).permute((1, 0)), zt, use_acc=False, is_async=True)
-            hs.index(buf).store(s16)
+            sw, s_op = _issue_st_product(St, w_st.index(buf), hs.index(buf), zt, A_T)  # S^T W^T
 
             # Vn^T = U^T - S^T W^T, zero in the columns of tokens past the sequence
             ut = u_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
             sw, s_op = warpgroup_mma_wait(0, deps=[sw, s_op])
             vn = gl.where(gl.expand_dims(c0 + j_c < seq_len, 0), ut - sw, 0.0).to(dt)
-            hv.index(buf).store(vn)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's stores fenced before the one arrival
-            mbarrier.arrive(hand.index(buf), count=1)
+            _hand_over(hv.index(buf), vn, hand.index(buf))
 
             # S^T = S^T diag(e^{bL}) + Vn^T Kd
             v_op = gl.convert_layout(vn, A_S)
             St = warpgroup_mma(v_op, kd_st.index(buf), St * gl.expand_dims(decay, 0), use_acc=True)
-            gl.thread_barrier()  # every warp of this partition is past its reads of the slot
-            mbarrier.arrive(done.index(buf), count=1)
+            _arrive(done.index(buf))
         if STORE_HT:
-            ht_tile = ht + ((row * HV + i_hv) * K * V + col0)
-            gl.store(ht_tile + (gl.expand_dims(r_v, 1) + gl.expand_dims(c_k * V, 0)), St)
+            gl.store(_state_ptrs(ht, row, i_hv, HV, col0, K, V, BV, MS), St)
 
     @gluon.jit
     def _kda_output(o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, qg_st, p_st, hs, hv, o_st, ld, hand, done,
                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr):
         """Worker partition: O = Qg S + P Vn of every chunk, from the state partition's hand-over."""
-        dt: gl.constexpr = qg_st.dtype
         MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
-        LST: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         for c0 in range(0, seq_len, C):
             n = c0 // C
             buf = n % 2
-            mbarrier.wait(ld.index(buf), (n // 2) & 1)
-            mbarrier.wait(hand.index(buf), (n // 2) & 1)
+            _wait_chunk(ld, n)
+            _wait_chunk(hand, n)
             zo = gl.zeros([C, BV], gl.float32, MO)
             qs = warpgroup_mma(qg_st.index(buf), hs.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             out = warpgroup_mma(p_st.index(buf), hv.index(buf).permute((1, 0)), qs, use_acc=True, is_async=True)
             out = warpgroup_mma_wait(0, deps=[out])
-            gl.thread_barrier()  # every warp is past its reads of the slot and the hand-over
-            mbarrier.arrive(done.index(buf), count=1)
-
-            tma.store_wait(0)  # the previous chunk's store has read o_st
-            gl.thread_barrier()
-            o_st.store(out.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's part of o_st written before the one TMA store
-            if c0 + C <= seq_len:
-                tma.async_copy_shared_to_global(o_desc, [bos + c0, v_col], o_st)
-            else:  # a whole-chunk store would write into the next sequence's rows
-                t_o = gl.arange(0, C, layout=gl.SliceLayout(1, LST))
-                c_o = gl.arange(0, BV, layout=gl.SliceLayout(0, LST))
-                o_chunk = o + ((bos + c0).to(gl.int64) * HV + i_hv) * V + col0
-                gl.store(o_chunk + gl.expand_dims(t_o * (HV * V), 1) + gl.expand_dims(c_o, 0), o_st.load(LST),
-                         mask=gl.expand_dims(c0 + t_o < seq_len, 1))
+            _arrive(done.index(buf))
+            _store_out(o_desc, o, o_st, out, bos, c0, seq_len, i_hv, HV, col0, v_col, V, BV, C)
         tma.store_wait(0)
 
     @gluon.jit
@@ -153,23 +140,12 @@ if _IMPORT_ERROR is None:
         col0 = i_v * BV
         v_col = i_hv * V + col0
 
-        SL_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
-        SL_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], dt)
         qg_st = gl.allocate_shared_memory(dt, [2, C, K], qg_desc.layout)
         kd_st = gl.allocate_shared_memory(dt, [2, C, K], kd_desc.layout)
         w_st = gl.allocate_shared_memory(dt, [2, C, K], w_desc.layout)
         u_st = gl.allocate_shared_memory(dt, [2, C, BV], u_desc.layout)
         p_st = gl.allocate_shared_memory(dt, [2, C, C], p_desc.layout)
-        hs = gl.allocate_shared_memory(dt, [2, BV, K], SL_S)  # S^T of two chunks
-        hv = gl.allocate_shared_memory(dt, [2, BV, C], SL_V)  # Vn^T of two chunks
-        o_st = gl.allocate_shared_memory(dt, [C, BV], o_desc.layout)
-        ld = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        hand = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(ld.index(s), count=1)
-            mbarrier.init(hand.index(s), count=1)
-            mbarrier.init(done.index(s), count=2)  # the state and the output partition
+        hs, hv, o_st, ld, hand, done = _chain_shared(dt, o_desc, K, BV, C)
         gl.warp_specialize([
             (_kda_state, (bl, h0, ht, row, seq_len, t_first, i_hv, HV, col0, kd_st, w_st, u_st, hs, hv, ld, hand,
                           done, K, V, BV, C, HAS_H0, STORE_HT)),
@@ -178,7 +154,4 @@ if _IMPORT_ERROR is None:
             (_kda_loads, (qg_desc, kd_desc, w_desc, u_desc, p_desc, bos, seq_len, t_first, i_hv, HV, i_hv * K,
                           v_col, qg_st, kd_st, w_st, u_st, p_st, ld, done, C)),
         ], [4, 1], [168, 40])
-        for s in gl.static_range(2):
-            mbarrier.invalidate(ld.index(s))
-            mbarrier.invalidate(hand.index(s))
-            mbarrier.invalidate(done.index(s))
+        _chain_invalidate(ld, hand, done)

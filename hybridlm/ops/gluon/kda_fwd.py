@@ -24,9 +24,8 @@ from .gdn_fwd import _check_inputs, _check_pool, unsupported_reason
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:  # the kernel, named here for the callers and the compile test
-    from .chain import _smem_layout
+    from .chain import _tma_desc
     from .kda_chain import _kda_chain_kernel
-    from .parts import TensorDescriptor
 
 __all__ = ["kda_fwd", "unsupported_reason"]
 
@@ -115,13 +114,8 @@ def kda_fwd(
 def _descriptors(Qg, Kd, Wb, Ub, Pb, o) -> tuple:
     """TMA descriptors of the chain: Qg, Kd, W as [Ttot, HV * K] in [CHUNK, K] boxes, U and o as [Ttot, HV * V]
     in [CHUNK, BV] boxes, P as [chunks * HV * CHUNK, CHUNK] rows."""
-    K, V = Qg.shape[-1], Ub.shape[-1]
-
-    def desc(x, rows, cols):
-        x2 = x.reshape(-1, cols if x is Pb else x.shape[-2] * x.shape[-1])
-        return TensorDescriptor.from_tensor(x2, [rows, cols], _smem_layout(rows, cols, x2.dtype))
-
-    o2 = o.reshape(-1, o.shape[-2] * V)
-    od = TensorDescriptor.from_tensor(o2, [CHUNK, BV], _smem_layout(CHUNK, BV, o2.dtype))
-    return (desc(Qg, CHUNK, K), desc(Kd, CHUNK, K), desc(Wb, CHUNK, K), desc(Ub, CHUNK, BV), desc(Pb, CHUNK, CHUNK),
-            od)
+    K = Qg.shape[-1]
+    flat = lambda x: x.reshape(-1, x.shape[-2] * x.shape[-1])  # noqa: E731  [Ttot, HV, D] as [Ttot, HV * D]
+    return (_tma_desc(flat(Qg), CHUNK, K), _tma_desc(flat(Kd), CHUNK, K), _tma_desc(flat(Wb), CHUNK, K),
+            _tma_desc(flat(Ub), CHUNK, BV), _tma_desc(Pb.reshape(-1, CHUNK), CHUNK, CHUNK),
+            _tma_desc(flat(o), CHUNK, BV))
