@@ -4,7 +4,10 @@
 #   ops:      `torchrun -m hybridlm.bench.context_parallel`: GDN and KDA, B1 T32768 H16 D128 bf16, CP 4 against one GPU
 #             on the whole sequence (agreement at the float64 check's bars, fwd+bwd time)
 #   cp1_32k / cp2_32k / cp4_32k: the gpu-325m preset, one row of 32768 tokens a step, 30 steps, on 1, 2 and 4 GPUs
-#             (--context-parallel 2 / 4): the per-step train losses of cp4_32k must match cp1_32k within 1e-2
+#             (--context-parallel 2 / 4): their per-step train losses against cp1_32k are reported (bf16 rounding
+#             differences grow with the steps)
+#   cp1_32k_fp32 / cp4_32k_fp32: the same 30 steps in float32 (activation checkpointing, so one GPU holds 32K): the
+#             exactness check, cp4's per-step train losses must match cp1's within 1e-2
 #   cp4_128k: 131072 tokens a row over 4 GPUs, 12 steps; cp1_128k: the same row on one GPU (expected not to fit)
 # tokens/s is summary.json's (median over the steps after the first ten), memory its peak_gpu_memory_gib (rank 0).
 #
@@ -30,7 +33,7 @@ run() {  # NAME NPROC COMMAND ARGS...: one run into $D/NAME, its log in $D/NAME.
   echo "--- $name exit $rc $(date -u +%H:%M:%S)"
   rm -rf "$D/$name/checkpoints"
 }
-for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k}; do
+for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k cp1_32k_fp32 cp4_32k_fp32}; do
   case $r in
     ops) run ops 4 -m hybridlm.bench.context_parallel --out "$D/ops" ;;
     cp1_32k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --out "$D/$r" ;;
@@ -38,10 +41,15 @@ for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k}; do
                --out "$D/$r" ;;
     cp4_32k) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --context-parallel 4 \
                --out "$D/$r" ;;
+    cp1_32k_fp32) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --precision fp32 \
+                    --activation-checkpointing --out "$D/$r" ;;
+    cp4_32k_fp32) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --precision fp32 \
+                    --activation-checkpointing --context-parallel 4 --out "$D/$r" ;;
     cp4_128k) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 12 --context-parallel 4 \
                 --out "$D/$r" ;;
     cp1_128k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 2 --out "$D/$r" ;;
-    *) echo "RUNS: unknown run $r (expected ops cp1_32k cp2_32k cp4_32k cp4_128k cp1_128k)"; exit 2 ;;
+    *) echo "RUNS: unknown run $r (expected ops cp1_32k cp2_32k cp4_32k cp4_128k cp1_128k cp1_32k_fp32"\
+              "cp4_32k_fp32)"; exit 2 ;;
   esac
 done
 
@@ -60,7 +68,8 @@ def load(name, file):
 
 
 runs = {"cp1_32k": "1 GPU, 32768", "cp2_32k": "CP 2, 32768", "cp4_32k": "CP 4, 32768",
-        "cp4_128k": "CP 4, 131072", "cp1_128k": "1 GPU, 131072"}
+        "cp4_128k": "CP 4, 131072", "cp1_128k": "1 GPU, 131072", "cp1_32k_fp32": "1 GPU, 32768, float32",
+        "cp4_32k_fp32": "CP 4, 32768, float32"}
 fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
 lines = ["| run | GPUs, tokens a row | steps | final train loss | tokens/s | peak GiB a GPU |", "|---|---|---|---|---|---|"]
 res = {}
@@ -70,7 +79,9 @@ for name, what in runs.items():
     lines.append(f"| {name} | {what} | {fmt(s.get('final_step'), 'd')} | {fmt(s.get('final_train_loss'), '.4f')} | "
                  f"{fmt(s.get('tokens_per_s'), ',.0f')} | {fmt(s.get('peak_gpu_memory_gib'), '.1f')} |")
 ok = True
-for one, cp in (("cp1_32k", "cp4_32k"), ("cp1_32k", "cp2_32k")):
+# float32 is the exactness check (held to 1e-2); bf16 pairs are reported: their rounding differs with the split
+for one, cp, held in (("cp1_32k_fp32", "cp4_32k_fp32", True), ("cp1_32k", "cp4_32k", False),
+                      ("cp1_32k", "cp2_32k", False)):
     a, b = load(one, "metrics.jsonl"), load(cp, "metrics.jsonl")
     if not (a and b):
         continue
@@ -79,9 +90,10 @@ for one, cp in (("cp1_32k", "cp4_32k"), ("cp1_32k", "cp2_32k")):
     common = sorted(set(la) & set(lb))
     diff = max(abs(la[k] - lb[k]) for k in common) if common else None
     good = diff is not None and diff <= 1e-2 and len(common) >= 30
-    ok = ok and good
+    if held:
+        ok = ok and good
     lines += [f"max |train loss {cp} - {one}| over {len(common)} steps: {fmt(diff, '.2e')} "
-              f"(<= 1e-2: {'PASS' if good else 'FAIL'})"]
+              + (f"(<= 1e-2: {'PASS' if good else 'FAIL'})" if held else "(bf16, reported)")]
     res[f"loss_max_abs_diff {cp} - {one}"] = diff
 ops = load("ops", "cp.json")
 if ops:

@@ -24,7 +24,8 @@ Non-standard here:
   meets the slice is one query block attending to the keys from its document's start to the block's end, causal
   aligned at the bottom right (query i of a block of n against m keys sees keys j <= i + m - n). On CUDA in
   fp16/bf16 that is one `varlen_attn` call (FlashAttention aligns causal masks that way); elsewhere SDPA per
-  block with that mask. No [T, R*T] tensor is made; rank r reads at most (r + 1) T keys, so the last rank does
+  block with that mask as a lazy causal bias (kv heads repeated, so float32 on CUDA takes the memory-efficient
+  kernel). No [T, R*T] tensor is made; rank r reads at most (r + 1) T keys, so the last rank does
   the most attention work (contiguous slices, no load balancing).
 """
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hybridlm.ops import glue
 from hybridlm.ops.context_parallel import gather
@@ -97,11 +99,6 @@ class ContextSlice:
 
 def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-
-
-def _lower_right(n: int, m: int, device) -> torch.Tensor:
-    """bool [n, m]: query i of n sees key j of m when j <= i + m - n (causal, the last query seeing every key)."""
-    return torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + (m - n)
 
 
 def cp_gather_kv(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,13 +288,29 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: ContextS
         cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=q.device) for c in zip(*rows))
         lens = [(x1 - x0, y1 - y0) for (x0, y0), (x1, y1) in zip(rows[:-1], rows[1:])]
         return _varlen_rows(q, k, v, cu_q, cu_k, max(a for a, _ in lens), max(b for _, b in lens), scale)
-    groups = q.shape[1] // k.shape[1]
-    outs = []
-    for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:])):
-        mask = _lower_right(q1 - q0, k1 - k0, q.device)
-        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=mask,
-                                                   scale=scale, enable_gqa=groups > 1))
+    k, v = _expand_kv(q, k, v)
+    outs = [_causal_block(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale)
+            for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:]))]
     return torch.cat(outs, dim=2)
+
+
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, hkv, m, d] with each kv head repeated for its query heads: SDPA's memory-efficient kernel (the one
+    that takes float32 on CUDA) has no enable_gqa, and without it a long float32 document falls to the math path's
+    [m, m] score matrix."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, h, n, dk] against k, v [B, h, m, d], causal aligned at the bottom right (query i sees keys
+    j <= i + m - n) as SDPA's lazy causal bias, which the fused kernels take without a dense [n, m] mask."""
+    n, m = q.shape[2], k.shape[2]
+    if n == m:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m), scale=scale)
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float,
@@ -312,17 +325,16 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
                          f"{bounds[0]}..{bounds[-1]}")
     q, k, v = _autocast_dtype(q, k, v)
     impl = resolve_document_impl(q, v, impl)
-    groups = q.shape[1] // k.shape[1]
     if impl == "varlen":
         cu = docs.cu_seqlens.to(device=q.device, dtype=torch.int32)
         m = docs.max_len
         return _varlen_rows(q, k, v, cu, cu, m, m, scale)
     if impl == "flex":
         bm = docs.block_mask(n, q.device)
-        return _compiled("flex_attention")(q, k, v, block_mask=bm, scale=scale, enable_gqa=groups > 1)
-    outs = [F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
-                                           enable_gqa=groups > 1)
-            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        return _compiled("flex_attention")(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] > k.shape[1])
+    k, v = _expand_kv(q, k, v)
+    outs = [_causal_block(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale) for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s]
     return torch.cat(outs, dim=2)
 
 

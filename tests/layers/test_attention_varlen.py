@@ -148,3 +148,28 @@ def test_cuda_bf16_auto_takes_varlen():
     assert attn.resolve_document_impl(q, v) == "varlen"
     _, q, k, v = inputs("gqa", 13, torch.float32, "cuda")
     assert attn.resolve_document_impl(q, v) == "loop"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fp32_long_document_with_gqa_makes_no_score_matrix():
+    """float32 packed documents take the loop path; with grouped kv heads it must still reach a fused kernel (the
+    math path's [h, N, N] scores would be 4 GiB here)."""
+    seed, n, h, hkv, d = 2101, 16384, 4, 2, 64
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, h, n, d, device="cuda", generator=gen)
+    k, v = (torch.randn(1, hkv, n, d, device="cuda", generator=gen) for _ in range(2))
+    docs = Documents(torch.tensor([0, 3, n], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = document_attention(q, k, v, docs, d**-0.5)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 2**30, f"seed {seed}: float32 GQA document attention peaked at {peak / 2**30:.2f} GiB"
+    # the last query row of the long document against its keys, in float64
+    s, i = 3, n - 1
+    qi, ki, vi = q[0, :, i].double(), k[0, :, s:].double().repeat_interleave(2, 0), v[0, :, s:].double()
+    p = torch.softmax((ki @ qi[:, :, None])[..., 0] * d**-0.5, dim=-1)
+    want = (p[:, None, :] @ vi.repeat_interleave(2, 0))[:, 0]
+    err = (out[0, :, i].double() - want).abs().max().item()
+    assert err <= 1e-4, f"seed {seed}: float32 output error {err}"
