@@ -7,9 +7,14 @@ and with an initial state its gradient [N, HV, K, V] fp32.
 
 Two launches: `state_pass._bwd_gate_rows` (Triton, every chunk at once: the row scales of the raw q and k, written
 once so the chain reads them by TMA), then the chain. Deterministic: every element is written by one program once.
+Non-standard: the host path is the forward's (`gdn_fwd`): what a call signature fixes is worked out once (`_Plan`);
+each kernel's first launch of a plan goes through the JIT, later ones through its C launcher with cached tensor
+maps (`launch.py`), wherever that launch is the JIT's (`_direct_ptrs` says when).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -18,6 +23,8 @@ from ..triton.chunk_layout import Layout
 from . import gdn_fwd
 from .chain import _tma_desc
 from .chain_bwd import BV, CHUNK, GATE_ROWS
+from .gdn_fwd import _aligned, _direct_ok, _stream, cached_plan
+from .launch import TmaSpec, direct_launch, tensor_map
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:
@@ -71,14 +78,90 @@ def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale
         if has_h0:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return
-    G = torch.empty(lay.nc * HV, GATE_ROWS, CHUNK, device=q.device, dtype=torch.float32)
-    state_pass._bwd_gate_rows[(lay.nc, HV)](
-        q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale, H, HV, K=K, BT=CHUNK, L2=l2,
-        num_warps=GATE_WARPS,
-    )
+    # one value for both launch paths (an int 1 would be a constexpr of the JIT's, not the plan's kernel)
+    scale, l2, has_h0 = float(scale), bool(l2), bool(has_h0)
+    dev = q.device
+    key = (dev.index, q.dtype, g.dtype, dhb.dtype, dvn.dtype, None if dht is None else dht.dtype,
+           dh0.dtype if has_h0 else None, H, HV, K, V, lay.N, lay.nc, lay.Ttot, Wb.shape[0], Pb.shape[0],
+           dhb.shape[0], l2, has_h0)
+    plan = cached_plan(_PLANS, key, lambda: _Plan(H=H, HV=HV, K=K, V=V, N=lay.N, nc=lay.nc, Ttot=lay.Ttot,
+                                                  w_rows=Wb.shape[0], p_chunks=Pb.shape[0],
+                                                  dhb_chunks=dhb.shape[0], l2=l2, has_dht=dht is not None,
+                                                  has_h0=has_h0))
+    G = torch.empty(lay.nc * HV, GATE_ROWS, CHUNK, device=dev, dtype=torch.float32)
+    dht_arg = dht if dht is not None else dh0 if has_h0 else dvn  # never read without HAS_DHT
+    dh0_arg = dh0 if has_h0 else dvn  # never written without STORE_DH0
+    ts = (q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg,
+          lay.chunk_off)
+    ptrs = _direct_ptrs(dev, ts)
+    stream = None if ptrs is None else _stream(dev.index)
+
+    gate_tail = (scale, H, HV, *plan.gate_consts)
+    if ptrs is not None and plan.gate:
+        plan.gate(plan.gate_grid, stream, (*ptrs[:7], *gate_tail))
+    else:
+        compiled = state_pass._bwd_gate_rows[plan.gate_grid](*ts[:7], *gate_tail, num_warps=GATE_WARPS)
+        if ptrs is not None and plan.gate is None:
+            plan.gate = direct_launch(compiled) or False
+
+    chain_tail = (H, HV, *plan.chain_consts)
+    if ptrs is not None and plan.chain:
+        wp, qp, kp, dop, pp, gp, hbp, vnp = (ptrs[i] for i in (8, 0, 1, 7, 9, 3, 10, 11))
+        maps = []
+        for ptr, spec in zip((wp, qp, kp, dop, pp, gp, hbp, vnp), plan.specs):
+            maps += (tensor_map(ptr, spec), *spec.tail)
+        plan.chain(plan.chain_grid, stream, (*maps, ptrs[12], ptrs[13], vnp, ptrs[4], ptrs[14], *chain_tail))
+        return
     descs = _descriptors(q, k, do, Wb, Pb, G, dhb, dvn)
-    _gdn_chain_bwd_kernel[(V // BV, lay.N * HV)](
-        *descs, dht if dht is not None else dh0 if has_h0 else dvn, dh0 if has_h0 else dvn, dvn, lay.cu_t,
-        lay.chunk_off, H, HV, K=K, V=V, BV=BV, C=CHUNK, R=GATE_ROWS, HAS_DHT=dht is not None, STORE_DH0=has_h0,
-        num_warps=NUM_WARPS,
-    )
+    compiled = _gdn_chain_bwd_kernel[plan.chain_grid](*descs, dht_arg, dh0_arg, dvn, lay.cu_t, lay.chunk_off,
+                                                      *chain_tail, num_warps=NUM_WARPS)
+    if ptrs is not None and plan.chain is None:
+        d = direct_launch(compiled)
+        if d is not None:
+            plan.specs = tuple(TmaSpec(m, shape, (shape[1], 1)) for m, shape in zip(d.metas, plan.shapes,
+                                                                                   strict=True))
+        plan.chain = d or False
+
+
+# ------------------------------------------------------------------------------------------------- the host path
+# As the forward's (gdn_fwd): a plan per call signature (`_PLANS`, keyed on everything the JIT specialises on but
+# the pointers' alignment); a kernel's first launch of a plan goes through the JIT and keeps its C launcher
+# (`launch.direct_launch`), later launches take it with the chain's tensor maps from `launch.tensor_map`. A call
+# launches directly only where the JIT's launch would be the same (`_direct_ptrs`); any other goes through the JIT.
+
+_PLANS: OrderedDict = OrderedDict()
+
+
+class _Plan:
+    """What one call signature fixes: both grids, the constexprs after the integer arguments, the shapes of the
+    chain's eight descriptors (`_descriptors`' order); once each kernel was launched through the JIT from a call
+    that could launch directly, its direct launch (False: this Triton's launcher is not the one
+    `launch.direct_launch` knows) and the chain's tensor-map specs."""
+
+    __slots__ = ("gate_grid", "chain_grid", "gate_consts", "chain_consts", "shapes", "gate", "chain", "specs")
+
+    def __init__(self, *, H, HV, K, V, N, nc, Ttot, w_rows, p_chunks, dhb_chunks, l2, has_dht, has_h0):
+        self.gate_grid = (nc, HV, 1)
+        self.chain_grid = (V // BV, N * HV, 1)
+        self.gate_consts = (K, CHUNK, l2)  # K, BT, L2
+        self.chain_consts = (K, V, BV, CHUNK, GATE_ROWS, has_dht, has_h0)  # ... HAS_DHT, STORE_DH0
+        # W, q, k, do, P, the gate rows, dS', dVn as 2-D tensors
+        self.shapes = ((w_rows, HV * K), (Ttot, H * K), (Ttot, H * K), (Ttot, HV * V),
+                       (p_chunks * HV * CHUNK, CHUNK), (nc * HV * GATE_ROWS, CHUNK), (dhb_chunks * HV * K, V),
+                       (Ttot, HV * V))
+        self.gate = self.chain = self.specs = None
+
+
+def _direct_ptrs(dev: torch.device, ts: tuple) -> tuple[int, ...] | None:
+    """The addresses of ts (`state_grad_chain`'s order: the gate launch's seven tensors, then do, W, P, dS', dVn,
+    the chain's state pointers and the chunk offsets) when a direct launch is the JIT's: no Triton hook or debug
+    mode and dev the current device (`gdn_fwd._direct_ok`), every pointer 16-byte aligned (the JIT specialises on
+    it), and every tensor the chain reads or writes by TMA contiguous (its tensor maps assume it; `_descriptors`
+    would reshape a strided one into a copy). Else None: the call launches through the JIT."""
+    if not _direct_ok(dev):
+        return None
+    for x in ts[7:12] + ts[:2]:
+        if not x.is_contiguous():
+            return None
+    ptrs = tuple(x.data_ptr() for x in ts)
+    return ptrs if _aligned(*ptrs) else None

@@ -227,10 +227,16 @@ class _Plan:
 _PLANS: OrderedDict = OrderedDict()
 
 
-def _new_plan(key: tuple, **dims) -> _Plan:
-    plan = _PLANS[key] = _Plan(**dims)
-    if len(_PLANS) > MAX_PLANS:
-        _PLANS.popitem(last=False)
+def cached_plan(plans: OrderedDict, key: tuple, make: Callable[[], object]):
+    """plans[key], made by make() at its first use; plans keeps the MAX_PLANS most recently used (the Gluon
+    backward's host path keeps its plans the same way)."""
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = make()
+        if len(plans) > MAX_PLANS:
+            plans.popitem(last=False)
+    else:
+        plans.move_to_end(key)
     return plan
 
 
@@ -290,13 +296,9 @@ class _Call:
         l2 = bool(use_qk_l2norm)
         key = (dev.index, q.dtype, g.dtype, beta.dtype, B * T, H, HV, K, V, N, most, total, l2,
                self.h0 is not None, self.store_ht, pool, overlap)
-        plan = _PLANS.get(key)
-        if plan is None:
-            plan = _new_plan(key, N=N, HV=HV, K=K, V=V, most=most, l2=l2, overlap=overlap,
-                             has_h0=self.h0 is not None, store_ht=self.store_ht, pool=pool)
-        else:
-            _PLANS.move_to_end(key)
-        self.plan = plan
+        self.plan = cached_plan(_PLANS, key, lambda: _Plan(N=N, HV=HV, K=K, V=V, most=most, l2=l2, overlap=overlap,
+                                                           has_h0=self.h0 is not None, store_ht=self.store_ht,
+                                                           pool=pool))
         # T and the gate rows in one allocation (one call of the allocator on the way to the solve's launch);
         # tb is a multiple of 16 bytes, so the gate rows start aligned
         tb = slots * CHUNK * CHUNK * q.element_size()
