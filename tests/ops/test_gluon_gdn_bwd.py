@@ -8,7 +8,11 @@ GPU (`gpu`, sm_90 with Gluon): the whole op's output, final state and every grad
 path's bars (scripts/gpu_check_gdn.py: bf16 and fp16, T 1/63/65/1000, varlen 1/15/100/700, GVA 1/2/4, with and
 without an initial state and l2norm, always a final-state cotangent; the chain asserted to have run); the chain's
 dS', dVn and dh0 against `_recur_bwd`'s on the same saved tensors (outputs NaN-poisoned, with and without a
-final-state cotangent); `dh0_without_dht` likewise; 100 repeated chain calls bitwise equal.
+final-state cotangent); `dh0_without_dht` likewise; 100 repeated chain calls bitwise equal. The host path's direct
+launches (`gdn_bwd._PLANS`; CPU: tests/ops/test_gluon_launch.py): the op's gradients against float64 on new tensors,
+refilled inputs and reused addresses with only the first call through the JIT; the direct launches bitwise equal to
+the JIT's (forced by a Triton launch hook); the chain captured in a CUDA graph and replayed on refilled inputs,
+bitwise equal to the eager call.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 pytest.importorskip("triton")
 from float64_check import draw_seed, gluon_gpu_marks, rel_f64  # noqa: E402
 
-from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
+from hybridlm.ops import gated_delta_rule  # noqa: E402
+from hybridlm.ops.gluon import gdn_bwd, gdn_fwd, launch  # noqa: E402
 from hybridlm.ops.triton import gdn, state_pass  # noqa: E402
 from hybridlm.ops.triton.chunk_layout import layout  # noqa: E402
 from hybridlm.ops.triton.tune import tuned  # noqa: E402
@@ -249,3 +254,124 @@ def test_chain_is_deterministic():
         again = _state_grads(x, gluon=True, dht=True)
         for name, a, b in zip(("dS'", "dVn", "dh0"), again, first):
             assert torch.equal(a, b), f"{name} differs at call {i + 1} (seed {seed})"
+
+
+# ---------------------------------------------------------------------------------------- the host path (GPU)
+GRAD_BAR = 1e-2  # every gradient against float64, 16-bit inputs (scripts/gpu_check_gdn.py's bar)
+STATE_GRADS = ("dS'", "dVn", "dh0")
+
+
+class _Counted:
+    """A kernel whose JIT launches (`kernel[grid](...)`) are counted; a direct launch does not go through it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def jit_counts(monkeypatch):
+    """(gate rows, chain) JIT-launch counters, and no plan from another test."""
+    gate, chain = _Counted(state_pass._bwd_gate_rows), _Counted(gdn_bwd._gdn_chain_bwd_kernel)
+    monkeypatch.setattr(state_pass, "_bwd_gate_rows", gate)
+    monkeypatch.setattr(gdn_bwd, "_gdn_chain_bwd_kernel", chain)
+    monkeypatch.setattr(gdn_bwd, "_PLANS", type(gdn_bwd._PLANS)())
+    return gate, chain
+
+
+def _direct_plan():
+    (plan,) = gdn_bwd._PLANS.values()
+    return isinstance(plan.gate, launch.DirectLaunch) and isinstance(plan.chain, launch.DirectLaunch)
+
+
+@gpu
+def test_direct_launches_see_new_tensors(counted, jit_counts):
+    """The cached launches and tensor maps never serve a stale call: the op's gradients (impl="triton", the chain in
+    Gluon) at one shape on inputs A, then on other tensors B (another scale), then on A refilled in place, then on
+    inputs allocated after A's were freed (the caching allocator hands their addresses out again; the saved W and
+    P and the cotangents reuse addresses call after call anyway), each against float64; only the first call went
+    through the JIT."""
+    seed = draw_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, T, H, HV, K, V = 2, 700, 2, 4, 128, 128
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+
+    def fresh():
+        q, k, v = (x.to(torch.bfloat16) for x in (r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)))
+        g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)
+        beta = (2.0 * torch.rand(B, T, HV, device="cuda", generator=gen)).to(torch.bfloat16)
+        return [q, k, v, g, beta, r(B, HV, K, V), r(B, T, HV, V), r(B, HV, K, V)]  # ..., h0, do, dht
+
+    def check(x, scale, what):
+        grads = {}
+        for impl, cast in (("triton", lambda t: t), ("chunk", lambda t: t.double())):
+            leaf = [cast(t).detach().requires_grad_(True) for t in x[:6]]
+            do, dht = (cast(t) for t in x[6:])
+            o, ht = gated_delta_rule(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5], scale=scale,
+                                     output_final_state=True, use_qk_l2norm=True, impl=impl)
+            grads[impl] = torch.autograd.grad((o.to(do.dtype) * do).sum() + (ht * dht).sum(), leaf)
+        errs = {n: rel_f64(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *grads.values())}
+        assert all(e <= GRAD_BAR for e in errs.values()), f"seed {seed}: {what}: {errs}"
+
+    a = fresh()
+    check(a, None, "first call")
+    check(fresh(), 0.05, "other tensors")
+    for x, y in zip(a, fresh()):
+        x.copy_(y)
+    check(a, None, "A refilled in place")
+    del a
+    check(fresh(), None, "after A was freed")
+    assert len(counted) == 4, f"seed {seed}: the Gluon chain ran {len(counted)} of 4 times"
+    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1) and _direct_plan(), f"seed {seed}: not launched directly"
+
+
+@gpu
+@pytest.mark.parametrize("kw", DIRECT, ids=["T300 GVA2", "T1 fp16 K64 V64", "varlen GVA4 V256", "no-l2"])
+@pytest.mark.parametrize("dht", [True, False], ids=["dht", "no-dht"])
+def test_direct_equals_jit_bitwise(jit_counts, kw, dht):
+    """dS', dVn and dh0 of the direct launches equal the JIT's bit for bit: the first call (JIT), a second (direct),
+    a third with a Triton launch hook registered (which sends it through the JIT)."""
+    seed = draw_seed()
+    x = _saved(seed, **kw)
+    first = _state_grads(x, gluon=True, dht=dht)
+    direct = _state_grads(x, gluon=True, dht=dht)
+    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1) and _direct_plan(), f"not launched directly (seed {seed})"
+    hook = lambda *a: None  # noqa: E731
+    launch.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        jit = _state_grads(x, gluon=True, dht=dht)
+    finally:
+        launch.knobs.runtime.launch_enter_hook.remove(hook)
+    assert (jit_counts[0].n, jit_counts[1].n) == (2, 2), f"the hooked call launched directly (seed {seed})"
+    for name, d, j, f in zip(STATE_GRADS, direct, jit, first):
+        assert torch.equal(d, j) and torch.equal(d, f), f"{name}: direct != JIT ({kw}, dht={dht}, seed {seed})"
+
+
+@gpu
+def test_chain_in_a_cuda_graph(jit_counts):
+    """The state-gradient pass captured in a CUDA graph (through the direct launches: the plan was made by a call
+    before) and replayed twice on new saved tensors and cotangents copied into the captured ones: bitwise equal to
+    the eager call on the same inputs, and within BAR of `_recur_bwd`."""
+    seed = draw_seed()
+    kw = dict(lens=[15, 700, 100], H=2, HV=4)
+    x = _saved(seed, **kw)
+    _state_grads(x, gluon=True, dht=True)  # compiles and loads both kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _state_grads(x, gluon=True, dht=True)
+    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1), f"the capture launched through the JIT (seed {seed})"
+    for replay in range(2):
+        new = _saved(seed + 1 + replay, **kw)
+        for n in ("q", "k", "g", "Wb", "Pb", "do", "dht"):
+            x[n].copy_(new[n])
+        graph.replay()
+        eager = _state_grads(x, gluon=True, dht=True)
+        ref = _state_grads(x, gluon=False, dht=True)
+        for name, a, b, c in zip(STATE_GRADS, got, eager, ref):
+            assert torch.equal(a, b), f"{name}: replay {replay} != eager (seed {seed})"
+            e = rel_f64(a, c)
+            assert e <= BAR, f"{name}: replay {replay}: rel {e:.3g} > {BAR} against _recur_bwd (seed {seed})"

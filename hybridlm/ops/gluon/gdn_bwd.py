@@ -91,30 +91,39 @@ def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale
     G = torch.empty(lay.nc * HV, GATE_ROWS, CHUNK, device=dev, dtype=torch.float32)
     dht_arg = dht if dht is not None else dh0 if has_h0 else dvn  # never read without HAS_DHT
     dh0_arg = dh0 if has_h0 else dvn  # never written without STORE_DH0
+    # the launches' tensors in `_direct_ptrs`' order
     ts = (q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg,
           lay.chunk_off)
     ptrs = _direct_ptrs(dev, ts)
     stream = None if ptrs is None else _stream(dev.index)
+    _launch_gate_rows(plan, ts, ptrs, stream, (scale, H, HV, *plan.gate_consts))
+    _launch_chain(plan, ts, ptrs, stream, (H, HV, *plan.chain_consts))
 
-    gate_tail = (scale, H, HV, *plan.gate_consts)
+
+def _launch_gate_rows(plan: _Plan, ts: tuple, ptrs: tuple | None, stream: int | None, tail: tuple) -> None:
+    """`state_pass._bwd_gate_rows` on ts[:7] and the scalars and constexprs `tail`: directly when ptrs (the
+    addresses of ts) is given and the plan has the launch, else through the JIT (the plan keeps its launch)."""
     if ptrs is not None and plan.gate:
-        plan.gate(plan.gate_grid, stream, (*ptrs[:7], *gate_tail))
-    else:
-        compiled = state_pass._bwd_gate_rows[plan.gate_grid](*ts[:7], *gate_tail, num_warps=GATE_WARPS)
-        if ptrs is not None and plan.gate is None:
-            plan.gate = direct_launch(compiled) or False
+        plan.gate(plan.gate_grid, stream, (*ptrs[:7], *tail))
+        return
+    compiled = state_pass._bwd_gate_rows[plan.gate_grid](*ts[:7], *tail, num_warps=GATE_WARPS)
+    if ptrs is not None and plan.gate is None:
+        plan.gate = direct_launch(compiled) or False
 
-    chain_tail = (H, HV, *plan.chain_consts)
+
+def _launch_chain(plan: _Plan, ts: tuple, ptrs: tuple | None, stream: int | None, tail: tuple) -> None:
+    """The chain (`_gdn_chain_bwd_kernel`) as `_launch_gate_rows`; a direct launch takes each descriptor as
+    (tensor map, *shape, *strides), the maps from `launch.tensor_map`."""
+    q, k, _, G, cu, _, _, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg, chunk_off = ts
     if ptrs is not None and plan.chain:
-        wp, qp, kp, dop, pp, gp, hbp, vnp = (ptrs[i] for i in (8, 0, 1, 7, 9, 3, 10, 11))
-        maps = []
-        for ptr, spec in zip((wp, qp, kp, dop, pp, gp, hbp, vnp), plan.specs):
-            maps += (tensor_map(ptr, spec), *spec.tail)
-        plan.chain(plan.chain_grid, stream, (*maps, ptrs[12], ptrs[13], vnp, ptrs[4], ptrs[14], *chain_tail))
+        args = []
+        for i, spec in zip((8, 0, 1, 7, 9, 3, 10, 11), plan.specs):  # W, q, k, do, P, gate rows, dS', dVn
+            args += (tensor_map(ptrs[i], spec), *spec.tail)
+        plan.chain(plan.chain_grid, stream, (*args, ptrs[12], ptrs[13], ptrs[11], ptrs[4], ptrs[14], *tail))
         return
     descs = _descriptors(q, k, do, Wb, Pb, G, dhb, dvn)
-    compiled = _gdn_chain_bwd_kernel[plan.chain_grid](*descs, dht_arg, dh0_arg, dvn, lay.cu_t, lay.chunk_off,
-                                                      *chain_tail, num_warps=NUM_WARPS)
+    compiled = _gdn_chain_bwd_kernel[plan.chain_grid](*descs, dht_arg, dh0_arg, dvn, cu, chunk_off, *tail,
+                                                      num_warps=NUM_WARPS)
     if ptrs is not None and plan.chain is None:
         d = direct_launch(compiled)
         if d is not None:
