@@ -186,7 +186,7 @@ def clear() -> None:
 MAX_KEYS = 64  # specialisations kept per kernel (a model's layers share a few; ints are keyed by class, not value)
 
 _MISSING = object()
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _I32, _I64, _U64 = 1 << 31, 1 << 63, 1 << 64
 _DEVICE_STREAM: list = []  # Triton's active driver's (current device, current stream), looked up once
 
@@ -211,17 +211,6 @@ def _int_class(v: int):
         return 4 + d
     if 0 <= v < _U64:
         return 6 + d
-    return None
-
-
-def _const_key(v):
-    """A constexpr argument's share of the key: its class with its value (a float's exact bits, so -0.0 and NaN are
-    keys of their own); None for any other class (the JIT launches it)."""
-    cls = v.__class__
-    if cls is int or cls is bool or cls is str or v is None:
-        return (cls, v)
-    if cls is float:
-        return (cls, v.hex())
     return None
 
 
@@ -290,12 +279,11 @@ class Launcher:
         if n > len(names):
             return None
         parts = [dev]
+        app = parts.append
         for name, v in kwargs.items():
             i = index.get(name)
             if i is None:  # an option
-                parts.append(name)
-                parts.append(v.__class__)
-                parts.append(v)
+                app((name, v.__class__, v))
             elif i < n:  # given twice: the JIT raises
                 return None
         vals = list(args)
@@ -306,28 +294,30 @@ class Launcher:
                 if v is _MISSING:
                     return None
             vals.append(v)
-        const = self._const
-        for i, v in enumerate(vals):
-            if const[i]:
-                c = _const_key(v)
-                if c is None:
-                    return None
-                parts.append(c)
-                continue
+        i = -1
+        for v, const in zip(vals, self._const):
+            i += 1
             cls = v.__class__
-            if cls in _TENSORS:
+            if const:  # the class with the value (the JIT's key holds str(): True, 1 and 1.0 differ)
+                if cls is int or cls is bool or cls is str or v is None:
+                    app((cls, v))
+                elif cls is float:  # its exact bits: -0.0 and NaN are keys of their own, as in the JIT's str()
+                    app((cls, v.hex()))
+                else:
+                    return None
+            elif cls is _Tensor or cls is _Parameter:
                 if v.get_device() != dev:
                     return None
                 p = v.data_ptr()
-                parts.append((v.dtype, p & 15 == 0))
+                app((v.dtype, p & 15 == 0))
                 vals[i] = p
             elif cls is int:
                 c = _int_class(v)
                 if c is None:
                     return None
-                parts.append(c)
+                app(c)
             elif cls is float or cls is bool or v is None:
-                parts.append(cls)
+                app(cls)
             else:
                 return None
         return tuple(parts), vals
