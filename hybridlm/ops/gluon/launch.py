@@ -20,6 +20,9 @@ Non-standard here:
   to the tensor, so the cache pins no memory.
 If this Triton's launcher is not the one this is written against (no C launcher under the wrapper, global or
 profile scratch, no tensor-descriptor metadata), `direct_launch` returns None and the caller keeps the JIT launch.
+- `Launcher` / `launcher(kernel)` does the same for any plain Triton JIT kernel (no descriptor arguments), with the
+  JIT's call syntax (`launcher(kernel)[grid](*args, **kwargs)`): a plan per key of everything the JIT specialises
+  on, its first launch through the JIT. The key is finer than the JIT's, never coarser (see `Launcher`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ from __future__ import annotations
 import types
 from collections import OrderedDict
 
+import torch
+
 try:  # Triton's runtime settings (3.4 on); an older Triton has no Gluon API, so nothing here runs with it
     from triton import knobs
 except ImportError:  # pragma: no cover - depends on the installed Triton
     knobs = None
+try:
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    JITFunction = None
 
 MAX_MAPS = 256  # tensor maps kept (a prefill engine's layers each reuse a few addresses; 128 B a map)
 
@@ -158,3 +167,187 @@ def direct_launch(compiled) -> DirectLaunch | None:
 def clear() -> None:
     """Drop every cached tensor map (tests)."""
     _MAPS.clear()
+
+
+# ------------------------------------------------------------------------------------- plain Triton JIT kernels
+# What Triton 3.6's JIT specialises a call on (`JITFunction.run`: the binder from `create_function_from_signature`,
+# then `compute_cache_key`; per argument `native_specialize_impl`, with the NVIDIA backend's rules):
+# - the current device (a cache per device) and the options (every keyword that is not a parameter, as given);
+# - a constexpr parameter: its value (the key holds str() of it, so True, 1 and 1.0 differ, as do 0.0 and -0.0);
+# - a tensor: its dtype and whether data_ptr() % 16 == 0 (unless do_not_specialize(_on_alignment));
+# - an int: 1 becomes a constexpr (unless do_not_specialize); else its type by range (i32 for [-2^31, 2^31),
+#   i64 below 2^63, u64 below 2^64, larger ones raise) and whether it is divisible by 16;
+# - a bool (u1) and a float (fp32): the type only, the value is passed; None: a constexpr.
+# The key below holds all of these, some more finely than the JIT (an int's ==1 and divisibility even where the
+# kernel does not specialise on them): a finer key only costs a JIT launch per extra key, each of which returns the
+# kernel the JIT picked for that very call. Anything else (tuples, descriptors, other classes, a callable grid)
+# launches through the JIT every time.
+
+MAX_KEYS = 64  # specialisations kept per kernel (a model's layers share a few; ints are keyed by class, not value)
+
+_MISSING = object()
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_I32, _I64, _U64 = 1 << 31, 1 << 63, 1 << 64
+_DEVICE_STREAM: list = []  # Triton's active driver's (current device, current stream), looked up once
+
+
+def _device_stream():
+    if not _DEVICE_STREAM:
+        from triton.runtime import driver
+
+        _DEVICE_STREAM.extend((driver.active.get_current_device, driver.active.get_current_stream))
+    return _DEVICE_STREAM
+
+
+def _int_class(v: int):
+    """An int argument's share of the key: 1 (a constexpr to the JIT), else its width class with its divisibility
+    by 16 in the lowest bit; None past u64 (the JIT raises)."""
+    if v == 1:
+        return 1
+    d = v & 15 == 0  # two's complement: equals the JIT's v % 16 == 0 for negative v too
+    if -_I32 <= v < _I32:
+        return 2 + d
+    if -_I64 <= v < _I64:
+        return 4 + d
+    if 0 <= v < _U64:
+        return 6 + d
+    return None
+
+
+def _launchable(kernel) -> bool:
+    """A plain `triton.jit` kernel whose launch is the `JITFunction.run` this is written against; not the
+    interpreter's function (TRITON_INTERPRET=1), an autotuner or heuristics wrapper, or a test's stand-in."""
+    return JITFunction is not None and isinstance(kernel, JITFunction) and type(kernel).run is JITFunction.run
+
+
+class Launcher:
+    """`kernel[grid](*args, **kwargs)` with the JIT's per-call Python skipped once a call's specialisation was
+    launched: `Launcher(kernel)[grid](...)` takes the same arguments and returns what the JIT launch returns (the
+    CompiledKernel). Per key (module section above) the first launch goes through the JIT and keeps its
+    CompiledKernel's C launcher (`direct_launch`); a later call with that key passes it the argument list (tensors
+    as their addresses) on the current stream. Launches through the JIT: any kernel that is not plain
+    (`_launchable`), Triton hooks, debug or instrumentation on (`jit_is_plain`), a pre-run hook or debug on the
+    kernel, a tensor off the current device, an argument or grid the key does not cover, a kernel whose compiled
+    form `direct_launch` does not take, or a global it read that changed since (the JIT raises for that)."""
+
+    __slots__ = ("kernel", "_names", "_index", "_defaults", "_const", "_plans")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._names = None  # None: every launch goes through kernel[grid]
+        self._plans: dict = {}  # key -> (DirectLaunch, CompiledKernel), or False: the JIT launches it
+        if _launchable(kernel):
+            params = kernel.params
+            self._names = tuple(p.name for p in params)
+            self._index = {p.name: i for i, p in enumerate(params)}
+            self._defaults = tuple(p.default if p.has_default else _MISSING for p in params)
+            self._const = tuple(p.is_constexpr for p in params)
+
+    def __getitem__(self, grid):
+        if self._names is None:
+            return self.kernel[grid]
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        k = self.kernel
+        if not jit_is_plain() or k.pre_run_hooks or k.debug or callable(grid):
+            return k[grid](*args, **kwargs)
+        dev = _device_stream()[0]()
+        bound = self.key(dev, args, kwargs)
+        if bound is None:
+            return k[grid](*args, **kwargs)
+        key, dargs = bound
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option value
+            return k[grid](*args, **kwargs)
+        if plan is None:
+            compiled = k[grid](*args, **kwargs)
+            if compiled is not None:
+                self._keep(key, compiled)
+            return compiled
+        if plan is False or not _globals_unchanged(k):
+            return k[grid](*args, **kwargs)
+        n = len(grid)
+        plan[0]((grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1), _DEVICE_STREAM[1](dev), dargs)
+        return plan[1]
+
+    def key(self, dev: int, args: tuple, kwargs: dict):
+        """(key, the C launcher's argument list) of a call on device dev, or None when the JIT must launch it."""
+        names, index = self._names, self._index
+        n = len(args)
+        if n > len(names):
+            return None
+        parts = [dev]
+        app = parts.append
+        for name, v in kwargs.items():
+            i = index.get(name)
+            if i is None:  # an option
+                app((name, v.__class__, v))
+            elif i < n:  # given twice: the JIT raises
+                return None
+        vals = list(args)
+        for i in range(n, len(names)):
+            v = kwargs.get(names[i], _MISSING)
+            if v is _MISSING:
+                v = self._defaults[i]
+                if v is _MISSING:
+                    return None
+            vals.append(v)
+        i = -1
+        for v, const in zip(vals, self._const):
+            i += 1
+            cls = v.__class__
+            if const:  # the class with the value (the JIT's key holds str(): True, 1 and 1.0 differ)
+                if cls is int or cls is bool or cls is str or v is None:
+                    app((cls, v))
+                elif cls is float:  # its exact bits: -0.0 and NaN are keys of their own, as in the JIT's str()
+                    app((cls, v.hex()))
+                else:
+                    return None
+            elif cls is _Tensor or cls is _Parameter:
+                if v.get_device() != dev:
+                    return None
+                p = v.data_ptr()
+                app((v.dtype, p & 15 == 0))
+                vals[i] = p
+            elif cls is int:
+                c = _int_class(v)
+                if c is None:
+                    return None
+                app(c)
+            elif cls is float or cls is bool or v is None:
+                app(cls)
+            else:
+                return None
+        return tuple(parts), vals
+
+    def _keep(self, key, compiled) -> None:
+        d = direct_launch(compiled)
+        self._plans[key] = (d, compiled) if d is not None else False
+        if len(self._plans) > MAX_KEYS:
+            del self._plans[next(iter(self._plans))]
+
+
+def _globals_unchanged(kernel) -> bool:
+    """The JIT's check that the globals the kernel read when compiled still hold those values."""
+    for (name, _), (val, scope) in kernel.used_global_vals.items():
+        if scope.get(name, _MISSING) != val:
+            return False
+    return True
+
+
+_LAUNCHERS: dict[int, Launcher] = {}  # id(kernel) -> its Launcher (which holds the kernel, so the id stays its own)
+
+
+def launcher(kernel) -> Launcher:
+    """The Launcher of a plain JIT kernel, made at its first use; for anything else (the interpreter's function, a
+    test's stand-in) a Launcher that passes every launch to kernel[grid]. Looked up per launch, so a launch site
+    reads the kernel from its module at call time (a patched kernel is the one launched)."""
+    got = _LAUNCHERS.get(id(kernel))
+    if got is not None and got.kernel is kernel:
+        return got
+    got = Launcher(kernel)
+    if got._names is not None:
+        _LAUNCHERS[id(kernel)] = got
+    return got

@@ -40,6 +40,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..context_parallel import offer_dh0, wants_dh0
+from ..gluon.launch import launcher
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op
@@ -200,14 +201,14 @@ def _fwd_impl(
     if nc > 0:
         _kkt_launch(k, g, beta, Tb, lay, H, HV, K, BT, use_qk_l2norm, prec)
         bk = key_block(TUNE.wu_bk, "wu_bk", K)
-        wy._wu_fwd[(nc, HV)](
+        launcher(wy._wu_fwd)[(nc, HV)](
             k, v, g, beta, Tb, Wb, Ub, sk, rk, lay.cu_t, lay.chunk_seq, lay.chunk_start,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=min(bk, 32) if q.dtype == f32 else bk, BV=min(V, 64), L2=use_qk_l2norm,
             PREC=prec, LOWP=lowp, num_warps=TUNE.wu_warps, num_stages=TUNE.wu_stages,
         )
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = _recur_bv(K, V, N * HV, dev, TUNE.fwd_bv)
-    state_pass._recur_fwd[(V // BV, N * HV)](
+    launcher(state_pass._recur_fwd)[(V // BV, N * HV)](
         g, Wb, Ub, k, sk, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, HAS_H0=initial_state is not None,
         STORE_HT=output_final_state, LOWP=lowp, num_warps=_state_warps(TUNE.fwd_warps, dev, lay.nch),
@@ -223,7 +224,7 @@ def _fwd_impl(
 def _kkt_launch(k, g, beta, Tb, lay: Layout, H: int, HV: int, K: int, BT: int, l2: bool, prec: str) -> None:
     """T = (I + A)^{-1} of every chunk and value head into Tb, from k, g and beta (`_kkt_solve`)."""
     bk = key_block(TUNE.kkt_bk, "kkt_bk", K)
-    ut_solve._kkt_solve[(lay.nc, HV)](
+    launcher(ut_solve._kkt_solve)[(lay.nc, HV)](
         k, g, beta, Tb, lay.cu_t, lay.chunk_seq, lay.chunk_start,
         H=H, HV=HV, K=K, BT=BT, BK=min(bk, 32) if k.dtype == torch.float32 else bk, L2=l2, PREC=prec,
         num_warps=TUNE.kkt_warps, num_stages=1,
@@ -237,7 +238,7 @@ def _output_pass(q, k, g, rk, hb, vn, o, Pb, lay: Layout, H: int, HV: int, K: in
     if q.is_cuda and BV < min(64, V):
         raise ValueError(f"gdn.TUNE.out_bv: expected >= 64 on CUDA (V block 32 at 4 warps gave a wrong output on an "
                          f"H100), got {TUNE.out_bv}")
-    chunk_out._out_fwd_raw[(V // BV, lay.nc, HV)](
+    launcher(chunk_out._out_fwd_raw)[(V // BV, lay.nc, HV)](
         q, k, g, rk, hb, vn, o, Pb, lay.cu_t, lay.chunk_seq, lay.chunk_start, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, LOWP=lowp, L2=l2, STORE_P=save,
         num_warps=TUNE.out_warps, num_stages=1,
@@ -345,7 +346,7 @@ def _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, HV: i
         gdn_bwd.state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, scale, l2, has_h0)
         return
     BV = _recur_bv(K, V, lay.N * HV, q.device, TUNE.rbwd_bv, per_sm=1)
-    state_pass._recur_bwd[(V // BV, lay.N * HV)](
+    launcher(state_pass._recur_bwd)[(V // BV, lay.N * HV)](
         g, Wb, q, k, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=_prec(q.dtype), HAS_DHT=dht is not None, STORE_DH0=has_h0,
         LOWP=dhb.dtype != torch.float32, num_warps=_state_warps(TUNE.rbwd_warps, q.device, lay.nch),
@@ -421,11 +422,11 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=stages,
                   num_warps=TUNE.bwd_warps)
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
-    chunk_bwd._chunk_bwd_state_blk[(lay.nc, HV)](
+    launcher(chunk_bwd._chunk_bwd_state_blk)[(lay.nc, HV)](
         k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, **common)
     dhb = dvn = None
     dq = _out((lay.Ttot, HV, K), q, q.dtype)
-    chunk_bwd._chunk_bwd_out_blk[(lay.nc, HV)](
+    launcher(chunk_bwd._chunk_bwd_out_blk)[(lay.nc, HV)](
         q, k, g, hb, vn, do, dq, dk, dkp, dg, dkk, dsk, *chunks, scale, **common)
     return dq
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context_parallel import offer_dh0, wants_dh0
+from ..gluon.launch import launcher
 from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
 from .custom import call, custom_op
@@ -108,7 +109,7 @@ def kda_chunk_fwd(
         _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, BLb, lay, scale, use_qk_l2norm, prec, gate)
     h0 = initial_state.contiguous() if initial_state is not None else ht
     BV = gdn._recur_bv(K, V, N * HV, dev)
-    state_pass._recur_fwd[(V // BV, N * HV)](
+    launcher(state_pass._recur_fwd)[(V // BV, N * HV)](
         BLb, Wb, Ub, Kd, Kd, h0, ht, hb, vn, lay.cu_t, lay.chunk_off, lay.nch,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=prec, HAS_H0=initial_state is not None,
         STORE_HT=output_final_state, LOWP=lowp, CHANNEL=True,
@@ -116,7 +117,7 @@ def kda_chunk_fwd(
     )
     if nc > 0:
         BVo = min(TUNE.out_bv, V)
-        chunk_out._out_fwd[(V // BVo, nc, HV)](
+        launcher(chunk_out._out_fwd)[(V // BVo, nc, HV)](
             Qg, Pb, hb, vn, o, lay.cu_t, lay.chunk_seq, lay.chunk_start,
             HV=HV, K=K, V=V, BT=BT, BV=BVo, PREC=prec, LOWP=lowp, num_warps=TUNE.out_warps, num_stages=1,
         )
@@ -177,12 +178,12 @@ def _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, BLb, lay, scale: float, l2: 
     for mode in DIAG_MODES:
         first = gate is not None and mode == DIAG_MODES[0]  # the first launch makes g for every later one
         ga = gate.args() if first else _no_gate(g)
-        kda_prep._kda_prep_ap[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, **ga, H=H, HV=HV, K=K,
-                                    BT=BT, BK=BK, L2=l2, PREC=prec, DIAG=mode, GATE=first,
-                                    num_warps=TUNE.prep_warps, num_stages=1)
-    ut_solve._solve_blocks[grid](Tb, HV, BT=BT, PREC=prec, num_warps=1, num_stages=1)
-    kda_prep._kda_prep_wu[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-                                BV=min(V, 64), L2=l2, PREC=prec, num_warps=TUNE.prep_warps, num_stages=1)
+        launcher(kda_prep._kda_prep_ap)[grid](q, k, g, beta, Tb, Qg, Kd, Pb, BLb, redo, *chunks, scale, **ga, H=H,
+                                              HV=HV, K=K, BT=BT, BK=BK, L2=l2, PREC=prec, DIAG=mode, GATE=first,
+                                              num_warps=TUNE.prep_warps, num_stages=1)
+    launcher(ut_solve._solve_blocks)[grid](Tb, HV, BT=BT, PREC=prec, num_warps=1, num_stages=1)
+    launcher(kda_prep._kda_prep_wu)[grid](k, v, g, beta, Tb, Wb, Ub, *chunks, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+                                          BV=min(V, 64), L2=l2, PREC=prec, num_warps=TUNE.prep_warps, num_stages=1)
 
 
 @kda_chunk_fwd.register_fake
@@ -280,14 +281,14 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
         BK = gdn.key_block(TUNE.bk, "bk", K)
         redo = _redo(nc, HV, dev)
         for mode in DIAG_MODES:
-            kda_bwd._kda_bwd_out_blk[(nc, HV)](
+            launcher(kda_bwd._kda_bwd_out_blk)[(nc, HV)](
                 q, k, g, hb, vn, do, dq, dk, dg, redo, *chunks, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
                 BV=min(V, 64), L2=use_qk_l2norm, PREC=prec, LOWP=lowp, DIAG=mode, num_warps=bw, num_stages=1,
             )
         # the output backward's launches have written redo's marks (same g, same key blocks): the state backward
         # reads them instead of recomputing them
         for mode in DIAG_MODES:
-            kda_bwd._kda_bwd_state_blk[(nc, HV)](
+            launcher(kda_bwd._kda_bwd_state_blk)[(nc, HV)](
                 k, v, g, beta, Tb, BLb, hb, dhb, vn, dvn, dk, dv, dg, db, redo, *chunks, **ga, draw=draw, dAp=dAp,
                 ddtp=ddtp, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=min(V, 64), L2=use_qk_l2norm, PREC=prec,
                 LOWP=lowp, DIAG=mode, MARKED=True, GATE=gate is not None, num_warps=bw, num_stages=1,
@@ -310,7 +311,7 @@ def _state_grad_pass(do, dht, BLb, Wb, Qg, Kd, Pb, dh0, dhb, dvn, lay, H: int, H
     has_h0, the initial-state gradient into dh0; from dht (None: no final-state cotangent)."""
     K, V, BT = dhb.shape[2], dhb.shape[3], Pb.shape[-1]
     BV = gdn._recur_bv(K, V, lay.N * HV, do.device, per_sm=1)
-    state_pass._recur_bwd[(V // BV, lay.N * HV)](
+    launcher(state_pass._recur_bwd)[(V // BV, lay.N * HV)](
         BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
         lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=gdn._prec(Wb.dtype),
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=dhb.dtype != torch.float32, CHANNEL=True,
