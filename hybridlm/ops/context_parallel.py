@@ -257,7 +257,7 @@ def _chain(p: _Plan, got: list[list[torch.Tensor]], init: torch.Tensor | None, l
         else:
             s = s_out[-1]
         s_in.append(s)
-        through = torch.einsum("nhij,nhjv->nhiv", got[r][0], s) + got[r][1]  # the first segment's end state
+        through = torch.matmul(got[r][0], s) + got[r][1]  # the first segment's end state
         covers = not p.varlen or p.ends[p.n0(r)] >= (r + 1) * p.T  # the first segment is the whole slice
         s_out.append(through if covers else got[r][2])
     if not p.varlen:
@@ -269,7 +269,7 @@ def _chain(p: _Plan, got: list[list[torch.Tensor]], init: torch.Tensor | None, l
             continue
         r = (e - 1) // p.T
         if s <= r * p.T:  # the document is the first segment of the rank it ends on
-            out.append(torch.einsum("nhij,nhjv->nhiv", got[r][0], s_in[r]) + got[r][1])
+            out.append(torch.matmul(got[r][0], s_in[r]) + got[r][1])
         else:
             out.append(got[r][3][n : n + 1])
     return s_in, torch.cat(out)
@@ -349,7 +349,7 @@ def _local_dht(p: _Plan, M: list[torch.Tensor], D: list[torch.Tensor], dfin: tor
                 d = dfin if not p.varlen else dfin[p.n0(r) : p.n0(r) + 1]
             else:
                 d = x_next
-            x_next = torch.einsum("nhji,nhjv->nhiv", M[r], d) + D[r]
+            x_next = torch.matmul(M[r].transpose(-1, -2), d) + D[r]
     if not p.varlen:
         return dfin if p.rank == p.R - 1 else x_next
     return torch.cat([dfin[n : n + 1] if p.ends[n] <= (p.rank + 1) * p.T else x_next for n, _, _ in p.segs])
