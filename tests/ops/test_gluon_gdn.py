@@ -198,12 +198,12 @@ def test_overlapped_forward_in_a_cuda_graph(monkeypatch):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["after", "beside"])
 def test_direct_launches_see_new_tensors(monkeypatch, overlap):
-    """The cached launches and tensor maps (gdn_fwd's plans, hybridlm.ops.gluon.launch) never serve a stale call:
+    """The cached launches and tensor maps (gdn_fwd's plans, hybridlm.ops.launch) never serve a stale call:
     the public op (impl="auto", inference mode) at one shape on inputs A, then on other tensors B (another scale),
     then on A's buffers refilled in place (same addresses, new values), then on inputs allocated after A's were
     freed (the caching allocator hands their addresses out again), each against float64; and the later calls went
     through the direct launches."""
-    from hybridlm.ops.gluon import launch
+    from hybridlm.ops import launch
 
     if overlap:
         monkeypatch.setattr(gdn_fwd, "OVERLAP_TOKENS", 256)

@@ -27,8 +27,8 @@ import torch
 pytest.importorskip("triton")
 from float64_check import draw_seed, gluon_gpu_marks, rel_f64  # noqa: E402
 
-from hybridlm.ops import gated_delta_rule  # noqa: E402
-from hybridlm.ops.gluon import gdn_bwd, gdn_fwd, launch  # noqa: E402
+from hybridlm.ops import gated_delta_rule, launch  # noqa: E402
+from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
 from hybridlm.ops.triton import gdn, state_pass  # noqa: E402
 from hybridlm.ops.triton.chunk_layout import layout  # noqa: E402
 from hybridlm.ops.triton.tune import tuned  # noqa: E402

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from hybridlm.ops.gluon import gdn_bwd, gdn_fwd, launch  # noqa: E402
+from hybridlm.ops import launch  # noqa: E402
+from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
 from hybridlm.ops.triton import state_pass  # noqa: E402
 from hybridlm.ops.triton.chunk_layout import layout  # noqa: E402
 

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature  # noqa: E402
 
-from hybridlm.ops.gluon import launch  # noqa: E402
+from hybridlm.ops import launch  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -18,13 +18,13 @@ from collections import OrderedDict
 
 import torch
 
+from ..launch import TmaSpec, direct_launch, tensor_map
 from ..triton import state_pass
 from ..triton.chunk_layout import Layout
 from . import gdn_fwd
 from .chain import _tma_desc
 from .chain_bwd import BV, CHUNK, GATE_ROWS
 from .gdn_fwd import _aligned, _direct_ok, _stream, cached_plan
-from .launch import TmaSpec, direct_launch, tensor_map
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:

@@ -29,10 +29,10 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..launch import TmaSpec, direct_launch, jit_is_plain, tensor_map
 from ..offsets import host_offsets
 from ..validate import Dims, check_state_pool
 from .chain import _descriptors
-from .launch import TmaSpec, direct_launch, jit_is_plain, tensor_map
 from .parts import _IMPORT_ERROR, gluon_available
 from .solve import GATE_ROWS
 

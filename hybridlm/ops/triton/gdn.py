@@ -40,7 +40,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..context_parallel import offer_dh0, wants_dh0
-from ..gluon.launch import launcher
+from ..launch import launcher
 from . import chunk_bwd, chunk_out, decode, state_pass, ut_solve, wy
 from .chunk_layout import Layout, layout, max_chunks
 from .custom import call, custom_op

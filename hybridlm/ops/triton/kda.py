@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context_parallel import offer_dh0, wants_dh0
-from ..gluon.launch import launcher
+from ..launch import launcher
 from . import chunk_out, gdn, kda_bwd, kda_prep, state_pass, ut_solve
 from .chunk_layout import max_chunks
 from .custom import call, custom_op

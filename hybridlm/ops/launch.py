@@ -1,4 +1,4 @@
-"""Launching compiled Gluon kernels without the JIT's per-call Python, and a cache of TMA tensor maps.
+"""Launching compiled Triton and Gluon kernels without the JIT's per-call Python, and a cache of TMA tensor maps.
 
 A launch through the JIT (`kernel[grid](*args)`, Triton 3.6) binds and specialises every argument in Python,
 computes the cache key, builds the launch metadata for the profiler hooks, and encodes a CUtensorMap for every TMA
