@@ -10,7 +10,9 @@ agreement is the float64 check's measure (`scripts/gpu_check_gdn.py`): the relat
 against CP 1 for the output, the final state and every gradient (slices gathered by summing squared norms over the
 ranks; the initial state's gradient summed over the ranks), held to that check's bf16 bars (5e-3 for outputs and
 states, 1e-2 for gradients). Time: the median over --rep of one fwd+bwd between two barriers (wall, synchronised),
-and its CUDA-event time on each rank (the slowest rank's). Writes cp.json and cp.md under --out on rank 0.
+and its CUDA-event time on each rank (the slowest rank's); then the same fwd+bwd captured as one CUDA graph (the
+collectives inside it) and replayed, its GPU time without the host's launches (a call at 8K tokens a rank issues
+its ~50 launches for longer than they run). Writes cp.json and cp.md under --out on rank 0.
 """
 
 from __future__ import annotations
@@ -104,6 +106,42 @@ def _time(fn, rep: int, group) -> tuple[float, float]:
     return statistics.median(walls), gpu.item()
 
 
+def _time_graph(fn, rep: int, group) -> tuple[float | None, str | None]:
+    """(median ms of one replay of fn() captured as one CUDA graph, forward, backward and collectives together, the
+    slowest rank's; None and why where it cannot be captured). Replays are timed between barriers by CUDA events:
+    the GPU time of the call without its host, as the kernel benches' graph-replay columns."""
+    if DEVICE != "cuda":
+        return None, "not on CUDA"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up off the default stream, as capture needs
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:  # a backend or collective that cannot be captured
+        torch.cuda.synchronize()
+        return None, str(e).splitlines()[0][:200]
+    times = []
+    for _ in range(rep):
+        dist.barrier(group)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    dist.barrier(group)
+    t = torch.tensor([statistics.median(times)], device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    del graph
+    return t.item(), None
+
+
 def _op_row(op: str, a, group) -> dict:
     """One op: CP R against the whole sequence on one GPU, agreement and time."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
@@ -115,11 +153,16 @@ def _op_row(op: str, a, group) -> dict:
     cot_f = torch.randn(1, a.heads, a.dim, a.dim, device=DEVICE, generator=gen)
     err = _rel(_fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last),
                _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True), s, group)
-    one = _time(lambda: _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True), a.rep, group)
-    cp = _time(lambda: _fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last), a.rep, group)
+    run_one = lambda: _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True)  # noqa: E731
+    run_cp = lambda: _fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last)  # noqa: E731
+    one, cp = _time(run_one, a.rep, group), _time(run_cp, a.rep, group)
+    one_g, why_one = _time_graph(run_one, a.rep, group) if a.graph else (None, "--no-graph")
+    cp_g, why_cp = _time_graph(run_cp, a.rep, group) if a.graph else (None, "--no-graph")
     return dict(op=op, ranks=R, seq_len=a.seq_len, heads=a.heads, dim=a.dim, errors=err,
                 pass_=all(v <= BARS.get(n, GRAD_BAR) for n, v in err.items()), one_gpu_ms=one[0],
-                one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1], ratio=cp[0] / one[0])
+                one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1], ratio=cp[0] / one[0],
+                one_gpu_graph_ms=one_g, cp_graph_ms=cp_g,
+                graph_ratio=cp_g / one_g if one_g and cp_g else None, graph_note=why_one or why_cp)
 
 
 def main(argv=None) -> int:
@@ -130,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", default="gdn,kda")
+    p.add_argument("--no-graph", dest="graph", action="store_false",
+                   help="skip the CUDA-graph replay timing (eager wall and CUDA-event times only)")
     p.add_argument("--out", default="out/cp")
     a = p.parse_args(argv)
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
@@ -145,12 +190,16 @@ def main(argv=None) -> int:
         lines = [f"{name} x {R}, torch {torch.__version__}, bf16, B1 T{a.seq_len} "
                  f"H{a.heads} D{a.dim}, l2norm, initial state", "",
                  "| op | worst rel. error vs CP 1 (tensor) | pass | 1 GPU fwd+bwd ms (event) | "
-                 f"CP {R} fwd+bwd ms (event) | CP {R} / 1 GPU |", "|---|---|---|---|---|---|"]
+                 f"CP {R} fwd+bwd ms (event) | CP {R} / 1 GPU | 1 GPU graph ms | CP {R} graph ms | "
+                 f"CP {R} / 1 GPU (graph) |", "|---|---|---|---|---|---|---|---|---|"]
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         for r in rows:
             worst = max(r["errors"], key=lambda n: r["errors"][n] / BARS.get(n, GRAD_BAR))
             lines.append(f"| {r['op']} | {r['errors'][worst]:.2e} ({worst}) | {'PASS' if r['pass_'] else 'FAIL'} | "
                          f"{r['one_gpu_ms']:.2f} ({r['one_gpu_event_ms']:.2f}) | {r['cp_ms']:.2f} "
-                         f"({r['cp_event_ms']:.2f}) | {r['ratio']:.2f} |")
+                         f"({r['cp_event_ms']:.2f}) | {r['ratio']:.2f} | {fmt(r['one_gpu_graph_ms'], '.2f')} | "
+                         f"{fmt(r['cp_graph_ms'], '.2f')} | {fmt(r['graph_ratio'], '.2f')} |")
+        lines += [f"{r['op']}: no graph replay ({r['graph_note']})" for r in rows if r["graph_note"]]
         table = "\n".join(lines)
         print(table, flush=True)
         os.makedirs(a.out, exist_ok=True)
