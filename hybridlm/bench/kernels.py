@@ -4,9 +4,10 @@
 
 Median ms (triton.testing.do_bench, return_mode="median") of forward and forward+backward at
 B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 (bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
-and one decode step with an fp32 state pool [256, 32, 128, 128] (N = 256 sequences, one token each), and 4 draft
-tokens for 64 sequences (`DRAFT`), keeping every token's state, or writing the pool at accepted counts or after
-the last token; the decode rows' GB/s count the fewest bytes (`bytes_decode`) against the copy ceilings. KDA
+one decode step of GDN and KDA on an fp32 state pool [N, 32, 128, 128] (N = 64 and 256 sequences, one token
+each: `DECODE_ROWS`), and 4 draft tokens for 64 sequences (`DRAFT`), keeping every token's state, or writing the
+pool at accepted counts or after the last token; the decode rows' GB/s count the fewest bytes (`bytes_decode`)
+against the copy ceilings. KDA
 (chunk_kda against fla's) at the first shape, on two kinds of log-decays (`kda_bench_gates`): mild ones, where our
 kernels take one dot per chunk, and those of a freshly initialised layer, where most chunks take the slower 16-row
 block path; fla does the same work on both.
@@ -381,27 +382,43 @@ def _bench_kda(B, T, H, D, dev, gen, args, gates="bench"):
     return res
 
 
-def _bench_decode(dev, gen, fla, args):
-    """One token for 256 sequences on an fp32 state pool [256, 32, 128, 128], in place; fla out of place."""
-    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update
+DECODE = (32, 128, 128)  # one-token decode rows: HV (= H), K, V; pool rows P = N
+DECODE_ROWS = (("GDN", 256), ("GDN", 64), ("KDA", 64), ("KDA", 256))  # (op, N sequences)
 
-    P, HV, K, V = 256, 32, 128, 128
-    N = 256
-    r = lambda *s: torch.randn(*s, device=dev, generator=gen)
-    pool = r(P, HV, K, V)
-    idx = torch.randperm(P, device=dev, generator=gen)[:N].to(torch.int32)
-    qd, kd, vd = r(N, HV, K).to(torch.bfloat16), r(N, HV, K).to(torch.bfloat16), r(N, HV, V).to(torch.bfloat16)
-    gd = F.logsigmoid(r(N, HV) + 3.0)
-    bd = torch.sigmoid(r(N, HV)).to(torch.bfloat16)
-    dec = {"shape": f"decode N{N} pool [{P},{HV},{K},{V}] fp32", "bytes": 2 * N * HV * K * V * 4}
-    dec["ours_ms"] = _bench(lambda: fused_recurrent_gated_delta_rule_update(
-        qd, kd, vd, g=gd, beta=bd, state_pool=pool, state_indices=idx, use_qk_l2norm=True), args.rep)
-    if fla is not None:
+
+def _bench_decode(dev, gen, fla, args) -> list[dict]:
+    """One token for N sequences on an fp32 state pool [N, 32, 128, 128] (`DECODE`), in place at shuffled rows: GDN
+    and KDA (a log-decay per key channel) at N 64 and 256 (`DECODE_ROWS`); fla's fused recurrences, which write the
+    final state out of place, beside them where they load. GB/s count the fewest bytes (`bytes_decode`)."""
+    return [_decode_row(op, N, dev, gen, fla, args) for op, N in DECODE_ROWS]
+
+
+def _decode_row(op: str, N: int, dev, gen, fla, args) -> dict:
+    from hybridlm.ops.triton import fused_recurrent_gated_delta_rule_update, fused_recurrent_kda_update
+
+    HV, K, V = DECODE
+    kda = op == "KDA"
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    pool = r(N, HV, K, V)
+    idx = torch.randperm(N, device=dev, generator=gen).to(torch.int32)
+    q, k, v = (r(N, HV, d).to(torch.bfloat16) for d in (K, K, V))
+    g = F.logsigmoid((r(N, HV, K) if kda else r(N, HV)) + 3.0)
+    beta = torch.sigmoid(r(N, HV)).to(torch.bfloat16)
+    fn = fused_recurrent_kda_update if kda else fused_recurrent_gated_delta_rule_update
+    row = {"shape": f"{op} decode N{N} pool [{N},{HV},{K},{V}] fp32",
+           "bytes": bytes_decode(N, 1, HV, HV, K, V, written=N, channel=kda)}
+    row["ours_ms"] = _bench(lambda: fn(q, k, v, g=g, beta=beta, state_pool=pool, state_indices=idx,
+                                       use_qk_l2norm=True), args.rep)
+    ref = None if fla is None else fla[2] if kda else fla[1]
+    if ref is not None:
         h0 = r(N, HV, K, V)
-        dec["fla_ms"] = _bench(lambda: fla[1](qd[:, None], kd[:, None], vd[:, None], g=gd[:, None],
-                                              beta=bd[:, None], initial_state=h0, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True), args.rep)
-    return dec
+        try:
+            row["fla_ms"] = _bench(lambda: ref(q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
+                                               initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True), args.rep)
+        except Exception as e:  # noqa: BLE001
+            row["fla_error"] = repr(e)[:200]
+    return row
 
 
 DRAFT = (64, 4, 16, 32, 128, 128)  # multi-token decode rows: N, T, H, HV, K, V (Qwen3-Next's heads, 4 draft tokens)
@@ -493,7 +510,11 @@ def run(args: argparse.Namespace) -> int:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_rec
 
             fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # lift fla 0.6.0's Hopper guard on its gated backward (#640)
-            fla = (fla_chunk, fla_rec)
+            try:
+                from fla.ops.kda import fused_recurrent_kda as fla_kda_rec
+            except ImportError:
+                fla_kda_rec = None
+            fla = (fla_chunk, fla_rec, fla_kda_rec)
             from importlib.metadata import version
 
             fla_version = version("fla-core")
@@ -512,9 +533,9 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     for part in parts:  # in the order given; the default puts KDA last: fla's chunk_kda autotunes for minutes
         if part == "decode":
-            rows.append(_bench_decode(dev, gen, fla, args))
-            for row in _bench_decode_multi(dev, gen, fla, args):
-                print(json.dumps(rows[-1]), flush=True)
+            for row in _bench_decode(dev, gen, fla, args) + _bench_decode_multi(dev, gen, fla, args):
+                if rows and "bytes" in rows[-1]:
+                    print(json.dumps(rows[-1]), flush=True)
                 rows.append(row)  # the last one is printed below
         elif part == "prefill":
             for shape in PREFILL_SHAPES:

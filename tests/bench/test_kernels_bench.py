@@ -115,6 +115,20 @@ def test_multi_token_decode_rows_run_and_count_their_bytes(monkeypatch):
     assert f"| {rows[0]['shape']} | decode | 2.000 | - | - | - | - |" in kernels._table(info, rows)
 
 
+def test_one_token_decode_rows_run_gdn_and_kda_at_both_pool_sizes(monkeypatch):
+    """The one-token rows on the CPU (the PyTorch path, small heads, each call once): GDN and KDA at N 64 and 256,
+    each updating its pool in place, their bytes the fewest a call moves (KDA reads a log-decay per key channel)."""
+    calls = []
+    monkeypatch.setattr(kernels, "_bench", lambda fn, rep: calls.append(fn()) or 2.0)
+    monkeypatch.setattr(kernels, "DECODE", (2, 16, 8))
+    rows = kernels._bench_decode("cpu", torch.Generator().manual_seed(0), None, _args())
+    assert [r["shape"].split(" pool")[0] for r in rows] == ["GDN decode N256", "GDN decode N64", "KDA decode N64",
+                                                            "KDA decode N256"]
+    assert [o.shape for o in calls] == [(256, 2, 8), (64, 2, 8), (64, 2, 8), (256, 2, 8)]
+    assert [r["bytes"] for r in rows] == [kernels.bytes_decode(n, 1, 2, 2, 16, 8, written=n, channel=c)
+                                          for n, c in ((256, False), (64, False), (64, True), (256, True))]
+
+
 def test_prefill_rows_are_asked_by_name_and_tabled_as_speedups_of_ours():
     """A prefill row's cells: ours, fla/ours on median, graph replay and GPU ms, our wall / GPU; a missing number
     (fla's graph failed, no GPU time) is "-", not an error."""
