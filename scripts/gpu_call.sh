@@ -9,7 +9,7 @@
 #
 # Steps:
 #   info       GPUs, torch, Triton and fla-core versions
-#   kernels    `hybridlm bench kernels`: decode, GDN at the three shapes, KDA on both gate kinds, against fla and SDPA
+#   kernels    `hybridlm bench kernels`: decode, GDN at the four shapes, KDA on both gate kinds, against fla and SDPA
 #   layers     `hybridlm bench layers`: the GDN and KDA layers against fla's, one width and length
 #   check      scripts/gpu_check_gdn.py: GDN and KDA against float64 (pass/fail), in CHECK_PARTS processes (8)
 #   glue       scripts/gpu_check_glue.py: the fused glue (conv, norms, gates, SwiGLU) against float64, and timings

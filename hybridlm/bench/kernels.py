@@ -3,7 +3,8 @@
     python -m hybridlm.bench.kernels [--out DIR] [--shapes ...] [--no-fla]      (or: hybridlm bench kernels)
 
 Median ms (triton.testing.do_bench, return_mode="median") of forward and forward+backward at
-B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 (bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
+B4 T4096 H16 D128, B1 T32768 H32 D128, B8 T2048 H32 D128 and B4 T4096 H16 HV32 D128 (grouped value heads, no SDPA
+row; bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
 one decode step of GDN and KDA on an fp32 state pool [N, 32, 128, 128] (N = 64 and 256 sequences, one token
 each: `DECODE_ROWS`), and 4 draft tokens for 64 sequences (`DRAFT`), keeping every token's state, or writing the
 pool at accepted counts or after the last token; the decode rows' GB/s count the fewest bytes (`bytes_decode`)
@@ -42,6 +43,7 @@ from hybridlm.bench.cuda_profile import busy_ms, print_kernel_times
 from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
+GVA_SHAPES = [(4, 4096, 16, 128, 32)]  # B, T, H, D, HV: grouped value heads (Qwen3.5's 16 key heads to 32 value heads)
 # one long prompt with few heads per GPU (tensor parallelism): where the Gluon forward's grid is small
 PREFILL_SHAPES = [(1, 32768, 8, 128), (2, 16384, 8, 128), (1, 8192, 16, 128), (1, 4096, 16, 128),
                   (4, 4096, 16, 128)]
@@ -53,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="skip the PyTorch SDPA (FlashAttention) rows")
     parser.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of repeats)")
     parser.add_argument("--quick", action="store_true", help="first shape only")
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
-                        help="chunked shapes to run instead of the three benchmark shapes (e.g. 1,32768,32,128)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D[,HV]",
+                        help="chunked shapes to run instead of the benchmark shapes (e.g. 1,32768,32,128; HV: value "
+                        "heads, a multiple of H, default H)")
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step, and 4 draft tokens "
                         "at N 64: every state kept, at accepted counts, the last), kda (first shape), "
@@ -78,17 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch settings from scripts/gpu_tune.py --json (its 'best'); default: built-in")
 
 
-def _shapes(args) -> list[tuple[int, int, int, int]]:
-    """The chunked shapes of this run: --shapes, else the first benchmark shape with --quick, else all three."""
+def _shapes(args) -> list[tuple[int, int, int, int, int]]:
+    """The chunked shapes of this run as (B, T, H, D, HV): --shapes, else the first benchmark shape with --quick,
+    else the three and the grouped-value-head one."""
     if args.shapes:
         out = []
         for spec in args.shapes:
             parts = spec.split(",")
-            if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise SystemExit(f"--shapes: expected B,T,H,D with four positive integers, got {spec!r}")
-            out.append(tuple(int(p) for p in parts))
+            if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise SystemExit(f"--shapes: expected B,T,H,D or B,T,H,D,HV with positive integers, got {spec!r}")
+            B, T, H, D, *hv = (int(p) for p in parts)
+            HV = hv[0] if hv else H
+            if HV % H:
+                raise SystemExit(f"--shapes: expected HV a multiple of H, got H={H} HV={HV} in {spec!r}")
+            out.append((B, T, H, D, HV))
         return out
-    return SHAPES[:1] if args.quick else SHAPES
+    return [(*s, s[2]) for s in SHAPES[:1]] if args.quick else [(*s, s[2]) for s in SHAPES] + GVA_SHAPES
 
 
 def _bench(fn, rep):
@@ -99,16 +107,17 @@ def _bench(fn, rep):
 
 def flops_gdn(B, T, H, K, V, BT=64):
     """Nominal matmul flops of one chunked GDN forward (per chunk of BT: K K^T, the triangular solve ~BT^3/3,
-    W and U, W S, Q K^T, Q S, P Vn, K^T Vn)."""
+    W and U, W S, Q K^T, Q S, P Vn, K^T Vn); H: the value heads (each has its own chunk products)."""
     nc = B * H * math.ceil(T / BT)
     per = 2 * BT * BT * K + 2 * BT**3 / 3 + 2 * BT * BT * K + 2 * BT * BT * V
     per += 2 * BT * K * V + 2 * BT * BT * K + 2 * BT * K * V + 2 * BT * BT * V + 2 * BT * K * V
     return nc * per
 
 
-def bytes_gdn_fwd(B, T, H, K, V, elt=2):
-    """Fewest bytes of a forward: q, k, v, beta read (elt bytes), g read (fp32), o written."""
-    return B * T * H * (2 * K * elt + V * elt + elt + 4 + V * elt)
+def bytes_gdn_fwd(B, T, H, K, V, elt=2, HV=None):
+    """Fewest bytes of a forward: q, k (H heads), v, beta read (elt bytes), g read (fp32), o written (HV heads)."""
+    HV = H if HV is None else HV
+    return B * T * (2 * H * K * elt + HV * (V * elt + elt + 4 + V * elt))
 
 
 def ceilings(dev):
@@ -193,17 +202,20 @@ def _gluon_fwd_times(res: dict, q, k, v, g, beta, ours_f, args) -> None:
         res["gluon_error"] = repr(e)[:200]
 
 
-def _bench_shape(B, T, H, D, dev, gen, fla, args):
+def _bench_shape(B, T, H, D, dev, gen, fla, args, HV=None):
+    """One chunked shape: q, k [B, T, H, D]; v, do [B, T, HV, D]; g, beta [B, T, HV] (HV defaults to H)."""
     from hybridlm.ops.triton import chunk_gated_delta_rule
 
+    HV = H if HV is None else HV
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
-    q, k, v = (r(B, T, H, D).to(torch.bfloat16) for _ in range(3))
-    g = F.logsigmoid(r(B, T, H) + 3.0)
-    beta = torch.sigmoid(r(B, T, H)).to(torch.bfloat16)
-    do = r(B, T, H, D).to(torch.bfloat16)
+    q, k = (r(B, T, H, D).to(torch.bfloat16) for _ in range(2))
+    v = r(B, T, HV, D).to(torch.bfloat16)
+    g = F.logsigmoid(r(B, T, HV) + 3.0)
+    beta = torch.sigmoid(r(B, T, HV)).to(torch.bfloat16)
+    do = r(B, T, HV, D).to(torch.bfloat16)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    fl = flops_gdn(B, T, H, D, D)
-    by = bytes_gdn_fwd(B, T, H, D, D)
+    fl = flops_gdn(B, T, HV, D, D)
+    by = bytes_gdn_fwd(B, T, H, D, D, HV=HV)
 
     def ours_f():
         return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm=True)[0]
@@ -212,7 +224,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
         o = chunk_gated_delta_rule(*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm=True)[0]
         return torch.autograd.grad(o, leaves, do)
 
-    res = {"shape": f"B{B} T{T} H{H} D{D}", "flops_fwd": fl, "bytes_fwd": by}
+    res = {"shape": f"B{B} T{T} H{H} D{D}" + (f" HV{HV}" if HV != H else ""), "flops_fwd": fl, "bytes_fwd": by}
     if _profile_once(args, "gdn", ours_fb):
         from hybridlm.ops.triton import gdn
 
@@ -233,20 +245,21 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args):
             o = fla[0](*leaves[:3], g=leaves[3], beta=leaves[4], use_qk_l2norm_in_kernel=True)[0]
             return torch.autograd.grad(o, leaves, do)
 
-        with torch.no_grad():
-            res["fla_fwd_ms"] = _bench(fla_f, args.rep)
         try:
+            with torch.no_grad():
+                res["fla_fwd_ms"] = _bench(fla_f, args.rep)
             res["fla_fwdbwd_ms"] = _bench(fla_fb, args.rep)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (e.g. a layout this fla does not take)
             res["fla_fwdbwd_error"] = repr(e)[:200]
-        _gpu_times(res, "fla", fla_f, fla_fb if "fla_fwdbwd_ms" in res else None, args)
+        if "fla_fwd_ms" in res:
+            _gpu_times(res, "fla", fla_f, fla_fb if "fla_fwdbwd_ms" in res else None, args)
+            # same function? (bf16, so only a sanity check of the comparison, not the correctness test)
+            with torch.no_grad():
+                a, b = ours_f().float(), fla_f().float()
+                res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
         if "fla_fwdbwd_ms" in res:
             _profile_once(args, "fla gdn", fla_fb)
-        # same function? (bf16, so only a sanity check of the comparison, not the correctness test)
-        with torch.no_grad():
-            a, b = ours_f().float(), fla_f().float()
-            res["ours_vs_fla_rel"] = ((a - b).norm() / b.norm()).item()
-    if not args.no_sdpa:
+    if not args.no_sdpa and HV == H:
         qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         ls = [x.clone().requires_grad_() for x in (qs, ks, vs)]
         dos = do.transpose(1, 2).contiguous()
@@ -553,8 +566,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(rows[-1]), flush=True)
             continue
         else:
-            for B, T, H, D in _shapes(args):
-                rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args))
+            for B, T, H, D, HV in _shapes(args):
+                rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args, HV=HV))
                 print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
             continue

@@ -115,6 +115,20 @@ def test_multi_token_decode_rows_run_and_count_their_bytes(monkeypatch):
     assert f"| {rows[0]['shape']} | decode | 2.000 | - | - | - | - |" in kernels._table(info, rows)
 
 
+def test_chunked_shapes_take_grouped_value_heads():
+    """B,T,H,D[,HV]: HV defaults to H and must be a multiple of it; the default run adds Qwen3.5's 16 key heads to
+    32 value heads to the three benchmark shapes."""
+    assert kernels._shapes(_args(shapes=["4,4096,16,128,32", "1,64,2,16"])) == [(4, 4096, 16, 128, 32),
+                                                                               (1, 64, 2, 16, 2)]
+    assert kernels._shapes(_args())[-1] == (4, 4096, 16, 128, 32) and len(kernels._shapes(_args())) == 4
+    assert kernels._shapes(_args(quick=True)) == [(4, 4096, 16, 128, 16)]
+    with pytest.raises(SystemExit, match="--shapes: expected HV a multiple of H, got H=3 HV=4 in '1,8,3,16,4'"):
+        kernels._shapes(_args(shapes=["1,8,3,16,4"]))
+    with pytest.raises(SystemExit, match="--shapes: expected B,T,H,D or B,T,H,D,HV with positive integers"):
+        kernels._shapes(_args(shapes=["1,8,3"]))
+    assert kernels.bytes_gdn_fwd(1, 1, 2, 4, 8, HV=4) == 2 * 2 * 4 * 2 + 4 * (8 * 2 + 2 + 4 + 8 * 2)
+
+
 def test_one_token_decode_rows_run_gdn_and_kda_at_both_pool_sizes(monkeypatch):
     """The one-token rows on the CPU (the PyTorch path, small heads, each call once): GDN and KDA at N 64 and 256,
     each updating its pool in place, their bytes the fewest a call moves (KDA reads a log-decay per key channel)."""
