@@ -8,10 +8,9 @@ row; bf16 q/k/v/beta, fp32 g, q/k l2norm in kernel),
 one decode step of GDN and KDA on an fp32 state pool [N, 32, 128, 128] (N = 64 and 256 sequences, one token
 each: `DECODE_ROWS`), and 4 draft tokens for 64 sequences (`DRAFT`), keeping every token's state, or writing the
 pool at accepted counts or after the last token; the decode rows' GB/s count the fewest bytes (`bytes_decode`)
-against the copy ceilings. KDA
-(chunk_kda against fla's) at the first shape, on two kinds of log-decays (`kda_bench_gates`): mild ones, where our
-kernels take one dot per chunk, and those of a freshly initialised layer, where most chunks take the slower 16-row
-block path; fla does the same work on both.
+against the copy ceilings. KDA (chunk_kda against fla's) at the first shape (each of --shapes when given), on two
+kinds of log-decays (`kda_bench_gates`): mild ones, where our kernels take one dot per chunk, and those of a freshly
+initialised layer, where most chunks take the slower 16-row block path; fla does the same work on both.
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and a bf16
 8192^3 matmul. TFLOP/s use a nominal flop count of the chunked algorithm (the same count for ours and fla,
 see `flops_gdn`), forward+backward counted as 3x forward; SDPA uses 2*B*H*T^2*D (causal fwd), 3.5x for fwd+bwd.
@@ -60,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "heads, a multiple of H, default H)")
     parser.add_argument("--parts", default="decode,gdn,kda",
                         help="comma-separated rows to run, in this order: decode (one-token step, and 4 draft tokens "
-                        "at N 64: every state kept, at accepted counts, the last), kda (first shape), "
+                        "at N 64: every state kept, at accepted counts, the last), kda (first shape, or --shapes), "
                         "gdn (the chunked shapes), prefill (our inference forward as impl='auto' takes it against "
                         "fla's at the few-heads prefill shapes; not in the default)")
     parser.add_argument("--kda-gates", default="bench,init",
@@ -97,6 +96,14 @@ def _shapes(args) -> list[tuple[int, int, int, int, int]]:
             out.append((B, T, H, D, HV))
         return out
     return [(*s, s[2]) for s in SHAPES[:1]] if args.quick else [(*s, s[2]) for s in SHAPES] + GVA_SHAPES
+
+
+def _kda_shapes(args) -> list[tuple[int, int, int, int]]:
+    """The KDA rows' (B, T, H, D): those of --shapes without grouped value heads, else the first benchmark shape
+    alone (fla's chunk_kda autotunes for minutes on each new shape)."""
+    if args.shapes:
+        return [(B, T, H, D) for B, T, H, D, HV in _shapes(args) if HV == H]
+    return [SHAPES[0]]
 
 
 def _bench(fn, rep):
@@ -557,13 +564,15 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
             continue
         elif part == "kda":
-            for gates in kda_gates:  # fla autotunes on the first row only (same shapes)
-                try:
-                    rows.append(_bench_kda(*SHAPES[0], dev, gen, args, gates))
-                except Exception as e:  # noqa: BLE001
-                    print(f"kda row ({gates} gates) skipped: {e!r}", file=sys.stderr)
-                    continue
-                print(json.dumps(rows[-1]), flush=True)
+            for shape in _kda_shapes(args):
+                for gates in kda_gates:  # fla autotunes on a shape's first row only
+                    try:
+                        rows.append(_bench_kda(*shape, dev, gen, args, gates))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"kda row {shape} ({gates} gates) skipped: {e!r}", file=sys.stderr)
+                        continue
+                    print(json.dumps(rows[-1]), flush=True)
+                torch.cuda.empty_cache()
             continue
         else:
             for B, T, H, D, HV in _shapes(args):

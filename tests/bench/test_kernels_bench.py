@@ -126,6 +126,8 @@ def test_chunked_shapes_take_grouped_value_heads():
         kernels._shapes(_args(shapes=["1,8,3,16,4"]))
     with pytest.raises(SystemExit, match="--shapes: expected B,T,H,D or B,T,H,D,HV with positive integers"):
         kernels._shapes(_args(shapes=["1,8,3"]))
+    assert kernels._kda_shapes(_args()) == [(4, 4096, 16, 128)]
+    assert kernels._kda_shapes(_args(shapes=["4,4096,16,128,32", "8,2048,32,128"])) == [(8, 2048, 32, 128)]
     assert kernels.bytes_gdn_fwd(1, 1, 2, 4, 8, HV=4) == 2 * 2 * 4 * 2 + 4 * (8 * 2 + 2 + 4 + 8 * 2)
 
 
