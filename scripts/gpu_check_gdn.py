@@ -5,12 +5,12 @@
 The same cases run as pytest tests marked `gpu` in tests/ops/test_gpu_check.py (`cases(quick=True)` there).
 
 Cases: the benchmark shapes (bf16) and awkward ones (T = 1, 63, 65, 1000; varlen lengths 1, 15, 100, 700;
-HV/H = 2, 4; K=64 V=128; K=V=256; head dims off 64/128/256: OLMo-Hybrid's K=96 V=192, 48 and 32/16), in bf16 and
-fp32, with autograd and without (the inference forward); the decode step on a state pool [256, 32, 128, 128] and
-at K=96 V=192.
+HV/H = 1, 2, 4; K=64 V=128; K=V=256; head dims off 64/128/256: OLMo-Hybrid's K=96 V=192, 48 and 32/16; strong
+decays, a decay cliff and a freshly initialised layer's gates), in bf16, fp16 and fp32, with autograd and without
+(the inference forward); the decode step on a state pool [256, 32, 128, 128] and at K=96 V=192.
 Fresh random inputs each run (seed printed); outputs are NaN-poisoned by the kernels' wrappers and every
-non-finite value fails. Bars (relative RMS vs float64 on the same rounded inputs): bf16 o/final state <= 5e-3,
-every gradient <= 1e-2; fp32 <= 1e-5 (TF32 off; the kernels use IEEE fp32 dots for fp32 inputs).
+non-finite value fails. Bars (relative RMS vs float64 on the same rounded inputs): bf16 and fp16 o/final state
+<= 5e-3, every gradient <= 1e-2; fp32 <= 1e-5 (TF32 off; the kernels use IEEE fp32 dots for fp32 inputs).
 """
 
 from __future__ import annotations
@@ -46,11 +46,20 @@ def cliff_bounds(T: int, device="cuda") -> torch.Tensor:
     return torch.where(torch.arange(T, device=device) % 64 < 32, 30.0, 0.05)[:, None]
 
 
+def fresh_layer_gates(shape: tuple[int, ...], HV: int, gen) -> torch.Tensor:
+    """Log-decays as a freshly initialised GDN or KDA layer makes them: -A softplus(f), A ~ U(1, 16) per value head
+    (A_log's init), f ~ N(0, 0.33) (the gate projection of unit inputs, dt_bias 0): about -5.5 a step.
+    shape: [B, T, HV] or [B, T, HV, K]."""
+    A = 1.0 + 15.0 * torch.rand(HV, device=gen.device, generator=gen)
+    A = A.view(HV, *([1] * (len(shape) - 3)))
+    return -A * torch.nn.functional.softplus(0.33 * torch.randn(*shape, device=gen.device, generator=gen))
+
+
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
           recompute=False, decay=None):
     """One case vs float64; grads=False: the inference forward (no autograd, nothing kept for a backward); decay:
     log-decays uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of
-    [-30, 0) then 32 of [-0.05, 0)."""
+    [-30, 0) then 32 of [-0.05, 0); "init": a fresh layer's (`fresh_layer_gates`)."""
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -58,10 +67,11 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     if not l2:
         q, k = q / K**0.5, k / K**0.5
     g = torch.nn.functional.logsigmoid(r(B, T, HV) + 3.0)  # log-decays mostly near 0, some strong
-    if decay == "cliff":
-        decay = cliff_bounds(T, dev)
-    if decay is not None:
-        g = -decay * torch.rand(B, T, HV, device=dev, generator=gen)
+    if decay == "init":
+        g = fresh_layer_gates((B, T, HV), HV, gen)
+    elif decay is not None:
+        bound = cliff_bounds(T, dev) if decay == "cliff" else decay
+        g = -bound * torch.rand(B, T, HV, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)] + [r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
@@ -95,7 +105,8 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
 
 def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
               recompute=False):
-    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays. Runs where gen is."""
+    """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays uniform in [-decay, 0)
+    or, with decay "init", a fresh layer's (`fresh_layer_gates`). Runs where gen is."""
     from hybridlm.ops import kda
 
     dev = gen.device
@@ -104,7 +115,10 @@ def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True,
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
     if not l2:
         q, k = q / K**0.5, k / K**0.5
-    g = -decay * torch.rand(B, T, HV, K, device=dev, generator=gen)
+    if decay == "init":
+        g = fresh_layer_gates((B, T, HV, K), HV, gen)
+    else:
+        g = -decay * torch.rand(B, T, HV, K, device=dev, generator=gen)
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
@@ -181,12 +195,14 @@ def check_decode(gen, *, P=256, N=256, HV=32, H=16, K=128, V=128, dtype=torch.bf
 def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict]]:
     """(name, keyword arguments) of every chunked case; names starting "kda:" are KDA's (`run_case`)."""
     out = []
-    for dt in (torch.bfloat16, torch.float32) if not bench_only else ():
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if not bench_only else ()
+    for dt in dtypes:
         for T in (1, 63, 65, 1000):
             out.append((f"T{T} B2 H2 HV4 K128 V128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
         out.append(("varlen 1,15,100,700 H2 HV4", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt,
                                                        cu=[0, 1, 16, 116, 816])))
         out.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
+        out.append(("T200 H1 HV4 K128", dict(B=1, T=200, H=1, HV=4, K=128, V=128, dtype=dt)))
         out.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         out.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
         # head dims the kernels run zero-padded (OLMo-Hybrid 7B's K 96 / V 192; cpu-tiny's 48; a small 32 / 16)
@@ -198,14 +214,19 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
         out.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
         out.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
                                                       decay="cliff")))
+        out.append(("T300 H2 HV2 K128 fresh-layer gates", dict(B=1, T=300, H=2, HV=2, K=128, V=128, dtype=dt,
+                                                               decay="init")))
         # the inference forward (no autograd: nothing kept for a backward)
         for T in (1, 65, 1000):
             out.append((f"no-grad T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, grads=False)))
         out.append(("no-grad varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt, grads=False,
                                                         cu=[0, 1, 16, 116, 816])))
         out.append(("no-grad T200 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt, grads=False)))
-    for dt in (torch.bfloat16, torch.float32) if not bench_only else ():
+    for dt in dtypes:
         out.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
+        out.append(("kda:T63 H1 HV4 K128", dict(B=1, T=63, H=1, HV=4, K=128, V=128, dtype=dt)))
+        out.append(("kda:T300 H2 HV2 K128 fresh-layer gates", dict(B=1, T=300, H=2, HV=2, K=128, V=128, dtype=dt,
+                                                                   decay="init")))
         out.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         out.append(("kda:varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=2, K=128, V=128, dtype=dt,
                                                      cu=[0, 1, 16, 116, 816])))
