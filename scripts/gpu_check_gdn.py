@@ -225,6 +225,8 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
     for dt in dtypes:
         out.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
         out.append(("kda:T63 H1 HV4 K128", dict(B=1, T=63, H=1, HV=4, K=128, V=128, dtype=dt)))
+        for T in (1, 1000):
+            out.append((f"kda:T{T} B2 H2 HV4 K128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
         out.append(("kda:T300 H2 HV2 K128 fresh-layer gates", dict(B=1, T=300, H=2, HV=2, K=128, V=128, dtype=dt,
                                                                    decay="init")))
         out.append(("kda:T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
