@@ -142,8 +142,9 @@ def _time_graph(fn, rep: int, group) -> tuple[float | None, str | None]:
     return t.item(), None
 
 
-def _op_row(op: str, a, group) -> dict:
-    """One op: CP R against the whole sequence on one GPU, agreement and time."""
+def _calls(op: str, a, group):
+    """(the whole sequence's fwd+bwd, this rank's CP fwd+bwd, this rank's slice, whether it is the last) on fresh
+    inputs from the seed, the same on every call."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     T = a.seq_len // R
     s, last = slice(rank * T, (rank + 1) * T), rank == R - 1
@@ -151,18 +152,30 @@ def _op_row(op: str, a, group) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(a.seed + 1)
     cot_o = torch.randn(1, a.seq_len, a.heads, a.dim, device=DEVICE, generator=gen)
     cot_f = torch.randn(1, a.heads, a.dim, a.dim, device=DEVICE, generator=gen)
-    err = _rel(_fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last),
-               _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True), s, group)
     run_one = lambda: _fwd_bwd(op, x, slice(None), None, cot_o, cot_f, True)  # noqa: E731
     run_cp = lambda: _fwd_bwd(op, x, s, group, cot_o[:, s], cot_f, last)  # noqa: E731
+    return run_one, run_cp, s
+
+
+def _op_row(op: str, a, group) -> dict:
+    """One op: CP R against the whole sequence on one GPU, agreement and eager time."""
+    R = dist.get_world_size(group)
+    run_one, run_cp, s = _calls(op, a, group)
+    err = _rel(run_cp(), run_one(), s, group)
     one, cp = _time(run_one, a.rep, group), _time(run_cp, a.rep, group)
-    one_g, why_one = _time_graph(run_one, a.rep, group) if a.graph else (None, "--no-graph")
-    cp_g, why_cp = _time_graph(run_cp, a.rep, group) if a.graph else (None, "--no-graph")
     return dict(op=op, ranks=R, seq_len=a.seq_len, heads=a.heads, dim=a.dim, errors=err,
                 pass_=all(v <= BARS.get(n, GRAD_BAR) for n, v in err.items()), one_gpu_ms=one[0],
                 one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1], ratio=cp[0] / one[0],
-                one_gpu_graph_ms=one_g, cp_graph_ms=cp_g,
-                graph_ratio=cp_g / one_g if one_g and cp_g else None, graph_note=why_one or why_cp)
+                one_gpu_graph_ms=None, cp_graph_ms=None, graph_ratio=None, graph_note="--no-graph")
+
+
+def _add_graph_times(row: dict, a, group) -> None:
+    """The row's CUDA-graph replay times, after every op's eager row (a capture that fails cannot spoil those)."""
+    run_one, run_cp, _ = _calls(row["op"], a, group)
+    one, why_one = _time_graph(run_one, a.rep, group)
+    cp, why_cp = _time_graph(run_cp, a.rep, group)
+    row.update(one_gpu_graph_ms=one, cp_graph_ms=cp, graph_ratio=cp / one if one and cp else None,
+               graph_note=why_one or why_cp)
 
 
 def main(argv=None) -> int:
@@ -185,6 +198,9 @@ def main(argv=None) -> int:
     if a.seq_len % R:
         raise SystemExit(f"--seq-len: expected a multiple of the {R} ranks, got {a.seq_len}")
     rows = [_op_row(op, a, group) for op in a.ops.split(",")]
+    if a.graph:
+        for row in rows:
+            _add_graph_times(row, a, group)
     if rank == 0:
         name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
         lines = [f"{name} x {R}, torch {torch.__version__}, bf16, B1 T{a.seq_len} "
