@@ -199,6 +199,25 @@ def _device_stream():
     return _DEVICE_STREAM
 
 
+def current_stream(index: int) -> int:
+    """The current stream of device `index` as a raw handle, as the JIT looks it up."""
+    return _device_stream()[1](index)
+
+
+def direct_ok(dev: torch.device) -> bool:
+    """Whether a call on dev may take a direct launch: the JIT would launch on dev (the current device) and call no
+    hook (`jit_is_plain`)."""
+    return jit_is_plain() and _device_stream()[0]() == dev.index
+
+
+def aligned(*ptrs: int) -> bool:
+    """Every address 16-byte aligned (the JIT specialises pointers on it)."""
+    acc = 0
+    for p in ptrs:
+        acc |= p
+    return acc & 15 == 0
+
+
 def _int_class(v: int):
     """An int argument's share of the key: 1 (a constexpr to the JIT), else its width class with its divisibility
     by 16 in the lowest bit; None past u64 (the JIT raises)."""

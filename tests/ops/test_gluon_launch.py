@@ -93,7 +93,7 @@ def host(monkeypatch):
     monkeypatch.setattr(gdn_fwd, "_multiprocessors", lambda dev: 132)
     monkeypatch.setattr(gdn_fwd, "_PLANS", type(gdn_fwd._PLANS)())
     current = {"device": None}
-    monkeypatch.setattr(gdn_fwd, "_DRIVER", [lambda: current["device"], lambda index: 77])
+    monkeypatch.setattr(launch, "_DEVICE_STREAM", [lambda: current["device"], lambda index: 77])
     monkeypatch.setattr(launch, "_MAPS", type(launch._MAPS)())
 
     def encode(ptr, spec):

@@ -18,13 +18,13 @@ from collections import OrderedDict
 
 import torch
 
-from ..launch import TmaSpec, direct_launch, tensor_map
+from ..launch import TmaSpec, aligned, current_stream, direct_launch, direct_ok, tensor_map
 from ..triton import state_pass
 from ..triton.chunk_layout import Layout
 from . import gdn_fwd
 from .chain import _tma_desc
 from .chain_bwd import BV, CHUNK, GATE_ROWS
-from .gdn_fwd import _aligned, _direct_ok, _stream, cached_plan
+from .gdn_fwd import cached_plan
 from .parts import _IMPORT_ERROR
 
 if _IMPORT_ERROR is None:
@@ -95,7 +95,7 @@ def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale
     ts = (q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg,
           lay.chunk_off)
     ptrs = _direct_ptrs(dev, ts)
-    stream = None if ptrs is None else _stream(dev.index)
+    stream = None if ptrs is None else current_stream(dev.index)
     _launch_gate_rows(plan, ts, ptrs, stream, (scale, H, HV, *plan.gate_consts))
     _launch_chain(plan, ts, ptrs, stream, (H, HV, *plan.chain_consts))
 
@@ -164,13 +164,13 @@ class _Plan:
 def _direct_ptrs(dev: torch.device, ts: tuple) -> tuple[int, ...] | None:
     """The addresses of ts (`state_grad_chain`'s order: the gate launch's seven tensors, then do, W, P, dS', dVn,
     the chain's state pointers and the chunk offsets) when a direct launch is the JIT's: no Triton hook or debug
-    mode and dev the current device (`gdn_fwd._direct_ok`), every pointer 16-byte aligned (the JIT specialises on
+    mode and dev the current device (`launch.direct_ok`), every pointer 16-byte aligned (the JIT specialises on
     it), and every tensor the chain reads or writes by TMA contiguous (its tensor maps assume it; `_descriptors`
     would reshape a strided one into a copy). Else None: the call launches through the JIT."""
-    if not _direct_ok(dev):
+    if not direct_ok(dev):
         return None
     for x in ts[7:12] + ts[:2]:
         if not x.is_contiguous():
             return None
     ptrs = tuple(x.data_ptr() for x in ts)
-    return ptrs if _aligned(*ptrs) else None
+    return ptrs if aligned(*ptrs) else None

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ..launch import TmaSpec, direct_launch, jit_is_plain, tensor_map
+from ..launch import TmaSpec, aligned, current_stream, direct_launch, direct_ok, tensor_map
 from ..offsets import host_offsets
 from ..validate import Dims, check_state_pool
 from .chain import _descriptors
@@ -240,13 +240,6 @@ def cached_plan(plans: OrderedDict, key: tuple, make: Callable[[], object]):
     return plan
 
 
-def _aligned(*ptrs: int) -> bool:
-    acc = 0
-    for p in ptrs:
-        acc |= p
-    return acc & 15 == 0
-
-
 class _Call:
     """One forward: the inputs made contiguous, the solve's buffers, then o and ht (`outputs`), and the launches.
     `forward` launches the solve before it allocates o (so the GPU starts on the solve while the host prepares the
@@ -308,13 +301,13 @@ class _Call:
         self.o = None
         self.descs_shape = (B * T, H * K, HV * V, slots)
         self.ptrs = None
-        self.direct = _direct_ok(dev)
+        self.direct = direct_ok(dev)
         if self.direct:
             wp = self.work.data_ptr()
             ptrs = (self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), self.g.data_ptr(),
                     self.beta.data_ptr(), wp, wp + tb, cu.data_ptr(), chunk_off.data_ptr(), self.flags.data_ptr(),
                     self.rows.data_ptr(), 0 if self.h0 is None else self.h0.data_ptr())
-            self.direct = _aligned(*ptrs)
+            self.direct = aligned(*ptrs)
             self.ptrs = ptrs
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +353,7 @@ class _Call:
         if p.solve_grid[1] == 0:
             return
         if self.direct and p.solve:
-            p.solve(p.solve_grid, _stream(self.dev.index), self._solve_args(self.ptrs))
+            p.solve(p.solve_grid, current_stream(self.dev.index), self._solve_args(self.ptrs))
             return
         compiled = _gdn_solve_kernel[p.solve_grid](*self._solve_args(self._tensors()), **p.solve_opts)
         if self.direct and p.solve is None:
@@ -384,8 +377,8 @@ class _Call:
         raw handle, a JIT launch makes it the current stream for the launch."""
         p = self.plan
         o, ht = self.o, self.ht
-        if self.direct and p.chain and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
-            stream = _stream(self.dev.index) if side is None else side.raw
+        if self.direct and p.chain and aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
+            stream = current_stream(self.dev.index) if side is None else side.raw
             p.chain(p.chain_grid, stream, self._chain_direct_args(p))
             return
         states = (self.h0 if self.h0 is not None else o, ht if ht is not None else o)  # o: never read
@@ -394,7 +387,7 @@ class _Call:
             compiled = _gdn_chain_kernel[p.chain_grid](*descs, o, *states, self.rows, self.cu, self.chunk_off,
                                                        self.flags, self.H, self.HV, *p.chain_consts,
                                                        num_warps=NUM_WARPS)
-        if self.direct and p.chain is None and _aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
+        if self.direct and p.chain is None and aligned(o.data_ptr(), 0 if ht is None else ht.data_ptr()):
             d = direct_launch(compiled)
             if d is not None:
                 p.specs = _specs(d.metas, *self.descs_shape)
@@ -417,28 +410,6 @@ def _specs(metas, Ttot: int, HK: int, HVV: int, slots: int) -> tuple[TmaSpec, ..
     the compiled kernel's tensor-descriptor metadata."""
     shapes = ((Ttot, HK), (Ttot, HK), (Ttot, HVV), (slots * CHUNK, CHUNK), (slots * GATE_ROWS, CHUNK), (Ttot, HVV))
     return tuple(TmaSpec(m, shape, (shape[1], 1)) for m, shape in zip(metas, shapes, strict=True))
-
-
-_DRIVER: list = []  # (current device, current stream) of Triton's active driver, looked up once
-
-
-def _driver():
-    if not _DRIVER:
-        from triton.runtime import driver
-
-        _DRIVER.extend((driver.active.get_current_device, driver.active.get_current_stream))
-    return _DRIVER
-
-
-def _stream(index: int) -> int:
-    """The current stream of device `index`, as the JIT looks it up."""
-    return _DRIVER[1](index)
-
-
-def _direct_ok(dev: torch.device) -> bool:
-    """Whether a call on dev may take the direct launches: the JIT would launch on dev (the current device) and call
-    no hook (`launch.jit_is_plain`)."""
-    return jit_is_plain() and _driver()[0]() == dev.index
 
 
 OVERLAP_TOKENS = 4096  # the shortest longest sequence that runs its solve beside the chain (a second stream's cost)
