@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridlm.bench.cuda_profile import capture_graph
 from hybridlm.files import atomic_write_text
 from hybridlm.ops import gated_delta_rule, kda
 
@@ -112,16 +113,8 @@ def _time_graph(fn, rep: int, group) -> tuple[float | None, str | None]:
     the GPU time of the call without its host, as the kernel benches' graph-replay columns."""
     if DEVICE != "cuda":
         return None, "not on CUDA"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up off the default stream, as capture needs
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
     except RuntimeError as e:  # a backend or collective that cannot be captured
         torch.cuda.synchronize()
         return None, str(e).splitlines()[0][:200]

@@ -1,8 +1,24 @@
-"""Per-kernel CUDA times of a step, as the torch profiler tables them (`--profile` of bench kernels and layers)."""
+"""Per-kernel CUDA times of a step, as the torch profiler tables them (`--profile` of bench kernels and layers), and
+a call captured as a CUDA graph (the benches' graph-replay times)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """fn() captured as a CUDA graph, after `warmup` calls on a side stream (capture needs the allocator and any
+    lazy initialisation done off the default stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def profile_steps(step, steps: int) -> torch.profiler.profile:

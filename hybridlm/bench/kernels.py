@@ -38,7 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import busy_ms, print_kernel_times
+from hybridlm.bench.cuda_profile import busy_ms, capture_graph, print_kernel_times
 from hybridlm.files import atomic_write_text
 
 SHAPES = [(4, 4096, 16, 128), (1, 32768, 32, 128), (8, 2048, 32, 128)]
@@ -284,16 +284,7 @@ def _bench_shape(B, T, H, D, dev, gen, fla, args, HV=None):
 
 def _graph_ms(fn, rep) -> float:
     """Median ms of replaying a CUDA graph of fn (captured after warm-up calls): its GPU time plus one launch."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _bench(graph.replay, rep)
+    return _bench(capture_graph(fn).replay, rep)
 
 
 def _bench_prefill(B, T, H, D, dev, gen, fla, args) -> dict:
