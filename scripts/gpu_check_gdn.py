@@ -96,11 +96,28 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
         gr2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
         for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gr2):
             res[n] = rel(a, b)
-    tol_o, tol_g = BARS[dtype]
-    ok = all(v <= (tol_o if n in ("o", "final_state") else tol_g) for n, v in res.items())
-    worst = max(res.items(), key=lambda kv: kv[1] / (tol_o if kv[0] in ("o", "final_state") else tol_g))
+    bars = gdn_bars(dtype, decay)
+    held = {n: v for n, v in res.items() if n in bars}
+    ok = all(v <= bars[n] for n, v in held.items())
+    worst = max(held.items(), key=lambda kv: kv[1] / bars[kv[0]])
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "pass": ok, "worst": worst[0],
             "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
+
+
+def gdn_bars(dtype, decay) -> dict[str, float]:
+    """The bar of each tensor of a GDN case: BARS, except where log-decays reach -30 a step, where the 16-bit
+    paths are held to the CPU tests' decay-30 bars (tests/ops/test_triton_gdn.py BF16_DECAY30_BARS: dg and dbeta
+    have a seed-dependent tail from the 16-bit W, U and chunk states, dg up to 1.2e-1 over 90 seeds) and float16
+    does not hold dh0: every path to it carries e^b of the first rows (down to 1e-13 here), under float16's
+    smallest subnormal (6e-8) in the 16-bit W and dO diag(qs) that the kernels keep, so it rounds to zero (rel 1.0);
+    bfloat16 has float32's range (docs/kernels.md "fp16 and strong decays")."""
+    tol_o, tol_g = BARS[dtype]
+    bars = {n: tol_o for n in ("o", "final_state")} | {n: tol_g for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}
+    if decay in (30.0, "cliff") and dtype != torch.float32:
+        bars.update(dg=2.5e-1, dbeta=3e-2)
+        if dtype == torch.float16:
+            del bars["dh0"]
+    return bars
 
 
 def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
