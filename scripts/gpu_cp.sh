@@ -36,8 +36,8 @@ run() {  # NAME NPROC COMMAND ARGS...: one run into $D/NAME, its log in $D/NAME.
 }
 for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k cp1_32k_fp32 cp4_32k_fp32}; do
   case $r in
-    ops) run ops 4 -m hybridlm.bench.context_parallel --out "$D/ops" ;;
-    ops2) run ops2 2 -m hybridlm.bench.context_parallel --out "$D/ops2" ;;
+    ops) run ops 4 -m hybridlm.bench.context_parallel --profile --out "$D/ops" ;;
+    ops2) run ops2 2 -m hybridlm.bench.context_parallel --profile --out "$D/ops2" ;;
     cp1_32k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --out "$D/$r" ;;
     cp2_32k) run "$r" 2 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --context-parallel 2 \
                --out "$D/$r" ;;

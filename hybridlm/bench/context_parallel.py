@@ -12,7 +12,10 @@ ranks; the initial state's gradient summed over the ranks), held to that check's
 states, 1e-2 for gradients). Time: the median over --rep of one fwd+bwd between two barriers (wall, synchronised),
 and its CUDA-event time on each rank (the slowest rank's); then the same fwd+bwd captured as one CUDA graph (the
 collectives inside it) and replayed, its GPU time without the host's launches (a call at 8K tokens a rank issues
-its ~50 launches for longer than they run). Writes cp.json and cp.md under --out on rank 0.
+its ~50 launches for longer than they run). Writes cp.json and cp.md under --out on rank 0. --profile adds
+profile.md: each rank's kernels in one CP fwd+bwd by name (torch profiler, a barrier before each profiled call, so
+a collective's time is its wait for the slowest rank within the call plus the transfer) beside the whole sequence's
+on one GPU divided by R, what a rank would take with nothing added.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import capture_graph
+from hybridlm.bench.cuda_profile import capture_graph, kernel_rows
 from hybridlm.files import atomic_write_text
 from hybridlm.ops import gated_delta_rule, kda
 
@@ -171,6 +174,45 @@ def _add_graph_times(row: dict, a, group) -> None:
                graph_note=why_one or why_cp)
 
 
+def _profile(op: str, a, group, steps: int = 5) -> str:
+    """Markdown lines (rank 0; '' elsewhere) of every rank's kernel ms in one CP fwd+bwd against the whole
+    sequence's on one GPU divided by the ranks."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    run_one, run_cp, _ = _calls(op, a, group)
+
+    def rows(fn, sync: bool) -> dict[str, float]:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                if sync:
+                    dist.barrier(group)
+                    torch.cuda.synchronize()
+                fn()
+            torch.cuda.synchronize()
+        return {name[:60]: us / 1e3 for name, us, _ in kernel_rows(prof, steps)}
+
+    mine = rows(run_cp, True)
+    one = rows(run_one, False) if rank == 0 else {}
+    every = [None] * R
+    dist.all_gather_object(every, mine, group=group)
+    if rank != 0:
+        return ""
+    names = sorted(set(one) | {n for r in every for n in r}, key=lambda n: -max([one.get(n, 0) / R] +
+                                                                                 [r.get(n, 0) for r in every]))
+    comm = lambda r: sum(ms for n, ms in r.items() if n.startswith("nccl"))  # noqa: E731
+    lines = [f"{op}: kernel ms a call (profiler, {steps} calls), one GPU on the whole sequence / {R} against each "
+             "CP rank", "", "| kernel | one GPU / R | " + " | ".join(f"rank {r}" for r in range(R)) + " |",
+             "|---|---|" + "---|" * R,
+             "| **all but collectives** | " + f"{(sum(one.values()) - comm(one)) / R:.3f} | " +
+             " | ".join(f"{sum(r.values()) - comm(r):.3f}" for r in every) + " |",
+             "| **collectives (waits included)** | - | " + " | ".join(f"{comm(r):.3f}" for r in every) + " |"]
+    for n in names:
+        lines.append(f"| {n} | {one.get(n, 0) / R:.3f} | " + " | ".join(f"{r.get(n, 0):.3f}" for r in every) + " |")
+    return "\n".join(lines + [""])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=32768, help="tokens of the whole sequence (default 32768)")
@@ -181,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="gdn,kda")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the CUDA-graph replay timing (eager wall and CUDA-event times only)")
+    p.add_argument("--profile", action="store_true", help="also profile.md: each rank's kernels by name against "
+                   "the whole sequence's on one GPU (CUDA only)")
     p.add_argument("--out", default="out/cp")
     a = p.parse_args(argv)
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
@@ -194,6 +238,7 @@ def main(argv=None) -> int:
     if a.graph:
         for row in rows:
             _add_graph_times(row, a, group)
+    prof = [_profile(op, a, group) for op in a.ops.split(",")] if a.profile and DEVICE == "cuda" else []
     if rank == 0:
         name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
         lines = [f"{name} x {R}, torch {torch.__version__}, bf16, B1 T{a.seq_len} "
@@ -214,6 +259,8 @@ def main(argv=None) -> int:
         os.makedirs(a.out, exist_ok=True)
         atomic_write_text(os.path.join(a.out, "cp.md"), table + "\n")
         atomic_write_text(os.path.join(a.out, "cp.json"), json.dumps(rows, indent=1))
+        if prof:
+            atomic_write_text(os.path.join(a.out, "profile.md"), "\n".join(prof))
     ok = all(r["pass_"] for r in rows)
     dist.destroy_process_group()
     return 0 if ok else 1
