@@ -2,7 +2,8 @@
 # Context parallelism on one host of 4 GPUs: the context-parallel table of BENCHMARKS.md. Run it after a change to
 # hybridlm/ops/context_parallel.py, the layers' cp_group paths or the training loop's mesh, or to refresh that table.
 #   ops:      `torchrun -m hybridlm.bench.context_parallel`: GDN and KDA, B1 T32768 H16 D128 bf16, CP 4 against one GPU
-#             on the whole sequence (agreement at the float64 check's bars, fwd+bwd time)
+#             on the whole sequence (agreement at the float64 check's bars, fwd+bwd time); ops2: the same at CP 2
+#             (a host of 2 GPUs)
 #   cp1_32k / cp2_32k / cp4_32k: the gpu-325m preset, one row of 32768 tokens a step, 30 steps, on 1, 2 and 4 GPUs
 #             (--context-parallel 2 / 4): their per-step train losses against cp1_32k are reported (bf16 rounding
 #             differences grow with the steps)
@@ -36,6 +37,7 @@ run() {  # NAME NPROC COMMAND ARGS...: one run into $D/NAME, its log in $D/NAME.
 for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k cp1_32k_fp32 cp4_32k_fp32}; do
   case $r in
     ops) run ops 4 -m hybridlm.bench.context_parallel --out "$D/ops" ;;
+    ops2) run ops2 2 -m hybridlm.bench.context_parallel --out "$D/ops2" ;;
     cp1_32k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --out "$D/$r" ;;
     cp2_32k) run "$r" 2 -m hybridlm.train "${COMMON[@]}" --seq-len 32768 --max-steps 30 --context-parallel 2 \
                --out "$D/$r" ;;
@@ -48,7 +50,7 @@ for r in ${RUNS:-ops cp1_32k cp4_32k cp4_128k cp1_128k cp2_32k cp1_32k_fp32 cp4_
     cp4_128k) run "$r" 4 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 12 --context-parallel 4 \
                 --out "$D/$r" ;;
     cp1_128k) run "$r" 1 -m hybridlm.train "${COMMON[@]}" --seq-len 131072 --max-steps 2 --out "$D/$r" ;;
-    *) echo "RUNS: unknown run $r (expected ops cp1_32k cp2_32k cp4_32k cp4_128k cp1_128k cp1_32k_fp32"\
+    *) echo "RUNS: unknown run $r (expected ops ops2 cp1_32k cp2_32k cp4_32k cp4_128k cp1_128k cp1_32k_fp32"\
               "cp4_32k_fp32)"; exit 2 ;;
   esac
 done
@@ -95,9 +97,10 @@ for one, cp, held in (("cp1_32k_fp32", "cp4_32k_fp32", True), ("cp1_32k", "cp4_3
     lines += [f"max |train loss {cp} - {one}| over {len(common)} steps: {fmt(diff, '.2e')} "
               + (f"(<= 1e-2: {'PASS' if good else 'FAIL'})" if held else "(bf16, reported)")]
     res[f"loss_max_abs_diff {cp} - {one}"] = diff
-ops = load("ops", "cp.json")
-if ops:
-    ok = ok and all(r["pass_"] for r in ops)
+for name in ("ops", "ops2"):
+    ops = load(name, "cp.json")
+    if ops:
+        ok = ok and all(r["pass_"] for r in ops)
 res["pass"] = ok
 table = "\n".join(lines)
 print(table)
