@@ -41,6 +41,19 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
+def check_cache_reuse(fresh, check) -> list[torch.Tensor]:
+    """The calls a launch cache (cached plans, tensor maps, direct launches) must not serve stale: check(inputs,
+    scale, label) on fresh inputs A, on other tensors B at another scale, then on A refilled in place (same
+    addresses, new values). Returns A: the caller frees it and checks inputs allocated after (addresses reused)."""
+    a = fresh()
+    check(a, None, "first call")
+    check(fresh(), 0.05, "other tensors")
+    for x, y in zip(a, fresh()):
+        x.copy_(y)
+    check(a, None, "A refilled in place")
+    return a
+
+
 def check_chunk_equals_naive(run, x: dict, names, cot: torch.Tensor, tol: float, **kw) -> torch.Tensor:
     """run({**x, leaves}, impl=..., **kw) with impl "naive" and "chunk", the inputs `names` of x as leaves: the
     outputs and the gradients of (o * cot).sum() agree within `tol` (rel, per tensor). Returns chunk's output."""
