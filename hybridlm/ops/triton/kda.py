@@ -75,12 +75,14 @@ def _chunk_size(K: int, dtype: torch.dtype) -> int:
 
 def _numerics(dtype: torch.dtype) -> tuple[torch.dtype, str]:
     """(dtype of the intermediates, dot precision) for inputs of dtype. bfloat16 as GDN (`gdn._store_dtype`,
-    `gdn._prec`): 16-bit intermediates, tf32 where an operand is fp32. float16 keeps float32 intermediates and
-    3xTF32 dots: the per-channel decay products are [BT, BT] dots of factors up to e^60 whose row and column sums
-    cancel in dg, and with float16 intermediates and tf32 dots dt_bias's gradient was 1.6% off (fla's test bar:
-    0.5%; docs/fla.md). float32: float32 and IEEE dots."""
+    `gdn._prec`): 16-bit intermediates, tf32 where an operand is fp32. float16 takes the float32 path (float32
+    intermediates, IEEE dots): the per-channel decay products are [BT, BT] dots of factors up to e^60 whose row and
+    column sums cancel in dg, and on an H200 fla's masked varlen test put dt_bias's gradient 1.6% off with float16
+    intermediates and tf32 dots, 0.7% with 3xTF32 dots (fla's bar: 0.5%; docs/fla.md). float32 intermediates with
+    tf32 or 3xTF32 dots are not an option on sm_90: the state backward then needs 260 KB of shared memory, and
+    under 3xTF32 a one-chunk GVA case read out of bounds."""
     if dtype == torch.float16:
-        return torch.float32, "tf32x3"
+        return torch.float32, "ieee"
     return gdn._store_dtype(dtype), gdn._prec(dtype)
 
 
