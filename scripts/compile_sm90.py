@@ -20,6 +20,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -113,15 +114,17 @@ def kda_jobs(dt: str, K: int, V: int, BT: int, bv: int) -> dict:
     T = kda.TUNE
     g = gdn_jobs(dt, K, V, BT, bv)
     K, V = gdn.padded_dim(K), gdn.padded_dim(V)  # the chunk kernels run padded
-    sd, i32, f32 = dt, "i32", "fp32"
-    prec, lowp = ("ieee", False) if dt == "fp32" else ("tf32", True)
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    sdt, prec = kda._numerics(names[dt])  # float16 inputs keep float32 intermediates
+    sd, i32, f32 = next(n for n, t in names.items() if t == sdt), "i32", "fp32"
+    lowp = sd != "fp32"
     common = dict(K=K, BT=BT, L2=True, PREC=prec)
     chunks = dict(cu=i32, chunk_seq=i32, chunk_start=i32)
     bk = min(T.bk, K)
-    jobs = {name + " channel": (fn, ptrs, ints, dict(cx, CHANNEL=True), T.state_warps, st)
+    jobs = {name + " channel": (fn, ptrs, ints, dict(cx, CHANNEL=True, PREC=prec, LOWP=lowp), T.state_warps, st)
             for name, (fn, ptrs, ints, cx, _w, st) in g.items() if name in ("_recur_fwd", "_recur_bwd")}
-    jobs["_recur_fwd channel"][1].update(Kd=sd)
-    jobs["_recur_bwd channel"][1].update(Qg=sd, Kd=sd)
+    jobs["_recur_fwd channel"][1].update(Wbuf=sd, Ubuf=sd, Kd=sd, hbuf=sd, vnbuf=sd)
+    jobs["_recur_bwd channel"][1].update(Wbuf=sd, Qg=sd, Kd=sd, Pb=sd, dhbuf=sd, dvnbuf=sd)
     jobs["_solve_blocks"] = (ut_solve._solve_blocks, dict(Tbuf=f32), dict(HV=i32), dict(BT=BT, PREC=prec), 1, 1)
     jobs["_kda_prep_wu"] = (kda_prep._kda_prep_wu, dict(chunks, k=dt, v=dt, g=f32, beta=dt, Tbuf=f32, Wbuf=sd,
                                                          Ubuf=sd), dict(H=i32, HV=i32),

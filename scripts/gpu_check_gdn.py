@@ -56,10 +56,11 @@ def fresh_layer_gates(shape: tuple[int, ...], HV: int, gen) -> torch.Tensor:
 
 
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
-          recompute=False, decay=None):
+          recompute=False, decay=None, g_first=None):
     """One case vs float64; grads=False: the inference forward (no autograd, nothing kept for a backward); decay:
     log-decays uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of
-    [-30, 0) then 32 of [-0.05, 0); "init": a fresh layer's (`fresh_layer_gates`)."""
+    [-30, 0) then 32 of [-0.05, 0); "init": a fresh layer's (`fresh_layer_gates`). g_first: every sequence's first
+    log-decay (e^b of every row under float16's range at -25: `chunk_jit._chunk_scale`)."""
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)
@@ -72,6 +73,8 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     elif decay is not None:
         bound = cliff_bounds(T, dev) if decay == "cliff" else decay
         g = -bound * torch.rand(B, T, HV, device=dev, generator=gen)
+    if g_first is not None:
+        g[:, 0] = g_first
     beta = 2.0 * torch.rand(B, T, HV, device=dev, generator=gen)
     xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype)] + [r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
@@ -105,18 +108,15 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
 
 
 def gdn_bars(dtype, decay) -> dict[str, float]:
-    """The bar of each tensor of a GDN case: BARS, except where log-decays reach -30 a step, where the 16-bit
-    paths are held to the CPU tests' decay-30 bars (tests/ops/test_triton_gdn.py BF16_DECAY30_BARS: dg and dbeta
-    have a seed-dependent tail from the 16-bit W, U and chunk states, dg up to 1.2e-1 over 90 seeds) and float16
-    does not hold dh0: every path to it carries e^b of the first rows (down to 1e-13 here), under float16's
-    smallest subnormal (6e-8) in the 16-bit W and dO diag(qs) that the kernels keep, so it rounds to zero (rel 1.0);
-    bfloat16 has float32's range (docs/kernels.md "fp16 and strong decays")."""
+    """The bar of each tensor of a GDN case: BARS, except where log-decays reach -30 a step and with a fresh
+    layer's gates (about -5.5 a step, down to about -25), where the 16-bit paths are held to the CPU tests'
+    decay-30 bars (tests/ops/test_triton_gdn.py BF16_DECAY30_BARS: dg and dbeta have a seed-dependent tail from
+    the 16-bit W, U and chunk states, dg up to 1.2e-1 over 90 seeds; with a fresh layer's gates bf16 dg drew
+    1.66e-2 on an H200, and over 38 seeds under the interpreter up to 1.24e-2, 3 of them above 1e-2)."""
     tol_o, tol_g = BARS[dtype]
     bars = {n: tol_o for n in ("o", "final_state")} | {n: tol_g for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0")}
-    if decay in (30.0, "cliff") and dtype != torch.float32:
+    if decay in (30.0, "cliff", "init") and dtype != torch.float32:
         bars.update(dg=2.5e-1, dbeta=3e-2)
-        if dtype == torch.float16:
-            del bars["dh0"]
     return bars
 
 
@@ -231,6 +231,8 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
         out.append(("T300 HV2 K128 decay30", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt, decay=30.0)))
         out.append(("T300 HV2 K128 decay cliff", dict(B=1, T=300, H=1, HV=2, K=128, V=128, dtype=dt,
                                                       decay="cliff")))
+        out.append(("T200 B2 H2 HV2 K128 first decay -25", dict(B=2, T=200, H=2, HV=2, K=128, V=128, dtype=dt,
+                                                                 g_first=-25.0)))
         out.append(("T300 H2 HV2 K128 fresh-layer gates", dict(B=1, T=300, H=2, HV=2, K=128, V=128, dtype=dt,
                                                                decay="init")))
         # the inference forward (no autograd: nothing kept for a backward)

@@ -1,8 +1,8 @@
-"""Kimi's gate inside the Triton KDA kernels on a GPU, bf16: `kda(q, k, v, g=raw, beta=, A_log=, dt_bias=,
+"""Kimi's gate inside the Triton KDA kernels on a GPU, bf16 and fp16: `kda(q, k, v, g=raw, beta=, A_log=, dt_bias=,
 lower_bound=, impl="triton")` against the float64 chunk path with PyTorch's gate applied before the recurrence
 (`hybridlm.ops.kda_gate`), at K = V = 128 with a freshly initialised layer's gates (raw ~ N(0, 1), A = e^A_log ~
 U(1, 16), dt_bias 0 as `KimiDeltaAttention` makes it: log-decays of ~-5.5 a step, most chunks by the 16-row block
-launches), varlen documents, GVA 2 and an initial state, both gate forms. Bars: the GPU check's bf16 ones, 5e-3
+launches), varlen documents, GVA 2 and an initial state, both gate forms. Bars: the GPU check's 16-bit ones, 5e-3
 (outputs) and 1e-2 (gradients, raw included); dA_log and ddt_bias, sums over every token, 1e-2 of the magnitudes
 of the terms they add up (`float64_check.gate_sum_errors`: an error eps in each term moves the sum by at most eps
 times that). A second call gives bitwise the same results (fp32
@@ -31,12 +31,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def _inputs(seed: int) -> dict[str, torch.Tensor]:
+def _inputs(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T, H, HV, K, V = CU[-1], 2, 4, 128, 128
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    return {"q": r(1, T, H, K).bfloat16(), "k": r(1, T, H, K).bfloat16(), "v": r(1, T, HV, V).bfloat16(),
-            "raw": r(1, T, HV, K).bfloat16(), "beta": torch.rand(1, T, HV, device="cuda", generator=gen).bfloat16(),
+    return {"q": r(1, T, H, K).to(dtype), "k": r(1, T, H, K).to(dtype), "v": r(1, T, HV, V).to(dtype),
+            "raw": r(1, T, HV, K).to(dtype), "beta": torch.rand(1, T, HV, device="cuda", generator=gen).to(dtype),
             "A_log": (1 + 15 * torch.rand(HV, device="cuda", generator=gen)).log(),
             "dt_bias": torch.zeros(HV * K, device="cuda"), "h0": 0.1 * r(len(CU) - 1, HV, K, V)}
 
@@ -53,9 +53,10 @@ def _run(x: dict, lower_bound, impl: str, do, dht, g=None):
     return [o.detach(), ht.detach(), *grads]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
-def test_gate_in_kernels_bf16_matches_float64(lower_bound, seed):
-    x = _inputs(seed)
+def test_gate_in_kernels_matches_float64(lower_bound, dtype, seed):
+    x = _inputs(seed, dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     do = torch.randn(x["v"].shape, device="cuda", generator=gen, dtype=F64)
     dht = torch.randn(x["h0"].shape, device="cuda", generator=gen, dtype=F64)

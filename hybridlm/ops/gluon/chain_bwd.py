@@ -5,6 +5,8 @@ reverse, the state gradient in registers for the whole sequence.
 Per chunk, with dS' the gradient of the state after the chunk (what the chunk backward reads as dS) and the row
 scales of `state_pass._raw_row_scales` (qs = scale rq e^b, sk = rk e^{bL - b}) on the raw q, k rows:
     dVn = P^T dO + diag(sk) K dS'                     dS = e^{bL} dS' + Q^T diag(qs) dO - W^T dVn
+(W is stored as W / m and the gate rows hold qs / m and e^{bL} / m, m the chunk's power-of-two scale
+`chunk_jit._chunk_scale`; the chain multiplies its dS by m once the chunk's products are done.)
 Non-standard here:
 - The state gradient is kept transposed, dS^T [64, K] fp32, in one warpgroup's registers, so every product takes
   its left operand from registers (dS'^T, dO^T and dVn^T rounded to 16 bits: wgmma's A operand) against k^T, P, q
@@ -93,14 +95,18 @@ if _IMPORT_ERROR is None:
             # dS'^T in 16 bits (what dhb keeps, the left operand of dS'^T K^T) and e^{bL} dS'^T, before any product
             # is in flight (dS is the last product's result)
             s16 = dS.to(dt)
-            dS = dS * gl.max(_gate_cols(gb, 2, MT), axis=0)  # e^{bL}, in every column of row 2
+            # the chunk's scale m (`chunk_jit._chunk_scale`): the chunk's dS^T is m times the products below, whose
+            # 16-bit operands carry qs / m and W / m, and whose accumulator starts at (e^{bL} / m) dS'^T
+            m = gl.max(_gate_cols(gb, 3, MT), axis=0)  # m on the sequence's tokens, 0 past its end
+            dS = dS * gl.max(_gate_cols(gb, 2, MT), axis=0)  # e^{bL} / m, in every column of row 2
             s_op = gl.convert_layout(s16, A_T)
             z = warpgroup_mma(s_op, k_st.index(buf).permute((1, 0)), zt, use_acc=False, is_async=True)
             # e^{bL} dS'^T + (dO^T diag(qs)) Q and dO^T P (dO's rows past the sequence masked), in flight beside it
             dot_t = do_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)  # dO^T [BV, C]
             qs_op = gl.convert_layout((dot_t * gl.expand_dims(_gate_cols(gb, 0, MT), 0)).to(dt), A_S)
             acc = warpgroup_mma(qs_op, q_st.index(buf), dS, use_acc=True, is_async=True)
-            do_op = gl.convert_layout((dot_t * gl.expand_dims(_gate_cols(gb, 3, MT), 0)).to(dt), A_T)
+            live = gl.expand_dims(_gate_cols(gb, 3, MT), 0) > 0.0
+            do_op = gl.convert_layout(gl.where(live, dot_t, 0.0).to(dt), A_T)
             x = warpgroup_mma(do_op, p_st.index(buf), zt, use_acc=False, is_async=True)
             # dS' leaves by TMA from hb_st (as [K, BV]) once the previous chunk's stores have read both buffers
             tma.store_wait(0)
@@ -116,7 +122,7 @@ if _IMPORT_ERROR is None:
             d16 = dvn_t.to(dt)
             # dS^T = acc - dVn^T W (the 16-bit dVn^T negated: exact)
             n_op = gl.convert_layout(-d16, A_S)
-            dS = warpgroup_mma(n_op, w_st.index(buf), acc, use_acc=True)
+            dS = warpgroup_mma(n_op, w_st.index(buf), acc, use_acc=True) * m
             gl.thread_barrier()  # every warp of this partition is past its reads of the slot
             mbarrier.arrive(done.index(buf), count=1)
 

@@ -65,6 +65,17 @@ def _op(x, DT: tl.constexpr, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _chunk_scale(g, tok, ihv, HV, live):
+    """m = 2^floor(log2 e^{g_0}) within [2^-60, 1], g_0 the log-decay of the chunk's first token tok (1 where the
+    chunk is not live). Every row of W = T diag(beta gamma) K^ and of dO diag(qs) is at most ~e^{g_0} in size: the
+    kernels keep W / m and dO diag(qs / m) in 16 bits and multiply m back onto the fp32 products, so that a strong
+    first decay (e^{g_0} = 1e-11 at g_0 = -25, under float16's smallest subnormal 6e-8) does not round them, and
+    the initial state's gradient with them, to zero. A power of two: dividing and multiplying by it is exact."""
+    g0 = tl.load(g + tok * HV + ihv, mask=live, other=0.0).to(tl.float32)
+    return tl.exp2(tl.minimum(tl.maximum(tl.floor(g0 * 1.4426950408889634), -60.0), 0.0))
+
+
+@triton.jit
 def _chunk_coords(cu, chunk_seq, chunk_start, ic, BT: tl.constexpr):
     n = tl.load(chunk_seq + ic)
     bos = tl.load(chunk_start + ic).to(tl.int64)

@@ -11,6 +11,7 @@ gamma = e^b, bL = b at the chunk's last token, ^: l2-normalised):
     W = T diag(beta gamma) K^,  U = T diag(beta) V                  `wy._wu_fwd`
     Vn = U - W S,  S' = e^{bL} S + (K^ e^{bL - b})^T Vn             `state_pass._recur_fwd` (serial over chunks)
     O = diag(gamma) Q^ S + (Q^ K^^T e^{b_i - b_j}, j <= i) Vn         `chunk_out._out_fwd_raw` (every chunk at once)
+(W is kept as W / m, m a power of two near e^b of the chunk's first token: `chunk_jit._chunk_scale`.)
 The backward: `state_pass._recur_bwd` (dS', dVn, serial in reverse; on sm_90 with 16-bit inputs the Gluon chain
 `hybridlm.ops.gluon.gdn_bwd` instead, `_gluon_chain`), then `chunk_bwd` (every chunk at once).
 `dh0_without_dht` runs that serial pass alone with no final-state cotangent: the initial-state gradient that

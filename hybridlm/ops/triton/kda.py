@@ -66,10 +66,24 @@ TUNE = KDALaunch()
 
 
 def _chunk_size(K: int, dtype: torch.dtype) -> int:
-    """Chunk length: 64, but 32 for float32 inputs above K=128. sm_90 compile (compile_sm90.py, K=V=256 fp32, V block
-    16): at 64 the sequential kernels need 228 KB of shared memory (the H100 allows 227 KB), at 32 118 KB. Fixed per
-    (K, dtype), not found by trial, so the fake kernel's saved shapes match."""
-    return 32 if K > 128 and dtype == torch.float32 else 64
+    """Chunk length: 64, but 32 above K=128 where the intermediates are float32 (`_numerics`). sm_90 compile
+    (compile_sm90.py, K=V=256 fp32, V block 16): at 64 the sequential kernels need 228 KB of shared memory (the H100
+    allows 227 KB), at 32 118 KB. Fixed per (K, dtype), not found by trial, so the fake kernel's saved shapes
+    match."""
+    return 32 if K > 128 and _numerics(dtype)[0] == torch.float32 else 64
+
+
+def _numerics(dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """(dtype of the intermediates, dot precision) for inputs of dtype. bfloat16 as GDN (`gdn._store_dtype`,
+    `gdn._prec`): 16-bit intermediates, tf32 where an operand is fp32. float16 takes the float32 path (float32
+    intermediates, IEEE dots): the per-channel decay products are [BT, BT] dots of factors up to e^60 whose row and
+    column sums cancel in dg, and on an H200 fla's masked varlen test put dt_bias's gradient 1.6% off with float16
+    intermediates and tf32 dots, 0.7% with 3xTF32 dots (fla's bar: 0.5%; docs/fla.md). float32 intermediates with
+    tf32 or 3xTF32 dots are not an option on sm_90: the state backward then needs 260 KB of shared memory, and
+    under 3xTF32 a one-chunk GVA case read out of bounds."""
+    if dtype == torch.float16:
+        return torch.float32, "ieee"
+    return gdn._store_dtype(dtype), gdn._prec(dtype)
 
 
 @custom_op("kda_chunk_fwd")
@@ -95,7 +109,7 @@ def kda_chunk_fwd(
     if A_log is not None:  # g is the raw gate: the prep's first launch writes the log-decay to gf
         gate = Gate(g, A_log.contiguous(), dt_bias.contiguous(), lower_bound)
         g = gdn._out((Ttot, HV, K), q, f32)
-    sd = gdn._store_dtype(q.dtype)
+    sd, prec = _numerics(q.dtype)
     lowp = sd != f32
     NCb = max_chunks(Ttot, N, BT) if save else max(nc, 1)
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
@@ -104,7 +118,6 @@ def kda_chunk_fwd(
     hb, vn = e(NCb, HV, K, V), e(Ttot, HV, V)
     o = gdn._out((B, T, HV, V), q, q.dtype)
     ht = gdn._out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
-    prec = gdn._prec(q.dtype)
     if nc > 0:
         _prep(q, k, v, g, beta, Tb, Wb, Ub, Qg, Kd, Pb, BLb, lay, scale, use_qk_l2norm, prec, gate)
     h0 = initial_state.contiguous() if initial_state is not None else ht
@@ -196,7 +209,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     ht = q.new_empty(N, HV, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32)
     out = [q.new_empty(B, T, HV, V), ht]
     if save:
-        BT, sd, Tt = _chunk_size(K, q.dtype), gdn._store_dtype(q.dtype), B * T
+        BT, sd, Tt = _chunk_size(K, q.dtype), _numerics(q.dtype)[0], B * T
         NC = max_chunks(Tt, N, BT)
         out += [q.new_empty(NC, HV, BT, BT, dtype=f32), q.new_empty(Tt, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(Tt, HV, V, dtype=sd),
@@ -257,7 +270,7 @@ def _bwd_impl(do, dht, q, k, v, g, beta, saved: list[torch.Tensor | None], cu_se
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     dht = dht.contiguous() if dht is not None else None  # e.g. the expanded ones of ht.sum()'s backward
     f32 = torch.float32
-    prec = gdn._prec(q.dtype)
+    prec = _numerics(q.dtype)[1]
     dhb = torch.empty_like(hb)
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = hb.dtype != f32
@@ -313,7 +326,7 @@ def _state_grad_pass(do, dht, BLb, Wb, Qg, Kd, Pb, dh0, dhb, dvn, lay, H: int, H
     BV = gdn._recur_bv(K, V, lay.N * HV, do.device, per_sm=1)
     launcher(state_pass._recur_bwd)[(V // BV, lay.N * HV)](
         BLb, Wb, Qg, Kd, Pb, do, dht if dht is not None else dvn, dh0, dhb, dvn, lay.cu_t, lay.chunk_off,
-        lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=gdn._prec(Wb.dtype),
+        lay.nch, H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=_numerics(do.dtype)[1],
         HAS_DHT=dht is not None, STORE_DH0=has_h0, LOWP=dhb.dtype != torch.float32, CHANNEL=True,
         num_warps=gdn._state_warps(TUNE.state_warps, do.device, lay.nch), num_stages=gdn.fwd_stages(),
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_jit import _chunk_p, _chunk_rows, _cum_split, _inv_norms, _op, _seq_load, _seq_store
+from .chunk_jit import _chunk_p, _chunk_rows, _chunk_scale, _cum_split, _inv_norms, _op, _seq_load, _seq_store
 
 
 @triton.jit
@@ -45,9 +45,10 @@ def _recur_fwd(
 ):
     """Carries S over one sequence's chunks: stores S (chunk-initial, to hbuf) and Vn = U - W S (to vnbuf), then
     S <- e^{bL} S + Kd^T Vn. GDN: g the per-token log-decays [tokens, HV], Kd the raw k [tokens, H, K] and SK its
-    row scales s_k [tokens, HV] fp32. CHANNEL (KDA): g the per-chunk total log-decay per key channel
-    [chunks, HV, K] (S decays by row), Kd the scaled keys [tokens, HV, K], SK unused. LOWP: dot operands in the
-    16-bit storage dtype (else fp32 at PREC); the state and every accumulator stay fp32."""
+    row scales s_k [tokens, HV] fp32, W stored as W / m (`_chunk_scale`: Vn = U - m (W / m) S). CHANNEL (KDA):
+    g the per-chunk total log-decay per key channel [chunks, HV, K] (S decays by row), Kd the scaled keys
+    [tokens, HV, K], SK unused. LOWP: dot operands in the 16-bit storage dtype (else fp32 at PREC); the state and
+    every accumulator stay fp32."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
     iv = tl.program_id(0)
     inh = tl.program_id(1)
@@ -85,7 +86,11 @@ def _recur_fwd(
             kd = _seq_load(Kd, bos, Tn, t0, ih * K, H * K, BT, K)
         W = _seq_load(Wbuf, bos, Tn, t0, ihv * K, HV * K, BT, K)
         U = _seq_load(Ubuf, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC)
+        if CHANNEL:
+            vn = U.to(tl.float32) - tl.dot(_op(W, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC)
+        else:
+            m = _chunk_scale(g, bos + t0, ihv, HV, live)
+            vn = U.to(tl.float32) - m * tl.dot(_op(W, DT, LOWP), _op(S, DT, LOWP), input_precision=PREC)
         _seq_store(vnbuf, vn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
         if CHANNEL:
             S = S * dec + tl.dot(tl.trans(_op(kd, DT, LOWP)), _op(vn, DT, LOWP), input_precision=PREC)
@@ -104,7 +109,9 @@ def _recur_bwd(
     scale=1.0, L2: tl.constexpr = False,
 ):
     """Reverse recurrence of the state gradient dS [K, BV] over the forward's tiles (Qg, Kd, P, W):
-    dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn.
+    dVn = P^T dO + Kd dS', dS <- e^{bL} dS' + Qg^T dO - W^T dVn. Stores dS' of every chunk and dVn. GDN takes W as
+    W / m (`_chunk_scale`) and computes dS = m ((e^{bL} / m) dS' + Q^T (qs / m) dO - (W / m)^T dVn): each 16-bit
+    operand in range however strong the chunk's first decay.
     GDN: Qg and Kd are the raw q and k ([tokens, H, K]); their row scales (`_raw_row_scales`) go onto dO's rows
     (Qg^T dO = Q^T (qs dO)) and onto the rows of K dS' (Kd dS' = sk K dS'), and the raw 16-bit rows are exact dot
     operands. CHANNEL (KDA): g as in `_recur_fwd`, Qg and Kd the scaled tiles [tokens, HV, K]."""
@@ -144,6 +151,7 @@ def _recur_bwd(
             dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
                 tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC)
             dQ_d = dO_d
+            m = 1.0
         else:
             gs = tl.load(g + (bos + t0 + rows) * HV + ihv, mask=rows < nval, other=0.0).to(tl.float32)
             dec = tl.exp(tl.sum(gs, 0))
@@ -153,10 +161,12 @@ def _recur_bwd(
             qs, sk = _raw_row_scales(qg, kd, gs, scale, L2)
             dvn = tl.dot(tl.trans(_op(P, DT, LOWP)), dO_d, input_precision=PREC) + \
                 tl.dot(_op(kd, DT, LOWP), _op(dS, DT, LOWP), input_precision=PREC) * sk[:, None]
-            dQ_d = _op(dO * qs[:, None], DT, LOWP)
+            m = _chunk_scale(g, bos + t0, ihv, HV, live)
+            dec = dec / m
+            dQ_d = _op(dO * (qs / m)[:, None], DT, LOWP)
         _seq_store(dvnbuf, dvn, bos, Tn, t0, ihv * V + iv * BV, HV * V, BT, BV)
-        dS = (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dQ_d, input_precision=PREC)
-              - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
+        dS = m * (dS * dec + tl.dot(tl.trans(_op(qg, DT, LOWP)), dQ_d, input_precision=PREC)
+                  - tl.dot(tl.trans(_op(W, DT, LOWP)), _op(dvn, DT, LOWP), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + (n * HV + ihv).to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :], dS)
 
@@ -168,9 +178,9 @@ BWD_GATE_ROWS = 4  # rows of a chunk's block in `_bwd_gate_rows`' buffer (a TMA 
 def _bwd_gate_rows(q, k, g, G, cu, chunk_seq, chunk_start, scale, H, HV, K: tl.constexpr, BT: tl.constexpr,
                    L2: tl.constexpr):
     """The row scales `_recur_bwd` (GDN) computes per chunk, written for every chunk ic and value head ihv (grid
-    (chunks, HV)) to G [chunks * HV, 4, BT] fp32 at slot ic * HV + ihv:
-        row 0: qs = scale rq e^b,   row 1: sk = rk e^{bL - b},   row 2: e^{bL} in every column,
-        row 3: 1 for the sequence's tokens, 0 past its end (rows 0 and 1 are 0 there too)."""
+    (chunks, HV)) to G [chunks * HV, 4, BT] fp32 at slot ic * HV + ihv, with m the chunk's scale (`_chunk_scale`):
+        row 0: qs / m = scale rq e^b / m,   row 1: sk = rk e^{bL - b},   row 2: e^{bL} / m in every column,
+        row 3: m for the sequence's tokens, 0 past its end (rows 0 and 1 are 0 there too)."""
     ic = tl.program_id(0)
     ihv = tl.program_id(1)
     ih = ihv // (HV // H)
@@ -183,9 +193,11 @@ def _bwd_gate_rows(q, k, g, G, cu, chunk_seq, chunk_start, scale, H, HV, K: tl.c
         qr = gs
         kr = gs
     qs, sk = _raw_row_scales(qr, kr, gs, scale, L2)
-    dec = tl.exp(tl.sum(gs, 0))
+    m = _chunk_scale(g, bos, ihv, HV, nval > 0)
+    qs = qs / m
+    dec = tl.exp(tl.sum(gs, 0)) / m
     base = G + (ic * HV + ihv).to(tl.int64) * (4 * BT)  # 4: BWD_GATE_ROWS
     tl.store(base + rows, tl.where(rmask, qs, 0.0))
     tl.store(base + BT + rows, tl.where(rmask, sk, 0.0))
     tl.store(base + 2 * BT + rows, tl.zeros([BT], dtype=tl.float32) + dec)
-    tl.store(base + 3 * BT + rows, tl.where(rmask, 1.0, 0.0))
+    tl.store(base + 3 * BT + rows, tl.where(rmask, m, 0.0))

@@ -1,6 +1,7 @@
 """W and U of the WY/UT form, per chunk and value head: W = T diag(beta gamma) K^, U = T diag(beta) V, with T from
 `ut_solve.py`, gamma = e^b and K^ the (l2-normalised) keys. The serial state pass then needs only
-Vn = U - W S per chunk.
+Vn = U - W S per chunk. W is stored as W / m, m the chunk's power-of-two scale (`chunk_jit._chunk_scale`), which
+its readers multiply back onto their fp32 products.
 
 Non-standard: K enters raw, walked in blocks of BK key channels; its l2 norm and the decays are row scales. The
 same launch writes the keys' inverse norms rk [tokens, HV] (for the output launch) and the row scales
@@ -13,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_jit import _chunk_coords, _chunk_gates, _load_raw, _load_rows, _op, _row_inv_norms
+from .chunk_jit import _chunk_coords, _chunk_gates, _chunk_scale, _load_raw, _load_rows, _op, _row_inv_norms
 
 
 @triton.jit
@@ -36,7 +37,8 @@ def _wu_fwd(
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """Of one chunk and value head (grid chunks x HV): W = T diag(beta rk gamma) K by K blocks and U = T diag(beta) V
+    """Of one chunk and value head (grid chunks x HV): W / m = T diag(beta rk gamma / m) K by K blocks (m:
+    `_chunk_scale`) and U = T diag(beta) V
     by V blocks (T from Tbuf; LOWP: T and the right-hand tiles as 16-bit dot operands), the keys' inverse norms rk
     to RK and the state write's key scales s_k = rk e^{bL - b} to SK (both [tokens, HV] fp32; rk = 1 without L2)."""
     DT: tl.constexpr = Wbuf.dtype.element_ty
@@ -53,7 +55,7 @@ def _wu_fwd(
     tl.store(SK + r64 * HV + ihv, rk * tl.exp(ged), mask=rmask)
     Tm = tl.load(Tbuf + (ic * HV + ihv).to(tl.int64) * BT * BT + rows[:, None] * BT + rows[None, :])
     Tm_d = _op(Tm, DT, LOWP)
-    s_w = bb * rk * tl.exp(gc)
+    s_w = bb * rk * tl.exp(gc) / _chunk_scale(g, bos, ihv, HV, nval > 0)
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
         b_raw = _load_raw(k, r64, rmask, H * K, ih * K, offs).to(tl.float32)

@@ -49,23 +49,26 @@ def cliff_bounds(T: int) -> torch.Tensor:
     return torch.where(torch.arange(T) % 64 < 32, 30.0, 0.05)[:, None]
 
 
-def inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay=1.5):
-    """decay: a number, or a [T, 1] tensor of per-step bounds; log-decays are uniform in [-decay, 0)."""
+def inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay=1.5, g_first=None):
+    """decay: a number, or a [T, 1] tensor of per-step bounds; log-decays are uniform in [-decay, 0); g_first: the
+    first step's log-decay, when given."""
     r = lambda *s: torch.randn(*s, generator=gen)
     q, k = r(B, T, H, K), r(B, T, H, K)
     if not l2:  # keep ||k|| ~ 1 so the recurrence stays bounded without the in-kernel norm
         q, k = q / K**0.5, k / K**0.5
     v = r(B, T, HV, V)
     g = -decay * torch.rand(B, T, HV, generator=gen)  # log-decays in [-decay, 0)
+    if g_first is not None:
+        g[:, 0] = g_first
     beta = 2.0 * torch.rand(B, T, HV, generator=gen)  # up to 2
     h0 = r(N, HV, K, V)
     return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
 
 
 def run_case(gen, *, B, T, H, HV, K, V, l2, h0, cu=None, dtype=torch.float32, public=False, compiled=False,
-             decay=1.5):
+             decay=1.5, g_first=None):
     N = B if cu is None else len(cu) - 1
-    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay)
+    xs = inputs(gen, B, T, H, HV, K, V, N, l2, dtype, decay, g_first)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     leaf = [x.clone().requires_grad_() for x in xs]
     kw = dict(g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
@@ -225,6 +228,10 @@ def main() -> int:
     # fp16 inputs: the 16-bit path (intermediates stored in fp16, 16-bit dot operands, dKK parked in fp16)
     res["fp16_varlen_gva2_T150"] = run_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                             cu=[0, 15, 150], dtype=torch.float16)
+    # fp16 after a strong first decay: e^{g_0} = 1.4e-11 is under fp16's range; W and dO diag(qs) are kept divided
+    # by the chunk's scale (`chunk_jit._chunk_scale`; without it dh0 rounded to zero, rel 1.0), in both sequences
+    res["fp16_strong_first_decay"] = run_case(gen, B=2, T=100, H=1, HV=2, K=64, V=64, l2=True, h0=True,
+                                              dtype=torch.float16, g_first=-25.0)
     # the chunk sizes 32 and 16 (`_kkt_solve`'s two- and one-block forms), taken when the 64-token kernels do not fit
     for bt in (32, 16):
         res[f"bt{bt}_gva2_varlen"] = bt_case(gen, bt, B=1, T=100, H=1, HV=2, K=64, V=64, l2=True, h0=True,

@@ -89,16 +89,20 @@ def decode_case(gen, *, N, P, H, HV, K, V):
 
 
 def gate_case(gen, *, B, T, H, HV, K, V, lower_bound=None, cu=None, A_log=True, dt_bias=True, strong=False,
-              dtype=torch.float32, recompute=False) -> dict:
+              dtype=torch.float32, recompute=False, saturated=0.0) -> dict:
     """Kimi's gate inside the public op, `kda(..., impl="triton", g=raw, A_log=, dt_bias=, lower_bound=)` (the
     kernels make g from raw and the gate's gradients themselves), against the float64 chunk path, whose gate is
     PyTorch's applied before the recurrence (`hybridlm.ops.kda_gate`): o, the final state and every gradient (q,
     k, v, raw, beta, A_log, dt_bias, initial_state). strong: A = 16 and raw ~ N(2, 1), log-decays of ~-35 a step
     (the exact launches); 16-bit dtype: q, k, v, raw and beta in it (the reference gets the rounded values).
-    recompute: also 1.0 when recompute=True gives the same o, state and gradients bit for bit, else 0.0."""
+    recompute: also 1.0 when recompute=True gives the same o, state and gradients bit for bit, else 0.0.
+    saturated: that fraction of raw is -1000 (softplus 0: no decay and no gradient there, as fla's masked tests;
+    the rest decays strongly)."""
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     N = B if cu is None else len(cu) - 1
     raw = r(B, T, HV, K) + 2.0 if strong else 2.0 * r(B, T, HV, K)
+    if saturated:
+        raw = torch.where(torch.rand(raw.shape, generator=gen) < saturated, -1000.0, raw)
     alog = torch.full((HV,), 16.0).log() if strong else torch.rand(HV, generator=gen) * 2 - 1
     xs = [r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), raw, 2.0 * torch.rand(B, T, HV, generator=gen), alog,
           r(HV * K), r(N, HV, K, V)]
@@ -192,12 +196,17 @@ def main() -> int:
     # no A_log (exp(A_log) read as 1) and a padded head dim (K=32 runs at 64: the padded channels' g is 0)
     res["gate_lower_bound_no_A_log_K32_T40"] = gate_case(gen, B=2, T=40, H=1, HV=1, K=32, V=16, lower_bound=-3.0,
                                                          A_log=False)
+    # float16 with 90% of the raw gate saturated (fla's test_chunk_varlen mask_p 0.9): float32 intermediates
+    # (`kda._numerics`; with float16 ones dt_bias's gradient was 3.6e-3 off here, 1.6e-2 on an H100 with tf32 dots)
+    res["gate_fp16_saturated_varlen_T150"] = gate_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, cu=[0, 60, 150],
+                                                       dtype=torch.float16, saturated=0.9)
     res["gate_strong_decay_K48_no_dt_bias_T70"] = gate_case(gen, B=1, T=70, H=1, HV=2, K=48, V=48, dt_bias=False,
                                                             strong=True)
     # the largest head dims; float32 there runs at chunk size 32 (kda._chunk_size), so three chunks at T=70
     res["K256_V256_T70"] = chunk_case(gen, B=1, T=70, H=1, HV=1, K=256, V=256, l2=True, h0=True)
-    # 16-bit inputs: W, U, states, Vn, Qg, Kd, P stored in 16 bits, 16-bit dot operands in the recurrences and the
-    # backward; bf16 (the GPU default) runs with the interpreter's bf16 fixed (interp_patches.py)
+    # 16-bit inputs: bf16 keeps W, U, states, Vn, Qg, Kd, P in 16 bits with 16-bit dot operands in the recurrences
+    # and the backward (it runs with the interpreter's bf16 fixed, interp_patches.py); fp16 keeps them in float32
+    # (`kda._numerics`)
     res["bf16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
                                               cu=[0, 15, 150], dtype=torch.bfloat16)
     res["fp16_varlen_gva2_T150"] = chunk_case(gen, B=1, T=150, H=1, HV=2, K=64, V=64, l2=True, h0=True,
