@@ -4,11 +4,12 @@
 # for ours) into a scratch folder and runs fla's selection there, in LANES parallel processes; a test that failed
 # beside the others (out of GPU memory) is run once more alone. Prints the counts. fla-core must be importable.
 # Usage: bash scripts/fla_tests.sh FLA_TESTS_OPS_DIR [LANES]   (docs/fla.md "fla's own tests"); FLA_TESTS_K: an
-# extra pytest -k expression
+# extra pytest -k expression; FLA_TESTS_WORK: see below
 set -uo pipefail
 SRC=${1:?usage: fla_tests.sh FLA_TESTS_OPS_DIR [LANES]}; LANES=${2:-1}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+# FLA_TESTS_WORK: the scratch folder, kept (each lane's log there survives a run stopped by a time limit)
+if [ -n "${FLA_TESTS_WORK:-}" ]; then W=$FLA_TESTS_WORK; mkdir -p "$W"; else W=$(mktemp -d); trap 'rm -rf "$W"' EXIT; fi
 cp "$SRC/test_gdn.py" "$SRC/test_kda.py" "$HERE/scripts/fla_tests/conftest.py" "$W/"
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" FLA_DISABLE_BACKEND_DISPATCH=1
 # fla's internals, not the four public functions: its backends, wy_repr, the gate helpers, the Blackwell and
