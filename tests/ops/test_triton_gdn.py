@@ -77,9 +77,12 @@ def test_fp16_inputs_within_a_few_fp16_ulps(interp_results, case):
 # numbers at the commit before the kernels were split by stage. fp32 inputs stay at 1e-5 there (the cases above).
 BF16_BARS = {"o": 5e-3, "final_state": 5e-3, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 1e-2, "dbeta": 1e-2, "dh0": 1e-2}
 BF16_DECAY30_BARS = dict(BF16_BARS, dg=2.5e-1, dbeta=3e-2)
+# dg is its decay products' row sums minus their column sums, a cancellation with a seed tail even at log-decays in
+# [-1.5, 0): over 260 seeds of the varlen case, 4 above 1e-2 (up to 1.40e-2; dbeta up to 7.8e-3, the rest <= 4.7e-3)
+BF16_VARLEN_BARS = dict(BF16_BARS, dg=2.5e-2)
 
 
-@pytest.mark.parametrize("case,bars", [("bf16_varlen_gva2_T150", BF16_BARS),
+@pytest.mark.parametrize("case,bars", [("bf16_varlen_gva2_T150", BF16_VARLEN_BARS),
                                        ("bf16_decay30_gva2_T130", BF16_DECAY30_BARS)])
 def test_bf16_inputs_within_the_gpu_bars(interp_results, case, bars):
     """bf16 inputs (the GPU default: bf16 intermediates and dot operands) under the interpreter with its bf16 fixed
