@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridlm.bench.cuda_profile import capture_graph, kernel_rows
+from hybridlm.bench.cuda_profile import capture_graph, kernel_table
 from hybridlm.files import atomic_write_text
 from hybridlm.ops import gated_delta_rule, kda
 
@@ -145,8 +145,8 @@ def _time_graph(fn, rep: int, group) -> tuple[float | None, str | None]:
 
 
 def _calls(op: str, a, group, carried: bool = False):
-    """(the whole sequence's fwd+bwd, this rank's CP fwd+bwd, this rank's slice, whether it is the last) on fresh
-    inputs from the seed, the same on every call."""
+    """(the whole sequence's fwd+bwd, this rank's CP fwd+bwd, this rank's slice) on fresh inputs from the seed, the
+    same on every call (carried: `_inputs`)."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     T = a.seq_len // R
     s, last = slice(rank * T, (rank + 1) * T), rank == R - 1
@@ -169,8 +169,8 @@ def _op_row(op: str, a, group) -> dict:
     one, cp = _time(run_one, a.rep, group), _time(run_cp, a.rep, group)
     ok = all(v <= BARS.get(n, GRAD_BAR) for e in (err, carried) for n, v in e.items())
     return dict(op=op, ranks=R, seq_len=a.seq_len, heads=a.heads, dim=a.dim, errors=err, errors_carried=carried,
-                pass_=ok, one_gpu_ms=one[0],
-                one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1], ratio=cp[0] / one[0],
+                pass_=ok, one_gpu_ms=one[0], one_gpu_event_ms=one[1], cp_ms=cp[0], cp_event_ms=cp[1],
+                ratio=cp[0] / one[0],
                 one_gpu_graph_ms=None, cp_graph_ms=None, graph_ratio=None, graph_note="--no-graph")
 
 
@@ -189,21 +189,16 @@ def _profile(op: str, a, group, steps: int = 5) -> str:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     run_one, run_cp, _ = _calls(op, a, group)
 
-    def rows(fn, sync: bool) -> dict[str, float]:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                if sync:
-                    dist.barrier(group)
-                    torch.cuda.synchronize()
-                fn()
-            torch.cuda.synchronize()
-        return {name[:60]: us / 1e3 for name, us, _ in kernel_rows(prof, steps)}
+    def rows(fn) -> dict[str, float]:
+        return {name[:60]: us / 1e3 for name, us, _ in kernel_table(fn, steps)}
 
-    mine = rows(run_cp, True)
-    one = rows(run_one, False) if rank == 0 else {}
+    def synced_cp():  # each profiled call starts with every rank at a barrier, the GPU idle
+        dist.barrier(group)
+        torch.cuda.synchronize()
+        run_cp()
+
+    mine = rows(synced_cp)
+    one = rows(run_one) if rank == 0 else {}
     every = [None] * R
     dist.all_gather_object(every, mine, group=group)
     if rank != 0:

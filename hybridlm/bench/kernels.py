@@ -545,15 +545,13 @@ def run(args: argparse.Namespace) -> int:
     for part in parts:  # in the order given; the default puts KDA last: fla's chunk_kda autotunes for minutes
         if part == "decode":
             for row in _bench_decode(dev, gen, fla, args) + _bench_decode_multi(dev, gen, fla, args):
-                if rows and "bytes" in rows[-1]:
-                    print(json.dumps(rows[-1]), flush=True)
-                rows.append(row)  # the last one is printed below
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         elif part == "prefill":
             for shape in PREFILL_SHAPES:
                 rows.append(_bench_prefill(*shape, dev, gen, fla, args))
                 print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
-            continue
         elif part == "kda":
             for shape in _kda_shapes(args):
                 for gates in kda_gates:  # fla autotunes on a shape's first row only
@@ -564,14 +562,11 @@ def run(args: argparse.Namespace) -> int:
                         continue
                     print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
-            continue
         else:
             for B, T, H, D, HV in _shapes(args):
                 rows.append(_bench_shape(B, T, H, D, dev, gen, fla, args, HV=HV))
                 print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
-            continue
-        print(json.dumps(rows[-1]), flush=True)
 
     table = _table(info, rows)
     print(table)
