@@ -77,10 +77,10 @@ def _numerics(dtype: torch.dtype) -> tuple[torch.dtype, str]:
     """(dtype of the intermediates, dot precision) for inputs of dtype. bfloat16 as GDN (`gdn._store_dtype`,
     `gdn._prec`): 16-bit intermediates, tf32 where an operand is fp32. float16 takes the float32 path (float32
     intermediates, IEEE dots): the per-channel decay products are [BT, BT] dots of factors up to e^60 whose row and
-    column sums cancel in dg, and on an H200 fla's masked varlen test put dt_bias's gradient 1.6% off with float16
-    intermediates and tf32 dots, 0.7% with 3xTF32 dots (fla's bar: 0.5%; docs/fla.md). float32 intermediates with
-    tf32 or 3xTF32 dots are not an option on sm_90: the state backward then needs 260 KB of shared memory, and
-    under 3xTF32 a one-chunk GVA case read out of bounds."""
+    column sums cancel in dg, and fla's masked varlen test put dt_bias's gradient 1.6% off with float16
+    intermediates and tf32 dots (H100), 0.7% with 3xTF32 dots (H200; fla's bar: 0.5%; docs/fla.md). float32
+    intermediates with tf32 or 3xTF32 dots are not an option on sm_90: the state backward then needs 260 KB of
+    shared memory, and under 3xTF32 a one-chunk GVA case hit an illegal memory access (H200)."""
     if dtype == torch.float16:
         return torch.float32, "ieee"
     return gdn._store_dtype(dtype), gdn._prec(dtype)
