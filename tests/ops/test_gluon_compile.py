@@ -7,7 +7,8 @@ l2norm (with it, under the host's register cap), the chain in bf16 with both sta
 its states in a pool; K 128, and 64 in fp16; the KDA chain (`kda_fwd`) the same ways. The backward's state-gradient
 chain (`chain_bwd`) in bf16 with the final-state cotangent and the initial-state gradient, in fp16 at K 64 without
 them, and at V 256: it must also compile without spills (no local memory: its state gradient and products fill a
-warpgroup's registers), and its gate rows launch (Triton) for sm_90.
+warpgroup's registers), and its gate rows launch (Triton) for sm_90. The chunk backward's two kernels (`chunk_bwd`)
+in bf16 at K = V = 128 with l2norm and in fp16 at K 64 without, within 128 bytes of spills a thread.
 About 10 s a compile on one core (the backward chain about 1 s).
 
 A Triton without the Gluon API the kernels are written against fails here (it is the drift this file exists to
@@ -21,11 +22,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 try:  # a Triton without Gluon breaks this import: each test below fails with it instead of the file not loading
-    from hybridlm.ops.gluon import chain_bwd, gdn_fwd, kda_fwd
+    from hybridlm.ops.gluon import chain_bwd, chunk_bwd, gdn_fwd, kda_fwd
 
     GLUON_ERROR = gdn_fwd._IMPORT_ERROR
 except ImportError as e:
-    gdn_fwd = chain_bwd = kda_fwd = None
+    gdn_fwd = chain_bwd = chunk_bwd = kda_fwd = None
     GLUON_ERROR = e
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
@@ -203,3 +204,48 @@ def test_bwd_gate_rows_compile_for_sm90():
         src = ASTSource(fn=fn, signature=sig, constexprs=dict(K=128, BT=chain_bwd.CHUNK, L2=l2))
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert _resources(k)["STACK"] == 0
+
+
+CHUNK_FP32_PTRS = ("g", "dkp", "dg", "dbeta", "dsk")
+
+
+def compile_chunk_bwd(name: str, dtype: str, *, K: int = 128, V: int = 128, l2: bool = True, dk: str | None = None):
+    """Compile a kernel of `chunk_bwd` (the Gluon chunk backward) for sm_90 as `gdn_bwd.chunk_grads` launches it:
+    the 16-bit tensors in dtype, dk in `dk` (fp32 with grouped value heads), the gates and fp32 buffers fp32."""
+    _require_gluon()
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = getattr(chunk_bwd, name)
+    consts = dict(K=K, V=V, C=chunk_bwd.CHUNK, L2=l2)
+    sig, ptrs = {}, []
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in INTS:
+            sig[n] = "i32"
+        elif n in FP32S:
+            sig[n] = "fp32"
+        else:
+            t = "fp32" if n in CHUNK_FP32_PTRS else "i32" if n in ("cu", "chunk_seq", "chunk_start") else dtype
+            sig[n] = "*" + (dk if n == "dk" and dk else t)
+            ptrs.append(n)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": chunk_bwd.NUM_WARPS})
+
+
+CHUNK_CASES = [  # kernel, dtype, K, V, l2, dk's dtype
+    ("_chunk_bwd_state_kernel", "bf16", 128, 128, True, None),
+    ("_chunk_bwd_state_kernel", "fp16", 64, 64, False, None),
+    ("_chunk_bwd_out_kernel", "bf16", 128, 128, True, "fp32"),
+    ("_chunk_bwd_out_kernel", "fp16", 64, 128, False, None),
+]
+
+
+@pytest.mark.parametrize("name,dtype,K,V,l2,dk", CHUNK_CASES)
+def test_chunk_bwd_compiles_for_sm90(name, dtype, K, V, l2, dk):
+    k = compile_chunk_bwd(name, dtype, K=K, V=V, l2=l2, dk=dk)
+    assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
+    assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"
+    res = _resources(k)
+    assert res["REG"] <= 255 and res["STACK"] <= 128, f"expected at most 128 bytes of spills a thread, got {res}"

@@ -18,10 +18,10 @@ from collections import OrderedDict
 
 import torch
 
-from ..launch import TmaSpec, aligned, current_stream, direct_launch, direct_ok, tensor_map
+from ..launch import TmaSpec, aligned, current_stream, direct_launch, direct_ok, launcher, tensor_map
 from ..triton import state_pass
 from ..triton.chunk_layout import Layout
-from . import gdn_fwd
+from . import chunk_bwd, gdn_fwd
 from .chain import _tma_desc
 from .chain_bwd import BV, CHUNK, GATE_ROWS
 from .gdn_fwd import cached_plan
@@ -50,6 +50,36 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, Wb: t
         if x.data_ptr() % 16:
             return f"{name}: expected a 16-byte aligned tensor (TMA), got address {x.data_ptr():#x}"
     return None
+
+
+def chunk_unsupported_reason(q: torch.Tensor, v: torch.Tensor, BT: int) -> str | None:
+    """None when the Gluon chunk backward (`chunk_bwd`) takes q [B, T, H, K] and v [B, T, HV, V] with the forward's
+    chunk of BT tokens, else why not (one line): the forward's rule, V at most 128 (a chunk's tiles, the state and
+    its gradient among them, fit one program's shared memory) and chunks of 64."""
+    why = gdn_fwd.unsupported_reason(q, v)
+    if why is not None:
+        return why
+    if v.shape[-1] > chunk_bwd.MAX_V:
+        return f"v: expected a head dim of at most {chunk_bwd.MAX_V}, got {v.shape[-1]}"
+    if BT != chunk_bwd.CHUNK:
+        return f"BT: expected the forward's chunk of {chunk_bwd.CHUNK} tokens, got {BT}"
+    return None
+
+
+def chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, dkk, dsk, lay: Layout,
+                scale: float, l2: bool) -> None:
+    """The chunk backward in Gluon: what `triton.gdn._chunk_bwd`'s two Triton launches write, into the same buffers
+    (dv, dbeta, dg, dq, dk; dkp, dkk and dsk between the two launches). The caller checked
+    `chunk_unsupported_reason`; every tensor is contiguous."""
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    grid = (lay.nc, HV)
+    chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
+    consts = dict(K=K, V=V, C=chunk_bwd.CHUNK, L2=bool(l2), num_warps=chunk_bwd.NUM_WARPS)
+    launcher(chunk_bwd._chunk_bwd_state_kernel)[grid](
+        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, H, HV, **consts)
+    launcher(chunk_bwd._chunk_bwd_out_kernel)[grid](
+        q, k, g, hb, vn, do, dq, dk, dkp, dg, dkk, dsk, *chunks, float(scale), H, HV, **consts)
 
 
 def _descriptors(q, k, do, Wb, Pb, G, dhb, dvn):

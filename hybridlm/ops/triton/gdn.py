@@ -75,6 +75,7 @@ class GDNLaunch(LaunchTable):
     bwd_bv: int | None = None  # their V block (None: 64, 32 at V 64)
     bwd_stages: int = 1  # their num_stages (2 pipelines the V and K loops: no gain measured)
     gluon_chain: bool = True  # sm_90 16-bit: the state-gradient chain in Gluon where it takes the inputs
+    gluon_chunk_bwd: bool = True  # sm_90 16-bit: the chunk backward in Gluon where it takes the inputs
 
 
 TUNE = GDNLaunch()
@@ -365,6 +366,17 @@ def _gluon_chain(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, Wb: torch.T
     return gdn_bwd.unsupported_reason(q, k, do, Wb, Pb) is None
 
 
+def _gluon_chunk(q: torch.Tensor, v: torch.Tensor, BT: int) -> bool:
+    """Whether the chunk backward runs in Gluon (`hybridlm.ops.gluon.gdn_bwd.chunk_grads`) instead of the two Triton
+    launches: TUNE.gluon_chunk_bwd and the Gluon kernels take the inputs (sm_90, 16-bit, K 64/128, V 64/128, chunks
+    of 64)."""
+    if not TUNE.gluon_chunk_bwd or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from ..gluon import gdn_bwd
+
+    return gdn_bwd.chunk_unsupported_reason(q, v, BT) is None
+
+
 def dh0_without_dht(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, Wb: torch.Tensor,
                     hb: torch.Tensor, Pb: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
                     use_qk_l2norm: bool) -> torch.Tensor:
@@ -423,6 +435,13 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=stages,
                   num_warps=TUNE.bwd_warps)
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
+    if _gluon_chunk(q, v, BT):
+        from ..gluon import gdn_bwd
+
+        dq = _out((lay.Ttot, HV, K), q, q.dtype)
+        gdn_bwd.chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, dkk, dsk, lay,
+                            scale, l2)
+        return dq
     launcher(chunk_bwd._chunk_bwd_state_blk)[(lay.nc, HV)](
         k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, **common)
     dhb = dvn = None
