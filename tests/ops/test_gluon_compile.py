@@ -7,8 +7,9 @@ l2norm (with it, under the host's register cap), the chain in bf16 with both sta
 its states in a pool; K 128, and 64 in fp16; the KDA chain (`kda_fwd`) the same ways. The backward's state-gradient
 chain (`chain_bwd`) in bf16 with the final-state cotangent and the initial-state gradient, in fp16 at K 64 without
 them, and at V 256: it must also compile without spills (no local memory: its state gradient and products fill a
-warpgroup's registers), and its gate rows launch (Triton) for sm_90. The chunk backward's two kernels (`chunk_bwd`)
-in bf16 at K = V = 128 with l2norm and in fp16 at K 64 without, within 128 bytes of spills a thread.
+warpgroup's registers), and its gate rows launch (Triton) for sm_90. The chunk backward (`chunk_bwd`) in bf16 at
+K = V = 128 with l2norm, in fp16 at K 64 without, and at K 64 V 128 with an fp32 dk (grouped value heads), without
+spills (its two warpgroups split every product's columns so that a whole chunk's gradients fit their registers).
 About 10 s a compile on one core (the backward chain about 1 s).
 
 A Triton without the Gluon API the kernels are written against fails here (it is the drift this file exists to
@@ -235,10 +236,9 @@ def compile_chunk_bwd(name: str, dtype: str, *, K: int = 128, V: int = 128, l2: 
 
 
 CHUNK_CASES = [  # kernel, dtype, K, V, l2, dk's dtype
-    ("_chunk_bwd_state_kernel", "bf16", 128, 128, True, None),
-    ("_chunk_bwd_state_kernel", "fp16", 64, 64, False, None),
-    ("_chunk_bwd_out_kernel", "bf16", 128, 128, True, "fp32"),
-    ("_chunk_bwd_out_kernel", "fp16", 64, 128, False, None),
+    ("_chunk_bwd_kernel", "bf16", 128, 128, True, None),
+    ("_chunk_bwd_kernel", "fp16", 64, 64, False, None),
+    ("_chunk_bwd_kernel", "bf16", 64, 128, True, "fp32"),
 ]
 
 
@@ -248,4 +248,4 @@ def test_chunk_bwd_compiles_for_sm90(name, dtype, K, V, l2, dk):
     assert "wgmma.mma_async" in k.asm["ptx"], "expected warpgroup MMA (wgmma) in the PTX"
     assert k.metadata.shared <= SMEM_LIMIT, f"shared memory {k.metadata.shared} B > the H100's {SMEM_LIMIT} B"
     res = _resources(k)
-    assert res["REG"] <= 255 and res["STACK"] <= 128, f"expected at most 128 bytes of spills a thread, got {res}"
+    assert res["REG"] <= 255 and res["STACK"] == 0, f"expected no spills (local memory), got {res}"

@@ -66,20 +66,16 @@ def chunk_unsupported_reason(q: torch.Tensor, v: torch.Tensor, BT: int) -> str |
     return None
 
 
-def chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, dkk, dsk, lay: Layout,
-                scale: float, l2: bool) -> None:
-    """The chunk backward in Gluon: what `triton.gdn._chunk_bwd`'s two Triton launches write, into the same buffers
-    (dv, dbeta, dg, dq, dk; dkp, dkk and dsk between the two launches). The caller checked
-    `chunk_unsupported_reason`; every tensor is contiguous."""
+def chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout, scale: float,
+                l2: bool) -> None:
+    """The chunk backward in Gluon, one launch: what `triton.gdn._chunk_bwd`'s two Triton launches write, into the same
+    buffers (dv, dbeta, dg, dq, dk; dkp holds dk's part between the kernel's two parts, each program's own rows, read
+    back from cache). The caller checked `chunk_unsupported_reason`; every tensor is contiguous."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
-    grid = (lay.nc, HV)
-    chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
-    consts = dict(K=K, V=V, C=chunk_bwd.CHUNK, L2=bool(l2), num_warps=chunk_bwd.NUM_WARPS)
-    launcher(chunk_bwd._chunk_bwd_state_kernel)[grid](
-        k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, H, HV, **consts)
-    launcher(chunk_bwd._chunk_bwd_out_kernel)[grid](
-        q, k, g, hb, vn, do, dq, dk, dkp, dg, dkk, dsk, *chunks, float(scale), H, HV, **consts)
+    launcher(chunk_bwd._chunk_bwd_kernel)[(lay.nc, HV)](
+        q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay.cu_t, lay.chunk_seq,
+        lay.chunk_start, float(scale), H, HV, K=K, V=V, C=chunk_bwd.CHUNK, L2=bool(l2), num_warps=chunk_bwd.NUM_WARPS)
 
 
 def _descriptors(q, k, do, Wb, Pb, G, dhb, dvn):

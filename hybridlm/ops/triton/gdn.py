@@ -426,6 +426,12 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     bf16). Returns dq [tokens, HV, K] in the input dtype."""
     dhb, dvn = state_grads
     state_grads.clear()
+    if _gluon_chunk(q, v, BT):
+        from ..gluon import gdn_bwd
+
+        dq = _out((lay.Ttot, HV, K), q, q.dtype)
+        gdn_bwd.chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay, scale, l2)
+        return dq
     dkk = torch.empty(lay.nc, HV, BT, BT, device=q.device, dtype=hb.dtype if lowp else torch.float32)
     dsk = torch.empty(lay.Ttot, HV, device=q.device, dtype=torch.float32) if l2 else dg
     BK, BV = kblock_bwd_blocks(K, V)
@@ -435,13 +441,6 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, L2=l2, PREC=prec, LOWP=lowp, num_stages=stages,
                   num_warps=TUNE.bwd_warps)
     chunks = (lay.cu_t, lay.chunk_seq, lay.chunk_start)
-    if _gluon_chunk(q, v, BT):
-        from ..gluon import gdn_bwd
-
-        dq = _out((lay.Ttot, HV, K), q, q.dtype)
-        gdn_bwd.chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, dkk, dsk, lay,
-                            scale, l2)
-        return dq
     launcher(chunk_bwd._chunk_bwd_state_blk)[(lay.nc, HV)](
         k, v, g, beta, Tb, hb, dhb, vn, dvn, dkp, dv, dg, db, dkk, dsk, *chunks, **common)
     dhb = dvn = None
