@@ -4,7 +4,7 @@
 # for ours) into a scratch folder and runs fla's selection there, in LANES parallel processes; a test that failed
 # beside the others (out of GPU memory) is run once more alone. Prints the counts. fla-core must be importable.
 # Usage: bash scripts/fla_tests.sh FLA_TESTS_OPS_DIR [LANES]   (docs/fla.md "fla's own tests"); FLA_TESTS_K: an
-# extra pytest -k expression; FLA_TESTS_WORK: see below
+# extra pytest -k expression; FLA_TESTS_WORK, FLA_TESTS_GPUS: see below
 set -uo pipefail
 SRC=${1:?usage: fla_tests.sh FLA_TESTS_OPS_DIR [LANES]}; LANES=${2:-1}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,9 +22,15 @@ python3 -m pytest --collect-only -q -p no:cacheprovider test_gdn.py test_kda.py 
   | grep '::' > ids
 echo "$(wc -l < ids) tests selected"
 split -n "r/$LANES" ids lane.
+# FLA_TESTS_GPUS: spread the lanes round-robin over this many GPUs (default: all on the visible ones as CUDA picks);
+# -v puts each test's result in its lane's log as it ends, so a run stopped by a time limit still counts them
+i=0
 for f in lane.*; do
   mapfile -t ids < "$f"
-  python3 -m pytest -q -p no:cacheprovider -rA --tb=line "${ids[@]}" > "$f.log" 2>&1 &
+  gpu=()
+  [ -n "${FLA_TESTS_GPUS:-}" ] && gpu=(env CUDA_VISIBLE_DEVICES=$((i % FLA_TESTS_GPUS)))
+  "${gpu[@]}" python3 -m pytest -v -p no:cacheprovider -rA --tb=line "${ids[@]}" > "$f.log" 2>&1 &
+  i=$((i + 1))
 done
 wait
 grep -h '^PASSED' lane.*.log | sed 's/^PASSED //' | sort -u > passed
