@@ -113,7 +113,7 @@ if _IMPORT_ERROR is None:
         return gl.convert_layout(x, gl.SliceLayout(1, L))
 
     @gluon.jit
-    def _row_mask_store(ptr, x, tok0, nval, i_hv, HV, W: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+    def _row_mask_store(ptr, x, tok0, nval, i_hv, HV, W: gl.constexpr, C: gl.constexpr):
         """x [C, W] into the rows tok0.. tok0 + nval of ptr [Ttot, HV, W] at head i_hv; through a blocked layout of
         16-byte rows a thread (the MMA layout's element pairs would each take an address)."""
         LS: gl.constexpr = gl.BlockedLayout([1, 128 // ptr.dtype.element_ty.primitive_bitwidth], [8, 4], [8, 1],
@@ -141,6 +141,7 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _vec_load(ptr, tok0, nval, i_hv, HV, C: gl.constexpr, L: gl.constexpr):
+        """fp32 [C] (rows of L) from ptr [Ttot, HV] at the chunk's valid rows (0 past them)."""
         r = gl.arange(0, C, layout=gl.SliceLayout(1, L))
         return gl.load(ptr + (tok0 + r).to(gl.int64) * HV + i_hv, mask=r < nval, other=0.0).to(gl.float32)
 
@@ -183,7 +184,7 @@ if _IMPORT_ERROR is None:
             rk = gl.full([C], 1.0, gl.float32, ROW)
         # 1. U = T diag(beta) V: dv = diag(beta) T^T dVn (its dT below)
         dVb = warpgroup_mma(_tt(t_s, MT, A_V), dvn_s, gl.zeros([C, V], gl.float32, MV), use_acc=False)
-        _row_mask_store(dv, dVb * gl.expand_dims(_rows_of(bb, MV), 1), tok0, nval, i_hv, HV, V, C, MV)
+        _row_mask_store(dv, dVb * gl.expand_dims(_rows_of(bb, MV), 1), tok0, nval, i_hv, HV, V, C)
         db = _rows_of(gl.sum(v_s.load(MV).to(gl.float32) * dVb, axis=1), MT)
 
         async_copy.wait_group(1)
@@ -209,7 +210,7 @@ if _IMPORT_ERROR is None:
         ed = gl.exp(ged)
         r = _rows_of(gl.sum(k_s.load(MK).to(gl.float32) * dKd, axis=1), MT) * (rk * ed)
         dk_acc = dk_acc + dKd * gl.expand_dims(_rows_of(ed, MK), 1)
-        _row_mask_store(dkp, dk_acc, tok0, nval, i_hv, HV, K, C, MK)
+        _row_mask_store(dkp, dk_acc, tok0, nval, i_hv, HV, K, C)
         c = gl.exp(bL) * sds
         db = db + t * gam
         dgc = t * bg
@@ -295,7 +296,7 @@ if _IMPORT_ERROR is None:
             sq = a + rs + rd  # sum_d q^_id dq^_id
             qf = q_s.load(MK).to(gl.float32)  # loaded again: held since `a`, it would take 64 registers
             dq_acc = (dq_acc - qf * gl.expand_dims(_rows_of(rq * sq, MK), 1)) * gl.expand_dims(_rows_of(rq, MK), 1)
-        _row_mask_store(dq, dq_acc, tok0, nval, i_hv, HV, K, C, MK)
+        _row_mask_store(dq, dq_acc, tok0, nval, i_hv, HV, K, C)
         # dk^ = dkp + (diag(rq) dPg)^T Q + ((dKK + dKK^T) diag(rk)) K: the transposed left operand through t_s
         t_s.store((dPg * gl.expand_dims(rq, 1)).to(dt))
         gl.thread_barrier()
@@ -306,7 +307,7 @@ if _IMPORT_ERROR is None:
             sk = sk0 + cs + rd
             kf = k_s.load(MK).to(gl.float32)
             dk_acc = (dk_acc - kf * gl.expand_dims(_rows_of(rk * sk, MK), 1)) * gl.expand_dims(_rows_of(rk, MK), 1)
-        _row_mask_store(dk, dk_acc, tok0, nval, i_hv, HV, K, C, MK)
+        _row_mask_store(dk, dk_acc, tok0, nval, i_hv, HV, K, C)
         dgc = gl.where(i_r < nval, dgc, 0.0)
         _vec_store(dg, _masked_sum(dgc, gl.expand_dims(j_c, 0) >= gl.expand_dims(i_r, 1), MT) + dg0,
                    tok0, nval, i_hv, HV, C, MT)
