@@ -36,6 +36,13 @@ def gluon_gpu_marks() -> list:
             pytest.mark.skipif(not gdn_fwd.gluon_available(), reason="needs Triton's Gluon API")]
 
 
+def gluon_gpu(f):
+    """f with `gluon_gpu_marks` (for a module whose CPU tests stand beside its GPU ones)."""
+    for m in gluon_gpu_marks():
+        f = m(f)
+    return f
+
+
 def draw_seed() -> int:
     """A seed from torch's global RNG (which the suite seeds afresh for every test and reports)."""
     return int(torch.randint(0, 2**31 - 1, ()))

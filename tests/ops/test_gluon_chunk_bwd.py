@@ -19,24 +19,16 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import draw_seed, gluon_gpu_marks, rel_f64  # noqa: E402
+from float64_check import draw_seed, gluon_gpu, rel_f64  # noqa: E402
+from gluon_switch import Recorder  # noqa: E402
 
-from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
+from hybridlm.ops.gluon import gdn_bwd  # noqa: E402
 from hybridlm.ops.triton import chunk_bwd, gdn  # noqa: E402
 from hybridlm.ops.triton.chunk_layout import layout  # noqa: E402
 from hybridlm.ops.triton.tune import tuned  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ the switch (CPU)
-@pytest.fixture
-def hopper(monkeypatch):
-    """CPU tensors seen as CUDA tensors on a device of compute capability (9, 0)."""
-    if not gdn_fwd.gluon_available():
-        pytest.fail("the installed Triton lacks the Gluon API (tests/ops/test_gluon_compile.py says which)")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(gdn_fwd, "_capability", lambda index: (9, 0))
-
-
 def _qv(dtype=torch.bfloat16, K=128, V=128):
     return torch.zeros(1, 70, 2, K, dtype=dtype), torch.zeros(1, 70, 4, V, dtype=dtype)
 
@@ -69,34 +61,21 @@ def test_switch_off_by_the_launch_table(hopper):
     assert gdn._gluon_chunk(q, v, 64)
 
 
-class _Recorder:
-    """Stands in for a Triton kernel (`kernel[grid](...)`) or a host function, recording its calls."""
-
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.calls.append((self.name, a, kw))
-
-    def __call__(self, *a, **kw):
-        self.calls.append((self.name, a, kw))
-
-
 @pytest.mark.parametrize("dtype,taken", [(torch.bfloat16, True), (torch.float32, False)])
 def test_chunk_bwd_calls_the_chosen_path(hopper, monkeypatch, dtype, taken):
     calls = []
-    monkeypatch.setattr(gdn_bwd, "chunk_grads", _Recorder("gluon", calls))
-    monkeypatch.setattr(chunk_bwd, "_chunk_bwd_state_blk", _Recorder("state", calls))
-    monkeypatch.setattr(chunk_bwd, "_chunk_bwd_out_blk", _Recorder("out", calls))
+    monkeypatch.setattr(gdn_bwd, "chunk_grads", Recorder("gluon", calls))
+    monkeypatch.setattr(chunk_bwd, "_chunk_bwd_state_blk", Recorder("state", calls))
+    monkeypatch.setattr(chunk_bwd, "_chunk_bwd_out_blk", Recorder("out", calls))
     T, H, HV, K, V = 70, 2, 4, 128, 128
     q, k = torch.zeros(1, T, H, K, dtype=dtype), torch.zeros(1, T, H, K, dtype=dtype)
     v, do = torch.zeros(1, T, HV, V, dtype=dtype), torch.zeros(1, T, HV, V, dtype=dtype)
     g, beta = torch.zeros(1, T, HV), torch.zeros(1, T, HV, dtype=dtype)
     lay = layout(None, 1, T, 64, "cpu")
     Tb, hb = torch.zeros(lay.nc, HV, 64, 64, dtype=dtype), torch.zeros(lay.nc, HV, K, V, dtype=dtype)
-    vn = dvn = torch.zeros(T, HV, V, dtype=dtype)
+    vn, dvn = torch.zeros(T, HV, V, dtype=dtype), torch.zeros(T, HV, V, dtype=dtype)  # distinct: a swap shows
     dhb = torch.zeros_like(hb)
-    dk = dkp = torch.zeros(T, HV, K)
+    dk, dkp = torch.zeros(T, HV, K), torch.zeros(T, HV, K)
     dv, dg, db = torch.zeros_like(v), torch.zeros(1, T, HV), torch.zeros(1, T, HV)
     dq = gdn._chunk_bwd(q, k, v, g, beta, Tb, hb, [dhb, dvn], vn, do, dk, dkp, dv, dg, db, lay, 0.1, H, HV, K, V, 64,
                         True, gdn._prec(dtype), dtype != torch.float32)
@@ -108,13 +87,6 @@ def test_chunk_bwd_calls_the_chosen_path(hopper, monkeypatch, dtype, taken):
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
-def gpu(f):
-    """The marks of a Gluon GPU test (`float64_check.gluon_gpu_marks`): gpu, skipped off sm_90 or without Gluon."""
-    for m in gluon_gpu_marks():
-        f = m(f)
-    return f
-
-
 def _saved(seed, *, B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, cu=None, l2=True, decay=None):
     """What `gdn._chunk_bwd` reads for one random case: inputs, the forward's saved tensors (chunks of 64) and the
     state-gradient pass's dS', dVn."""
@@ -171,7 +143,7 @@ UNIT = {
 }
 
 
-@gpu
+@gluon_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(UNIT))
 def test_gluon_chunk_bwd_matches_triton(name, dtype):
@@ -200,7 +172,7 @@ def _check_cases():
 CHECK = _check_cases()
 
 
-@gpu
+@gluon_gpu
 @pytest.mark.parametrize(("name", "kw"), CHECK, ids=[c[0] for c in CHECK])
 def test_op_gradients_match_float64(monkeypatch, name, kw):
     import gpu_check_gdn as check
@@ -220,7 +192,7 @@ def test_op_gradients_match_float64(monkeypatch, name, kw):
     assert row["pass"], f"{name}: worst {row['worst']} {row['worst_rel']:.3g}, errors {row['errors']} (seed {seed})"
 
 
-@gpu
+@gluon_gpu
 def test_gluon_chunk_bwd_is_deterministic():
     seed = draw_seed()
     x = _saved(seed, B=1, T=1815, H=2, HV=4, cu=[0, 15, 715, 1815])

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import check_cache_reuse, draw_seed, gluon_gpu_marks, rel_f64  # noqa: E402
+from float64_check import check_cache_reuse, draw_seed, gluon_gpu, rel_f64  # noqa: E402
+from gluon_switch import Recorder  # noqa: E402
 
 from hybridlm.ops import gated_delta_rule, launch  # noqa: E402
 from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
@@ -37,15 +38,6 @@ BAR = 5e-3  # the chain against `_recur_bwd`: both round the same fp32 values to
 
 
 # ------------------------------------------------------------------------------------------------ the switch (CPU)
-@pytest.fixture
-def hopper(monkeypatch):
-    """CPU tensors seen as CUDA tensors on a device of compute capability (9, 0)."""
-    if not gdn_fwd.gluon_available():
-        pytest.fail("the installed Triton lacks the Gluon API (tests/ops/test_gluon_compile.py says which)")
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(gdn_fwd, "_capability", lambda index: (9, 0))
-
-
 def _args(dtype=torch.bfloat16, K=128, V=128, BT=64, H=2, HV=4, T=70, **override):
     """(q, k, do, Wb, Pb) as `_state_grad_pass` gets them; override replaces one by name."""
     x = dict(q=torch.zeros(1, T, H, K, dtype=dtype), k=torch.zeros(1, T, H, K, dtype=dtype),
@@ -97,24 +89,11 @@ def test_switch_off_by_the_launch_table(hopper):
     assert gdn._gluon_chain(*_args())
 
 
-class _Recorder:
-    """Stands in for a Triton kernel (`kernel[grid](...)`) or a host function, recording its calls."""
-
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.calls.append((self.name, a, kw))
-
-    def __call__(self, *a, **kw):
-        self.calls.append((self.name, a, kw))
-
-
 @pytest.mark.parametrize("dtype,taken", [(torch.bfloat16, True), (torch.float32, False)])
 def test_state_grad_pass_calls_the_chosen_chain(hopper, monkeypatch, dtype, taken):
     calls = []
-    monkeypatch.setattr(gdn_bwd, "state_grad_chain", _Recorder("gluon", calls))
-    monkeypatch.setattr(state_pass, "_recur_bwd", _Recorder("triton", calls))
+    monkeypatch.setattr(gdn_bwd, "state_grad_chain", Recorder("gluon", calls))
+    monkeypatch.setattr(state_pass, "_recur_bwd", Recorder("triton", calls))
     q, k, do, Wb, Pb = _args(dtype)
     lay = layout(None, 1, 70, 64, "cpu")
     g = torch.zeros(1, 70, 4)
@@ -158,14 +137,7 @@ def counted(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def gpu(f):
-    """The marks of a Gluon GPU test (`float64_check.gluon_gpu_marks`): gpu, skipped off sm_90 or without Gluon."""
-    for m in gluon_gpu_marks():
-        f = m(f)
-    return f
-
-
-@gpu
+@gluon_gpu
 @pytest.mark.parametrize(("name", "kw"), CASES, ids=[c[0] for c in CASES])
 def test_op_gradients_match_float64(counted, name, kw):
     sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -219,7 +191,7 @@ DIRECT = [
 ]
 
 
-@gpu
+@gluon_gpu
 @pytest.mark.parametrize("kw", DIRECT, ids=["T300 GVA2", "T1 fp16 K64 V64", "varlen GVA4 V256", "no-l2"])
 @pytest.mark.parametrize("dht", [True, False], ids=["dht", "no-dht"])
 def test_chain_matches_recur_bwd(kw, dht):
@@ -232,7 +204,7 @@ def test_chain_matches_recur_bwd(kw, dht):
         assert e <= BAR, f"{name}: rel {e:.3g} > {BAR} against _recur_bwd ({kw}, dht={dht}, seed {seed})"
 
 
-@gpu
+@gluon_gpu
 def test_dh0_without_dht_matches_triton():
     seed = draw_seed()
     x = _saved(seed, lens=[1, 15, 100, 700], H=2, HV=4)
@@ -245,7 +217,7 @@ def test_dh0_without_dht_matches_triton():
     assert e <= BAR, f"dh0: rel {e:.3g} > {BAR} (seed {seed})"
 
 
-@gpu
+@gluon_gpu
 def test_chain_is_deterministic():
     seed = draw_seed()
     x = _saved(seed, lens=[15, 700, 1000], H=2, HV=4)
@@ -287,7 +259,7 @@ def _direct_plan():
     return isinstance(plan.gate, launch.DirectLaunch) and isinstance(plan.chain, launch.DirectLaunch)
 
 
-@gpu
+@gluon_gpu
 def test_direct_launches_see_new_tensors(counted, jit_counts):
     """The cached launches and tensor maps never serve a stale call: the op's gradients (impl="triton", the chain in
     Gluon) at one shape on inputs A, then on other tensors B (another scale), then on A refilled in place, then on
@@ -322,7 +294,7 @@ def test_direct_launches_see_new_tensors(counted, jit_counts):
     assert (jit_counts[0].n, jit_counts[1].n) == (1, 1) and _direct_plan(), f"seed {seed}: not launched directly"
 
 
-@gpu
+@gluon_gpu
 @pytest.mark.parametrize("kw", DIRECT, ids=["T300 GVA2", "T1 fp16 K64 V64", "varlen GVA4 V256", "no-l2"])
 @pytest.mark.parametrize("dht", [True, False], ids=["dht", "no-dht"])
 def test_direct_equals_jit_bitwise(jit_counts, kw, dht):
@@ -344,7 +316,7 @@ def test_direct_equals_jit_bitwise(jit_counts, kw, dht):
         assert torch.equal(d, j) and torch.equal(d, f), f"{name}: direct != JIT ({kw}, dht={dht}, seed {seed})"
 
 
-@gpu
+@gluon_gpu
 def test_chain_in_a_cuda_graph(jit_counts):
     """The state-gradient pass captured in a CUDA graph (through the direct launches: the plan was made by a call
     before) and replayed twice on new saved tensors and cotangents copied into the captured ones: bitwise equal to
