@@ -68,33 +68,38 @@ def test_installed_triton_has_the_gluon_api():
     _require_gluon()
 
 
+def _gluon_source(fn, consts: dict, arg_type):
+    """fn as the launcher specialises it: the constexprs of consts that fn takes, every other argument typed by
+    arg_type(name) ("i32", "fp32", a TMA descriptor's type, or "*dtype" for a pointer, marked 16-byte aligned as
+    torch allocations are)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = {n: c for n, c in consts.items() if n in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else arg_type(n) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+
 def compile_kernel(name: str, dtype: str, *, l2: bool = True, state: bool = True, pool: bool = False, K: int = 128,
                    overlap: bool = False):
     """Compile one kernel of the Gluon forward for sm_90: pointers typed by name (q, k, v, beta, o and T in the
     input dtype; g, the states and the gate rows in fp32)."""
     _require_gluon()
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     fn = getattr(kda_fwd if name.startswith("_kda") else gdn_fwd, name)
     consts = dict(K=K, V=128, BV=gdn_fwd.BV, C=gdn_fwd.CHUNK, R=gdn_fwd.GATE_ROWS, L2=l2, HAS_H0=state,
                   STORE_HT=state, POOL=pool, FLAG=overlap, WAIT=overlap)
-    sig, ptrs = {}, []
-    for n in fn.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in INTS:
-            sig[n] = "i32"
-        elif n in FP32S:
-            sig[n] = "fp32"
-        elif n in DESCS:
+
+    def arg_type(n: str) -> str:
+        if n in INTS:
+            return "i32"
+        if n in FP32S:
+            return "fp32"
+        if n in DESCS:
             box = [DESCS[n][0], K] if n in KEY_WIDE else DESCS[n]
-            sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, box)
-        else:
-            sig[n] = "*" + ("fp32" if n in FP32_PTRS else "i32" if n in INT_PTRS else dtype)
-            ptrs.append(n)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    consts = {n: c for n, c in consts.items() if n in fn.arg_names}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+            return _desc_type("fp32" if n == "g_desc" else dtype, box)
+        return "*" + ("fp32" if n in FP32_PTRS else "i32" if n in INT_PTRS else dtype)
+
+    src = _gluon_source(fn, consts, arg_type)
     options = {"num_warps": gdn_fwd.NUM_WARPS}
     if name == "_gdn_solve_kernel" and l2:  # as the host launches it
         options["maxnreg"] = gdn_fwd.SOLVE_REGS
@@ -129,26 +134,20 @@ BWD_FP32_PTRS = ("dht", "dh0")
 def compile_bwd_chain(dtype: str, *, K: int = 128, V: int = 128, dht: bool = True, dh0: bool = True):
     """Compile `chain_bwd._gdn_chain_bwd_kernel` for sm_90 as `gdn_bwd.state_grad_chain` launches it."""
     _require_gluon()
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     fn = chain_bwd._gdn_chain_bwd_kernel
     C, BV, R = chain_bwd.CHUNK, chain_bwd.BV, chain_bwd.GATE_ROWS
     consts = dict(K=K, V=V, BV=BV, C=C, R=R, HAS_DHT=dht, STORE_DH0=dh0)
     boxes = {"w_desc": [C, K], "q_desc": [C, K], "k_desc": [C, K], "do_desc": [C, BV], "p_desc": [C, C],
              "g_desc": [R, C], "dhb_desc": [K, BV], "dvn_desc": [C, BV]}
-    sig, ptrs = {}, []
-    for n in fn.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in INTS:
-            sig[n] = "i32"
-        elif n in boxes:
-            sig[n] = _desc_type("fp32" if n == "g_desc" else dtype, boxes[n])
-        else:
-            sig[n] = "*" + ("fp32" if n in BWD_FP32_PTRS else "i32" if n in INT_PTRS else dtype)
-            ptrs.append(n)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+    def arg_type(n: str) -> str:
+        if n in INTS:
+            return "i32"
+        if n in boxes:
+            return _desc_type("fp32" if n == "g_desc" else dtype, boxes[n])
+        return "*" + ("fp32" if n in BWD_FP32_PTRS else "i32" if n in INT_PTRS else dtype)
+
+    src = _gluon_source(fn, consts, arg_type)
     from hybridlm.ops.gluon import gdn_bwd
 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": gdn_bwd.NUM_WARPS})
@@ -214,24 +213,18 @@ def compile_chunk_bwd(name: str, dtype: str, *, K: int = 128, V: int = 128, l2: 
     """Compile a kernel of `chunk_bwd` (the Gluon chunk backward) for sm_90 as `gdn_bwd.chunk_grads` launches it:
     the 16-bit tensors in dtype, dk in `dk` (fp32 with grouped value heads), the gates and fp32 buffers fp32."""
     _require_gluon()
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     fn = getattr(chunk_bwd, name)
-    consts = dict(K=K, V=V, C=chunk_bwd.CHUNK, L2=l2)
-    sig, ptrs = {}, []
-    for n in fn.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in INTS:
-            sig[n] = "i32"
-        elif n in FP32S:
-            sig[n] = "fp32"
-        else:
-            t = "fp32" if n in CHUNK_FP32_PTRS else "i32" if n in ("cu", "chunk_seq", "chunk_start") else dtype
-            sig[n] = "*" + (dk if n == "dk" and dk else t)
-            ptrs.append(n)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+    def arg_type(n: str) -> str:
+        if n in INTS:
+            return "i32"
+        if n in FP32S:
+            return "fp32"
+        if n == "dk" and dk:
+            return "*" + dk
+        return "*" + ("fp32" if n in CHUNK_FP32_PTRS else "i32" if n in ("cu", "chunk_seq", "chunk_start") else dtype)
+
+    src = _gluon_source(fn, dict(K=K, V=V, C=chunk_bwd.CHUNK, L2=l2), arg_type)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": chunk_bwd.NUM_WARPS})
 
 
