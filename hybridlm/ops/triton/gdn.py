@@ -423,7 +423,9 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     dk part in a [tokens, HV] fp32 buffer) then `_chunk_bwd_out_blk` (dq, dk, dg).
     state_grads: [dS, dVn], emptied here; the first launch is their last reader, so they are freed before dq (the
     second launch's) is allocated: the GDN layer's backward peak falls by dq's bytes (128 MiB at B8 T2048 HV32
-    bf16). Returns dq [tokens, HV, K] in the input dtype."""
+    bf16). Where `_gluon_chunk` takes the inputs, one Gluon launch (`gluon.gdn_bwd.chunk_grads`) writes the same
+    outputs instead; it reads dS and dVn while it writes dq, so dq is allocated beside them there. Returns dq
+    [tokens, HV, K] in the input dtype."""
     dhb, dvn = state_grads
     state_grads.clear()
     if _gluon_chunk(q, v, BT):
