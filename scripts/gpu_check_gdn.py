@@ -56,8 +56,9 @@ def fresh_layer_gates(shape: tuple[int, ...], HV: int, gen) -> torch.Tensor:
 
 
 def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, grads=True, compiled=False,
-          recompute=False, decay=None, g_first=None):
-    """One case vs float64; grads=False: the inference forward (no autograd, nothing kept for a backward); decay:
+          recompute=False, decay=None, g_first=None, final=True):
+    """One case vs float64; grads=False: the inference forward (no autograd, nothing kept for a backward);
+    final=False: no final state asked for (the backward runs without its cotangent); decay:
     log-decays uniform in [-decay, 0) instead of logsigmoid(N(3, 1)); "cliff": in every chunk of 64, 32 steps of
     [-30, 0) then 32 of [-0.05, 0); "init": a fresh layer's (`fresh_layer_gates`). g_first: every sequence's first
     log-decay (e^b of every row under float16's range at -25: `chunk_jit._chunk_scale`)."""
@@ -85,18 +86,18 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
         fn = torch.compile(lambda *a, **kw: gated_delta_rule(*a, **kw),
                            fullgraph=True)
     o, ht = fn(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None,
-               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton", recompute=recompute)
-    do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
+               output_final_state=final, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton", recompute=recompute)
+    do, dht = _cotangents(o, ht, gen)
     if grads:
-        gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
+        gr = torch.autograd.grad(_loss(o.float(), do, ht, dht), leaf if h0 else leaf[:5])
     torch.cuda.synchronize()
     t_ours = time.perf_counter() - t0
     ref = [x.detach().to(F64).requires_grad_(grads) for x in xs]
     o2, ht2 = gated_delta_rule(*ref[:3], g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None,
-                               output_final_state=True, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
-    res = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+                               output_final_state=final, cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
+    res = {"o": rel(o, o2)} | ({"final_state": rel(ht, ht2)} if final else {})
     if grads:
-        gr2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+        gr2 = torch.autograd.grad(_loss(o2, do.to(F64), ht2, dht), ref if h0 else ref[:5])
         for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gr2):
             res[n] = rel(a, b)
     bars = gdn_bars(dtype, decay)
@@ -105,6 +106,18 @@ def check(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, gra
     worst = max(held.items(), key=lambda kv: kv[1] / bars[kv[0]])
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "pass": ok, "worst": worst[0],
             "worst_rel": worst[1], "errors": res, "seconds_ours": t_ours}
+
+
+def _cotangents(o, ht, gen):
+    """Random cotangents of o and of the final state (None when none was asked for)."""
+    do = torch.randn(o.shape, device=o.device, generator=gen)
+    return do, None if ht is None else torch.randn(ht.shape, device=o.device, generator=gen)
+
+
+def _loss(o, do, ht, dht):
+    """<o, do> + <ht, dht> (the second term only with a final state), in o's dtype."""
+    loss = (o * do).sum()
+    return loss if ht is None else loss + (ht * dht.to(ht.dtype)).sum()
 
 
 def gdn_bars(dtype, decay) -> dict[str, float]:
@@ -121,9 +134,9 @@ def gdn_bars(dtype, decay) -> dict[str, float]:
 
 
 def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True, decay=1.0, grads=True,
-              recompute=False):
+              recompute=False, final=True):
     """KDA forward and every gradient vs the float64 chunk reference; per-channel log-decays uniform in [-decay, 0)
-    or, with decay "init", a fresh layer's (`fresh_layer_gates`). Runs where gen is."""
+    or, with decay "init", a fresh layer's (`fresh_layer_gates`); final as `check`'s. Runs where gen is."""
     from hybridlm.ops import kda
 
     dev = gen.device
@@ -140,17 +153,17 @@ def check_kda(gen, name, *, B, T, H, HV, K, V, dtype, cu=None, h0=True, l2=True,
     xs = [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), r(N, HV, K, V)]
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     leaf = [x.clone().requires_grad_(grads) for x in xs]
-    o, ht = kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=True,
+    o, ht = kda(*leaf[:3], g=leaf[3], beta=leaf[4], initial_state=leaf[5] if h0 else None, output_final_state=final,
                 cu_seqlens=cu_t, use_qk_l2norm=l2, impl="triton", recompute=recompute)
-    do, dht = torch.randn(o.shape, device=dev, generator=gen), torch.randn(ht.shape, device=dev, generator=gen)
+    do, dht = _cotangents(o, ht, gen)
     if grads:
-        gr = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), leaf if h0 else leaf[:5])
+        gr = torch.autograd.grad(_loss(o.float(), do, ht, dht), leaf if h0 else leaf[:5])
     ref = [x.detach().to(F64).requires_grad_(grads) for x in xs]
-    o2, ht2 = kda(*ref[:3], g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None, output_final_state=True,
+    o2, ht2 = kda(*ref[:3], g=ref[3], beta=ref[4], initial_state=ref[5] if h0 else None, output_final_state=final,
                   cu_seqlens=cu_t, use_qk_l2norm=l2, impl="chunk")
-    res = {"o": rel(o, o2), "final_state": rel(ht, ht2)}
+    res = {"o": rel(o, o2)} | ({"final_state": rel(ht, ht2)} if final else {})
     if grads:
-        gr2 = torch.autograd.grad((o2 * do.to(F64)).sum() + (ht2 * dht.to(F64)).sum(), ref if h0 else ref[:5])
+        gr2 = torch.autograd.grad(_loss(o2, do.to(F64), ht2, dht), ref if h0 else ref[:5])
         for nm, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gr2):
             res[nm] = rel(a, b)
     tol_o, tol_g = BARS[dtype]
@@ -219,6 +232,10 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
         out.append(("varlen 1,15,100,700 H2 HV4", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt,
                                                        cu=[0, 1, 16, 116, 816])))
         out.append(("T300 H1 HV2 K64 V128 no-h0", dict(B=2, T=300, H=1, HV=2, K=64, V=128, dtype=dt, h0=False)))
+        # one chunk a sequence without an initial state (the state passes' chunk loop runs once from zero)
+        out.append(("T63 B2 H2 HV4 no-h0", dict(B=2, T=63, H=2, HV=4, K=128, V=128, dtype=dt, h0=False)))
+        out.append(("varlen 63,64 no-h0 no final state", dict(B=1, T=127, H=2, HV=4, K=128, V=128, dtype=dt,
+                                                              cu=[0, 63, 127], h0=False, final=False)))
         out.append(("T200 H1 HV4 K128", dict(B=1, T=200, H=1, HV=4, K=128, V=128, dtype=dt)))
         out.append(("T200 H2 HV2 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt)))
         out.append(("T130 H2 HV4 K128 V64 no-l2", dict(B=1, T=130, H=2, HV=4, K=128, V=64, dtype=dt, l2=False)))
@@ -240,10 +257,15 @@ def cases(quick: bool = False, bench_only: bool = False) -> list[tuple[str, dict
             out.append((f"no-grad T{T} B2 H2 HV4", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt, grads=False)))
         out.append(("no-grad varlen 1,15,100,700", dict(B=1, T=816, H=2, HV=4, K=128, V=128, dtype=dt, grads=False,
                                                         cu=[0, 1, 16, 116, 816])))
+        out.append(("no-grad T64 B2 H2 HV4 no-h0", dict(B=2, T=64, H=2, HV=4, K=128, V=128, dtype=dt, grads=False,
+                                                        h0=False)))
         out.append(("no-grad T200 K256 V256", dict(B=1, T=200, H=2, HV=2, K=256, V=256, dtype=dt, grads=False)))
     for dt in dtypes:
         out.append(("kda:T65 B2 H2 HV4 K128", dict(B=2, T=65, H=2, HV=4, K=128, V=128, dtype=dt)))
         out.append(("kda:T63 H1 HV4 K128", dict(B=1, T=63, H=1, HV=4, K=128, V=128, dtype=dt)))
+        out.append(("kda:varlen 63,64 no-h0 no final state", dict(B=1, T=127, H=1, HV=2, K=128, V=128, dtype=dt,
+                                                                  cu=[0, 63, 127], h0=False, final=False)))
+        out.append(("kda:T64 B2 no-h0", dict(B=2, T=64, H=1, HV=2, K=128, V=128, dtype=dt, h0=False)))
         for T in (1, 1000):
             out.append((f"kda:T{T} B2 H2 HV4 K128", dict(B=2, T=T, H=2, HV=4, K=128, V=128, dtype=dt)))
         out.append(("kda:T300 H2 HV2 K128 fresh-layer gates", dict(B=1, T=300, H=2, HV=2, K=128, V=128, dtype=dt,

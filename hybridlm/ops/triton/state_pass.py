@@ -10,6 +10,9 @@ Non-standard: GDN keeps no scaled copies of q and k. Its passes read the raw q, 
 and put the row scales on the other operand: the forward multiplies Vn's rows by s_k = rk e^{bL - b} (written by
 `wy._wu_fwd`) before the state-update dot; the backward puts qs = scale rq e^b on dO's rows and s_k on K dS'
 (`_raw_row_scales`). KDA's scaled tiles Qg, Kd carry per-channel decays, so it reads them as they are.
+NCH (the longest sequence's chunk count) stays a runtime value in both passes: Triton 3.6 makes an int argument of 1
+a constant, and with one chunk and no initial state (forward) that constant loop compiled on an H200 to a wrong
+final state and out-of-bounds shared-memory reads at the state update (T 63 or 64 without h0; with h0 it was right).
 `_bwd_gate_rows` writes the same row scales of every chunk to a buffer, for the Gluon backward chain
 (`hybridlm.ops.gluon.chain_bwd`), which reads them with its chunk by TMA instead of computing norms on its serial path.
 """
@@ -36,7 +39,7 @@ def _raw_row_scales(qr, kr, gs, scale, L2: tl.constexpr):
     return qs, sk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCH"])
 def _recur_fwd(
     g, Wbuf, Ubuf, Kd, SK, h0, ht, hbuf, vnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
@@ -100,7 +103,7 @@ def _recur_fwd(
         tl.store(ht + (n * HV + ihv).to(tl.int64) * K * V + s_off, S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCH"])
 def _recur_bwd(
     g, Wbuf, Qg, Kd, Pb, do, dht, dh0, dhbuf, dvnbuf, cu, chunk_off, NCH,
     H, HV, K: tl.constexpr, V: tl.constexpr,
