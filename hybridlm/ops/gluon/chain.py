@@ -154,9 +154,39 @@ if _IMPORT_ERROR is None:
             gl.store(_state_ptrs(ht, row, i_hv, HV, col0, K, V, BV, MS), St)
 
     @gluon.jit
+    def _save_p(pw, Pb, slot, nval, C: gl.constexpr, MO: gl.constexpr):
+        """A chunk's P [C, C] (fp32, layout MO) into Pb[slot] (16-bit), its rows from nval on as zeros (the chain's
+        rows past a sequence read the next one's q)."""
+        LP: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        r = gl.arange(0, C, layout=gl.SliceLayout(1, LP))
+        c = gl.arange(0, C, layout=gl.SliceLayout(0, LP))
+        x = gl.convert_layout(pw.to(Pb.dtype.element_ty), LP)
+        x = gl.where(gl.expand_dims(r < nval, 1), x, 0.0)
+        gl.store(Pb + slot.to(gl.int64) * C * C + gl.expand_dims(r * C, 1) + gl.expand_dims(c, 0), x)
+
+    @gluon.jit
+    def _save_chunk(hs_s, hv_s, hb, vn, slot, tok, nval, i_hv, HV, col0, K: gl.constexpr, V: gl.constexpr,
+                    BV: gl.constexpr, C: gl.constexpr):
+        """The state partition's hand-over of one chunk written out for the backward: S (hs_s holds S^T [BV, K]) as
+        columns col0.. col0 + BV of hb[slot] [K, V], and V' (hv_s holds V'^T [BV, C]) as the chunk's valid rows of vn
+        [Ttot, HV, V] at those columns; read through the transposed views in 16-byte rows a thread."""
+        LS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rk = gl.arange(0, K, layout=gl.SliceLayout(1, LS))
+        cv = gl.arange(0, BV, layout=gl.SliceLayout(0, LS))
+        S = hs_s.permute((1, 0)).load(LS)
+        gl.store(hb + slot.to(gl.int64) * K * V + gl.expand_dims(rk * V, 1) + gl.expand_dims(col0 + cv, 0), S)
+        rt = gl.arange(0, C, layout=gl.SliceLayout(1, LS))
+        Vn = hv_s.permute((1, 0)).load(LS)
+        p = vn + ((tok + rt).to(gl.int64) * HV + i_hv) * V + col0
+        gl.store(gl.expand_dims(p, 1) + gl.expand_dims(cv, 0), Vn, mask=gl.expand_dims(rt < nval, 1))
+
+    @gluon.jit
     def _chain_output(o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld, hand,
-                      done, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr):
-        """Worker partition: O = diag(gamma rq) (Q S) + P V' of every chunk, from the state partition's hand-over."""
+                      done, t_first, hb, vn, Pb, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+                      SAVE: gl.constexpr):
+        """Worker partition: O = diag(gamma rq) (Q S) + P V' of every chunk, from the state partition's hand-over.
+        SAVE (a training forward): also each chunk's S (16-bit, hb [slots, K, V]), V' (vn [Ttot, HV, V]) and, from the
+        first value block's program, P (Pb [slots, C, C], rows past the sequence zero), as `_save_chunk` says."""
         dt: gl.constexpr = q_st.dtype
         MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
@@ -176,13 +206,20 @@ if _IMPORT_ERROR is None:
             b_j = _gate_cols(gb, 0, MO)
             decay = gl.exp(gl.where(causal, gl.expand_dims(b_i, 1) - gl.expand_dims(b_j, 0), float("-inf")))
             decay = decay * gl.expand_dims(_gate_rows(gb, 4, MO), 1) * gl.expand_dims(_gate_cols(gb, 5, MO), 0)
-            p_op = gl.convert_layout((warpgroup_mma_wait(0, deps=[qk]) * decay).to(dt), A_O)
+            pw = warpgroup_mma_wait(0, deps=[qk]) * decay
+            if SAVE:
+                if col0 == 0:
+                    _save_p(pw, Pb, (t_first + n) * HV + i_hv, seq_len - c0, C, MO)
+            p_op = gl.convert_layout(pw.to(dt), A_O)
             _wait_chunk(hand, n)
             # Q S and P V' in two accumulators, both in flight at once (Q S is scaled by rows before the sum)
             qs = warpgroup_mma(qb, hs.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             pv = warpgroup_mma(p_op, hv.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             qs, pv, p_op = warpgroup_mma_wait(0, deps=[qs, pv, p_op])
             out = qs * gl.expand_dims(_gate_rows(gb, 3, MO), 1) + pv
+            if SAVE:
+                _save_chunk(hs.index(buf), hv.index(buf), hb, vn, (t_first + n) * HV + i_hv, bos + c0, seq_len - c0,
+                            i_hv, HV, col0, K, V, BV, C)
             _arrive(done.index(buf))
             _store_out(o_desc, o, o_st, out, bos, c0, seq_len, i_hv, HV, col0, v_col, V, BV, C)
         tma.store_wait(0)
@@ -200,6 +237,27 @@ if _IMPORT_ERROR is None:
         h0, ht: [N, HV, K, V] fp32; cu, chunk_off: [N + 1] int32. POOL: h0 and ht are one state pool
         [P, HV, K, V] and sequence n reads and writes its row rows[n] (int32 [N]); each program touches only its
         own [K, BV] slice of that row, read first and written last, so the update in place is safe."""
+        _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, rows, cu, chunk_off, flags, H, HV, o, o,
+                    o, K, V, BV, C, R, HAS_H0, STORE_HT, POOL, WAIT, False)
+
+    @gluon.jit
+    def _gdn_chain_train_kernel(
+        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, hb, vn, Pb, cu, chunk_off, H, HV,
+        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        """`_gdn_chain_kernel` for a training forward (after the solve, no state pool): also what the Triton
+        backward reads, each chunk's initial state S into hb [slots, K, V], V' into vn [Ttot, HV, V] (both in o's
+        dtype) and P into Pb [slots, C, C] (`_chain_output`)."""
+        _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, cu, cu, chunk_off, cu, H, HV, hb, vn,
+                    Pb, K, V, BV, C, R, HAS_H0, STORE_HT, False, False, True)
+
+    @gluon.jit
+    def _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, rows, cu, chunk_off, flags, H, HV, hb,
+                    vn, Pb, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+                    HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, POOL: gl.constexpr, WAIT: gl.constexpr,
+                    SAVE: gl.constexpr):
+        """One chain program (`_gdn_chain_kernel`; SAVE: `_gdn_chain_train_kernel`)."""
         i_v, i_n, i_hv, i_h, bos, seq_len, t_first, row = _chain_program(cu, chunk_off, rows, H, HV, POOL)
         dt: gl.constexpr = o.dtype.element_ty
         col0 = i_v * BV
@@ -215,7 +273,7 @@ if _IMPORT_ERROR is None:
             (_chain_state, (h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand,
                             done, K, V, BV, C, HAS_H0, STORE_HT)),
             (_chain_output, (o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld,
-                             hand, done, K, V, BV, C)),
+                             hand, done, t_first, hb, vn, Pb, K, V, BV, C, SAVE)),
             (_chain_loads, (q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, i_h * K,
                             v_col, q_st, k_st, v_st, t_st, g_st, ld, done, C, R, WAIT)),
         ], [4, 1], [168, 40])

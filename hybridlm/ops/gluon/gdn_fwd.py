@@ -37,8 +37,8 @@ from .parts import _IMPORT_ERROR, gluon_available
 from .solve import GATE_ROWS
 
 if _IMPORT_ERROR is None:  # the kernels, named here for the callers and the compile test
-    from .chain import _gdn_chain_kernel  # noqa: F401
-    from .solve import _gdn_solve_kernel  # noqa: F401
+    from .chain import _gdn_chain_kernel, _gdn_chain_train_kernel  # noqa: F401
+    from .solve import _gdn_solve_kernel, _gdn_solve_train_kernel  # noqa: F401
 
 CHUNK = 64  # tokens per chunk (four 16-row blocks of the solve)
 BV = 64  # value block of a chain program: one warpgroup's M (the transposed state's rows)
@@ -160,6 +160,55 @@ def gated_delta_rule_fwd(
     if state_pool is not None and output_final_state:
         return call.o, state_pool.index_select(0, state_indices.long())
     return call.o, None if call.pool else call.ht
+
+
+def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+                     use_qk_l2norm: bool, saved: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward that keeps what the Triton backward reads (`triton.gdn._fwd_impl` with save, on sm_90 where
+    `train_reason` finds nothing): the solve also writes the plain T and W / m, the chain each chunk's initial state,
+    V' and P. saved = (Tb [NC, HV, C, C], Wb [Ttot, HV, K], hb [NC, HV, K, V], vn [Ttot, HV, V], Pb [NC, HV, C, C])
+    in q's dtype, allocated by the caller in the Triton forward's layouts (chunk slot = global chunk x HV + value
+    head); written here. Inputs as `gated_delta_rule_fwd`'s, already checked. Returns (o, ht or None). Both launches
+    go through the JIT (no direct launches, no solve beside the chain)."""
+    call = _Call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None, None,
+                 True)
+    call.outputs()
+    p = call.plan
+    Tbuf, Gbuf = call.buffers()
+    Tb, Wb, hb, vn, Pb = saved
+    K, V = q.shape[-1], v.shape[-1]
+    l2 = bool(use_qk_l2norm)
+    if p.solve_grid[1] > 0:
+        _gdn_solve_train_kernel[p.solve_grid](call.q, call.k, call.g, call.beta, Tbuf, Gbuf, Tb, Wb, call.cu,
+                                              call.chunk_off, call.scale, call.H, call.HV, K, CHUNK, GATE_ROWS, l2,
+                                              num_warps=NUM_WARPS)
+    o = call.o
+    descs = _descriptors(call.q, call.k, call.v, o, Tbuf, Gbuf, BV)
+    h0 = call.h0 if call.h0 is not None else o  # never read without HAS_H0
+    ht = call.ht if call.ht is not None else o  # never written without STORE_HT
+    _gdn_chain_train_kernel[p.chain_grid](*descs, o, h0, ht, hb, vn, Pb, call.cu, call.chunk_off, call.H, call.HV,
+                                          K, V, BV, CHUNK, GATE_ROWS, call.h0 is not None, call.store_ht,
+                                          num_warps=NUM_WARPS)
+    return o, call.ht
+
+
+def train_reason(q: torch.Tensor, v: torch.Tensor, N: int, BT: int) -> str | None:
+    """None when `training_forward` takes a training forward of q [B, T, H, K], v [B, T, HV, V] over N sequences
+    with chunks of BT, else why not (one line): the inference forward's rule, chunks of 64, and chain programs
+    (value blocks x sequences x value heads) on at least a quarter of the multiprocessors: with fewer, the serial
+    chain leaves the GPU idle and the Triton forward's parallel launches are faster (16 programs lost in the 357M
+    step; 64 of 132, B1 T32768 H32, the inference chain runs at 2.5x the Triton forward: docs/kernels.md)."""
+    why = unsupported_reason(q, v)
+    if why is not None:
+        return why
+    if BT != CHUNK:
+        return f"BT: expected chunks of {CHUNK} tokens, got {BT}"
+    programs = (v.shape[-1] // BV) * N * v.shape[2]
+    least = -(-_multiprocessors(q.device) // 4)
+    if programs < least:
+        return (f"v: expected at least {least} chain programs (value blocks x sequences x value heads: a quarter of "
+                f"the multiprocessors), got {programs}")
+    return None
 
 
 class Launches(NamedTuple):

@@ -110,6 +110,28 @@ if _IMPORT_ERROR is None:
         gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
 
     @gluon.jit
+    def _store_w(T, gam, bi, rk_r, g_c, j_c, k_st, Wbuf, bos, c0, seq_len, i_hv, HV, K: gl.constexpr,
+                 C: gl.constexpr, MC: gl.constexpr):
+        """W / m = (T diag(beta rk gamma / m)) K of one chunk into its rows of Wbuf [Ttot, HV, K] (the rows past the
+        sequence left alone): the column-scaled T as a 16-bit left operand against the raw keys in k_st; m =
+        2^floor(log2 e^{g_0}) within [2^-60, 1], g_0 the chunk's first log-decay (`chunk_jit._chunk_scale`)."""
+        dt: gl.constexpr = k_st.dtype
+        MK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+        COL_C: gl.constexpr = gl.SliceLayout(0, MC)
+        g0 = gl.sum(gl.where(j_c == 0, g_c, 0.0), axis=0)
+        m = gl.exp2(gl.minimum(gl.maximum(gl.floor(g0 * 1.4426950408889634), -60.0), 0.0))
+        s_w = gl.convert_layout(bi * rk_r * gam, COL_C) / m
+        t_op = gl.convert_layout((T * gl.expand_dims(s_w, 0)).to(dt),
+                                 gl.DotOperandLayout(operand_index=0, parent=MK, k_width=2))
+        W = warpgroup_mma(t_op, k_st, gl.zeros([C, K], gl.float32, MK), use_acc=False)
+        LS: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        Wl = gl.convert_layout(W.to(Wbuf.dtype.element_ty), LS)
+        r = gl.arange(0, C, layout=gl.SliceLayout(1, LS))
+        c = gl.arange(0, K, layout=gl.SliceLayout(0, LS))
+        p = Wbuf + ((bos + c0 + r).to(gl.int64) * HV + i_hv) * K
+        gl.store(gl.expand_dims(p, 1) + gl.expand_dims(c, 0), Wl, mask=gl.expand_dims(c0 + r < seq_len, 1))
+
+    @gluon.jit
     def _gdn_solve_kernel(
         q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV,
         K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
@@ -120,6 +142,25 @@ if _IMPORT_ERROR is None:
         q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens past the sequence get g = beta = 0 (unit rows of T, zero
         weight in the chain). FLAG: flags[slot] (int32) is set to 1 once the slot is written, for a chain that runs
         beside this launch."""
+        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tbuf, Tbuf, K, C, R, L2, FLAG,
+                    False)
+
+    @gluon.jit
+    def _gdn_solve_train_kernel(
+        q, k, g, beta, Tbuf, Gbuf, Tsave, Wbuf, cu, chunk_off, scale, H, HV,
+        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
+    ):
+        """`_gdn_solve_kernel` for a training forward: also the plain T into Tsave [slots, C, C] and W / m =
+        T diag(beta rk gamma / m) K (m: the chunk's power-of-two scale, `chunk_jit._chunk_scale`) into Wbuf
+        [Ttot, HV, K] (q's dtype), what the Triton forward keeps for the backward (`wy._wu_fwd`)."""
+        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, cu, scale, H, HV, Tsave, Wbuf, K, C, R, L2, False,
+                    True)
+
+    @gluon.jit
+    def _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tsave, Wbuf,
+                    K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
+                    SAVE: gl.constexpr):
+        """The solve of one program (`_gdn_solve_kernel`); SAVE: also Tsave and Wbuf (`_gdn_solve_train_kernel`)."""
         i_nh = gl.program_id(0)
         i_c0 = gl.program_id(1)
         i_n = i_nh // HV
@@ -190,6 +231,10 @@ if _IMPORT_ERROR is None:
                 T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC, MC,
                               gl.DotOperandLayout(operand_index=0, parent=MC, k_width=1))
             slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
+            if SAVE:
+                gl.store(Tsave + slot * C * C + gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0),
+                         T.to(Tsave.dtype.element_ty))
+                _store_w(T, gl.exp(b_r), bi, rk_r, g_c, j_c, k_st, Wbuf, bos, c0, seq_len, i_hv, HV, K, C, MC)
             T = T * gl.expand_dims(gl.convert_layout(bi, COL_C), 0)
             p_t = gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0)
             gl.store(Tbuf + slot * C * C + p_t, T.to(Tbuf.dtype.element_ty))

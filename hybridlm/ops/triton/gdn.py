@@ -76,6 +76,7 @@ class GDNLaunch(LaunchTable):
     bwd_stages: int = 1  # their num_stages (2 pipelines the V and K loops: no gain measured)
     gluon_chain: bool = True  # sm_90 16-bit: the state-gradient chain in Gluon where it takes the inputs
     gluon_chunk_bwd: bool = True  # sm_90 16-bit: the chunk backward in Gluon where it takes the inputs
+    gluon_train_fwd: bool = True  # sm_90 16-bit: the training forward in Gluon where its chain fills the GPU
 
 
 TUNE = GDNLaunch()
@@ -195,9 +196,16 @@ def _fwd_impl(
     NCb = max_chunks(Ttot, N, BT) if save else max(nc, 1)
     e = lambda *s, dt=sd: torch.empty(*s, device=dev, dtype=dt)  # noqa: E731
     Tb = e(NCb, HV, BT, BT, dt=_t_dtype(sd) if save else f32)
-    Wb, Ub, hb, vn = e(Ttot, HV, K), e(Ttot, HV, V), e(NCb, HV, K, V), e(Ttot, HV, V)
-    sk, rk = e(Ttot, HV, dt=f32), e(Ttot, HV, dt=f32)  # the state write's key scales, the keys' inverse norms
+    Wb, hb, vn = e(Ttot, HV, K), e(NCb, HV, K, V), e(Ttot, HV, V)
     Pb = e(NCb if save else 0, HV, BT, BT)
+    if save and nc > 0 and _gluon_train_fwd(q, v, N, BT):
+        from ..gluon import gdn_fwd
+
+        o, ht = gdn_fwd.training_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                         use_qk_l2norm, (Tb, Wb, hb, vn, Pb))
+        return o, ht if ht is not None else q.new_empty(0, dtype=f32), Tb, Wb, hb, vn, Pb
+    Ub = e(Ttot, HV, V)
+    sk, rk = e(Ttot, HV, dt=f32), e(Ttot, HV, dt=f32)  # the state write's key scales, the keys' inverse norms
     o = _out((B, T, HV, V), q, q.dtype)
     ht = _out((N, HV, K, V), q, f32) if output_final_state else q.new_empty(0, dtype=f32)
     if nc > 0:
@@ -364,6 +372,17 @@ def _gluon_chain(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, Wb: torch.T
     from ..gluon import gdn_bwd
 
     return gdn_bwd.unsupported_reason(q, k, do, Wb, Pb) is None
+
+
+def _gluon_train_fwd(q: torch.Tensor, v: torch.Tensor, N: int, BT: int) -> bool:
+    """Whether a training forward runs in Gluon (`hybridlm.ops.gluon.gdn_fwd.training_forward`) instead of the four
+    Triton launches: TUNE.gluon_train_fwd and `gdn_fwd.train_reason` finds nothing (sm_90, 16-bit, K 64/128, V 64 to
+    256, chunks of 64, chain programs filling the GPU)."""
+    if not TUNE.gluon_train_fwd or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from ..gluon import gdn_fwd
+
+    return gdn_fwd.train_reason(q, v, N, BT) is None
 
 
 def _gluon_chunk(q: torch.Tensor, v: torch.Tensor, BT: int) -> bool:
