@@ -1,6 +1,7 @@
 """The float64 GPU check (scripts/gpu_check_gdn.py) as pytest tests: every awkward-shape case of the GDN and KDA
 kernels (bf16, fp16 and fp32, with and without autograd, varlen, GVA 1/2/4, K=V=256, the zero-padded head dims
-K=96 V=192, 48 and 32/16, strong decay, a fresh layer's gates, recompute, torch.compile) and both decode steps
+K=96 V=192, 48 and 32/16, strong decay, a fresh layer's gates, recompute, torch.compile, one chunk a sequence
+without an initial state, no final state asked for) and both decode steps
 (K=V=128 and the masked K=96 V=192), each against the float64 reference at the check's bars (bf16 and fp16: 5e-3
 outputs, 1e-2 gradients; fp32: 1e-5, TF32 off). The benchmark shapes stay in the script (`--quick` leaves them
 out as these tests do).
