@@ -184,6 +184,18 @@ def test_four_warp_state_kernels_need_two_chunks_on_cuda():
     assert gdn._state_warps(8, cuda, 1) == 8
 
 
+def test_state_passes_keep_the_chunk_count_a_runtime_value():
+    """Triton 3.6 makes an int argument of 1 a constant: with one chunk a sequence and no initial state, the forward
+    state pass compiled that way gave a wrong final state and out-of-bounds shared reads on an H200 (gpu_check_gdn's
+    one-chunk cases without h0 check the outputs; the interpreter never had the fault). Both passes keep their chunk
+    count NCH unspecialised."""
+    from hybridlm.ops.triton import state_pass
+
+    for kernel in (state_pass._recur_fwd, state_pass._recur_bwd):
+        nch = next(p for p in kernel.params if p.name == "NCH")
+        assert nch.do_not_specialize, kernel.__name__
+
+
 @pytest.mark.parametrize("stages", [0, 1.5, None])
 def test_bwd_stages_is_checked(stages):
     """gdn.TUNE.bwd_stages goes to the chunk backward's launches as num_stages: anything but an int >= 1 is a clear
