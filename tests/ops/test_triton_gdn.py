@@ -191,6 +191,8 @@ def test_state_passes_keep_the_chunk_count_a_runtime_value():
     count NCH unspecialised."""
     from hybridlm.ops.triton import state_pass
 
+    if not hasattr(state_pass._recur_fwd, "params"):
+        pytest.skip("TRITON_INTERPRET=1: the interpreter's kernels do not specialise")
     for kernel in (state_pass._recur_fwd, state_pass._recur_bwd):
         nch = next(p for p in kernel.params if p.name == "NCH")
         assert nch.do_not_specialize, kernel.__name__
