@@ -19,7 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import draw_seed, gluon_gpu, rel_f64  # noqa: E402
+from float64_check import draw_seed, gluon_gpu, gpu_check_row, rel_f64  # noqa: E402
 from gluon_switch import Recorder  # noqa: E402
 
 from hybridlm.ops.gluon import gdn_bwd  # noqa: E402
@@ -175,19 +175,7 @@ CHECK = _check_cases()
 @gluon_gpu
 @pytest.mark.parametrize(("name", "kw"), CHECK, ids=[c[0] for c in CHECK])
 def test_op_gradients_match_float64(monkeypatch, name, kw):
-    import gpu_check_gdn as check
-
-    calls = []
-    real = gdn_bwd.chunk_grads
-    monkeypatch.setattr(gdn_bwd, "chunk_grads", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(gdn, "POISON", True)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        seed = draw_seed()
-        row = check.check(torch.Generator(device="cuda").manual_seed(seed), name, **kw)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    row, calls, seed = gpu_check_row(monkeypatch, gdn_bwd, "chunk_grads", name, kw)
     assert calls or kw["T"] == 0, f"{name}: the Gluon chunk backward did not run"
     assert row["pass"], f"{name}: worst {row['worst']} {row['worst_rel']:.3g}, errors {row['errors']} (seed {seed})"
 

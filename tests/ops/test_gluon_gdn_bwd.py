@@ -18,14 +18,12 @@ bitwise equal to the eager call.
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import check_cache_reuse, draw_seed, gluon_gpu, rel_f64  # noqa: E402
+from float64_check import check_cache_reuse, draw_seed, gluon_gpu, gpu_check_row, rel_f64  # noqa: E402
 from gluon_switch import Recorder  # noqa: E402
 
 from hybridlm.ops import gated_delta_rule, launch  # noqa: E402
@@ -124,28 +122,11 @@ CASES.append(("recompute varlen bf16", dict(B=1, T=816, H=2, HV=4, K=128, V=128,
                                             cu=[0, 1, 16, 116, 816], recompute=True)))
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts the Gluon chain's calls; the Triton kernels' outputs start as NaN."""
-    calls = []
-    real = gdn_bwd.state_grad_chain
-    monkeypatch.setattr(gdn_bwd, "state_grad_chain", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setattr(gdn, "POISON", True)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield calls
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-
 @gluon_gpu
 @pytest.mark.parametrize(("name", "kw"), CASES, ids=[c[0] for c in CASES])
-def test_op_gradients_match_float64(counted, name, kw):
-    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-    import gpu_check_gdn as check
-
-    seed = draw_seed()
-    row = check.check(torch.Generator(device="cuda").manual_seed(seed), name, **kw)
-    assert counted, f"{name}: the Gluon chain did not run"
+def test_op_gradients_match_float64(monkeypatch, name, kw):
+    row, calls, seed = gpu_check_row(monkeypatch, gdn_bwd, "state_grad_chain", name, kw)
+    assert calls, f"{name}: the Gluon chain did not run"
     assert row["pass"], f"{name}: worst {row['worst']} {row['worst_rel']:.3g}, errors {row['errors']} (seed {seed})"
 
 

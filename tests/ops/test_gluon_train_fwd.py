@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import draw_seed, gluon_gpu, rel_f64  # noqa: E402
+from float64_check import draw_seed, gluon_gpu, gpu_check_row, rel_f64  # noqa: E402
 
 from hybridlm.ops.gluon import gdn_fwd  # noqa: E402
 from hybridlm.ops.triton import gdn  # noqa: E402
@@ -112,19 +112,7 @@ CHECK = _check_cases()
 @gluon_gpu
 @pytest.mark.parametrize(("name", "kw"), CHECK, ids=[c[0] for c in CHECK])
 def test_op_gradients_match_float64(monkeypatch, name, kw):
-    import gpu_check_gdn as check
-
     monkeypatch.setattr(gdn_fwd, "_multiprocessors", lambda dev: 1)
-    calls = []
-    real = gdn_fwd.training_forward
-    monkeypatch.setattr(gdn_fwd, "training_forward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(gdn, "POISON", True)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        seed = draw_seed()
-        row = check.check(torch.Generator(device="cuda").manual_seed(seed), name, **kw)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    row, calls, seed = gpu_check_row(monkeypatch, gdn_fwd, "training_forward", name, kw)
     assert calls, f"{name}: the Gluon training forward did not run"
     assert row["pass"], f"{name}: worst {row['worst']} {row['worst_rel']:.3g}, errors {row['errors']} (seed {seed})"
