@@ -113,9 +113,12 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _chain_state(h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand, done,
-                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-                     HAS_H0: gl.constexpr, STORE_HT: gl.constexpr):
-        """Default partition: the state path, and the hand-over of S^T and V'^T a chunk."""
+                     hb, vn, t_first, bos, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+                     HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, SAVE: gl.constexpr):
+        """Default partition: the state path, and the hand-over of S^T and V'^T a chunk. SAVE (a training forward):
+        also each chunk's S and V' for the backward, stored from these registers as they are made (`_save_state`,
+        `_save_values`): fire-and-forget stores here keep them off the output warpgroup, whose hand-over slot the
+        next chunk waits for."""
         dt: gl.constexpr = q_st.dtype
         MS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
         MT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -136,6 +139,8 @@ if _IMPORT_ERROR is None:
             zt = gl.zeros([BV, C], gl.float32, MT)
 
             ks, s_op = _issue_st_product(St, kb, hs.index(buf), zt, A_T)  # S^T K^T
+            if SAVE:
+                _save_state(St, hb, t_first + n, i_hv, HV, col0, K, V, BV, MS)
 
             # V'^T = R^T (T diag(beta))^T, R^T = V^T - (S^T K^T) diag(gamma rk)
             vt = v_st.index(buf).permute((1, 0)).load(MT).to(gl.float32)
@@ -144,6 +149,8 @@ if _IMPORT_ERROR is None:
             r_op = gl.convert_layout((vt - ks * gk).to(dt), A_T)
             Vn = warpgroup_mma(r_op, t_st.index(buf).permute((1, 0)), zt, use_acc=False)
             _hand_over(hv.index(buf), Vn.to(dt), hand.index(buf))
+            if SAVE:
+                _save_values(Vn, vn, bos + c0, seq_len - c0, i_hv, HV, col0, V, BV, C, MT)
 
             # S^T = e^{b_last} S^T + U^T K, U^T = V'^T diag(rk e^{b_last - b})
             u_op = gl.convert_layout((Vn * gl.expand_dims(_gate_cols(gb, 2, MT), 0)).to(dt), A_S)
@@ -165,28 +172,30 @@ if _IMPORT_ERROR is None:
         gl.store(Pb + slot.to(gl.int64) * C * C + gl.expand_dims(r * C, 1) + gl.expand_dims(c, 0), x)
 
     @gluon.jit
-    def _save_chunk(hs_s, hv_s, hb, vn, slot, tok, nval, i_hv, HV, col0, K: gl.constexpr, V: gl.constexpr,
-                    BV: gl.constexpr, C: gl.constexpr):
-        """The state partition's hand-over of one chunk written out for the backward: S (hs_s holds S^T [BV, K]) as
-        columns col0.. col0 + BV of hb[slot] [K, V], and V' (hv_s holds V'^T [BV, C]) as the chunk's valid rows of vn
-        [Ttot, HV, V] at those columns; read through the transposed views in 16-byte rows a thread."""
-        LS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rk = gl.arange(0, K, layout=gl.SliceLayout(1, LS))
-        cv = gl.arange(0, BV, layout=gl.SliceLayout(0, LS))
-        S = hs_s.permute((1, 0)).load(LS)
-        gl.store(hb + slot.to(gl.int64) * K * V + gl.expand_dims(rk * V, 1) + gl.expand_dims(col0 + cv, 0), S)
-        rt = gl.arange(0, C, layout=gl.SliceLayout(1, LS))
-        Vn = hv_s.permute((1, 0)).load(LS)
-        p = vn + ((tok + rt).to(gl.int64) * HV + i_hv) * V + col0
-        gl.store(gl.expand_dims(p, 1) + gl.expand_dims(cv, 0), Vn, mask=gl.expand_dims(rt < nval, 1))
+    def _save_state(St, hb, chunk, i_hv, HV, col0, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                    MS: gl.constexpr):
+        """A chunk's initial state S^T [BV, K] (fp32, layout MS) as columns col0.. col0 + BV of hb[chunk x HV + i_hv]
+        [K, V] in hb's 16-bit dtype."""
+        gl.store(_state_ptrs(hb, chunk.to(gl.int64), i_hv, HV, col0, K, V, BV, MS), St.to(hb.dtype.element_ty))
+
+    @gluon.jit
+    def _save_values(Vn, vn, tok, nval, i_hv, HV, col0, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+                     MT: gl.constexpr):
+        """A chunk's V'^T [BV, C] (fp32, layout MT) as its valid rows (tokens tok.. tok + nval) of vn [Ttot, HV, V]
+        at columns col0.. col0 + BV, in vn's 16-bit dtype."""
+        r_v = gl.arange(0, BV, layout=gl.SliceLayout(1, MT))
+        c_t = gl.arange(0, C, layout=gl.SliceLayout(0, MT))
+        p = vn + ((tok + c_t).to(gl.int64) * HV + i_hv) * V + col0
+        gl.store(gl.expand_dims(p, 0) + gl.expand_dims(r_v, 1), Vn.to(vn.dtype.element_ty),
+                 mask=gl.expand_dims(c_t < nval, 0))
 
     @gluon.jit
     def _chain_output(o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld, hand,
-                      done, t_first, hb, vn, Pb, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+                      done, t_first, Pb, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
                       SAVE: gl.constexpr):
         """Worker partition: O = diag(gamma rq) (Q S) + P V' of every chunk, from the state partition's hand-over.
-        SAVE (a training forward): also each chunk's S (16-bit, hb [slots, K, V]), V' (vn [Ttot, HV, V]) and, from the
-        first value block's program, P (Pb [slots, C, C], rows past the sequence zero), as `_save_chunk` says."""
+        SAVE (a training forward): also, from the first value block's program, each chunk's P (Pb [slots, C, C], rows
+        past the sequence zero); S and V' leave from the state warpgroup."""
         dt: gl.constexpr = q_st.dtype
         MO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
@@ -217,9 +226,6 @@ if _IMPORT_ERROR is None:
             pv = warpgroup_mma(p_op, hv.index(buf).permute((1, 0)), zo, use_acc=False, is_async=True)
             qs, pv, p_op = warpgroup_mma_wait(0, deps=[qs, pv, p_op])
             out = qs * gl.expand_dims(_gate_rows(gb, 3, MO), 1) + pv
-            if SAVE:
-                _save_chunk(hs.index(buf), hv.index(buf), hb, vn, (t_first + n) * HV + i_hv, bos + c0, seq_len - c0,
-                            i_hv, HV, col0, K, V, BV, C)
             _arrive(done.index(buf))
             _store_out(o_desc, o, o_st, out, bos, c0, seq_len, i_hv, HV, col0, v_col, V, BV, C)
         tma.store_wait(0)
@@ -248,7 +254,7 @@ if _IMPORT_ERROR is None:
     ):
         """`_gdn_chain_kernel` for a training forward (after the solve, no state pool): also what the Triton
         backward reads, each chunk's initial state S into hb [slots, K, V], V' into vn [Ttot, HV, V] (both in o's
-        dtype) and P into Pb [slots, C, C] (`_chain_output`)."""
+        dtype; `_chain_state`) and P into Pb [slots, C, C] (`_chain_output`)."""
         _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, o, h0, ht, cu, cu, chunk_off, cu, H, HV, hb, vn,
                     Pb, K, V, BV, C, R, HAS_H0, STORE_HT, False, False, True)
 
@@ -271,9 +277,9 @@ if _IMPORT_ERROR is None:
         hs, hv, o_st, ld, hand, done = _chain_shared(dt, o_desc, K, BV, C)
         gl.warp_specialize([
             (_chain_state, (h0, ht, row, seq_len, i_hv, HV, col0, q_st, k_st, v_st, t_st, g_st, hs, hv, ld, hand,
-                            done, K, V, BV, C, HAS_H0, STORE_HT)),
+                            done, hb, vn, t_first, bos, K, V, BV, C, HAS_H0, STORE_HT, SAVE)),
             (_chain_output, (o_desc, o, bos, seq_len, i_hv, HV, col0, v_col, q_st, k_st, g_st, hs, hv, o_st, ld,
-                             hand, done, t_first, hb, vn, Pb, K, V, BV, C, SAVE)),
+                             hand, done, t_first, Pb, K, V, BV, C, SAVE)),
             (_chain_loads, (q_desc, k_desc, v_desc, t_desc, g_desc, flags, bos, seq_len, t_first, i_hv, HV, i_h * K,
                             v_col, q_st, k_st, v_st, t_st, g_st, ld, done, C, R, WAIT)),
         ], [4, 1], [168, 40])
