@@ -55,8 +55,9 @@ def _desc_type(dtype: str, box: list[int]) -> str:
 
 DESCS = {"q_desc": [64, 128], "k_desc": [64, 128], "v_desc": [64, 64], "t_desc": [64, 64], "o_desc": [64, 64],
          "g_desc": [8, 64], "qg_desc": [64, 128], "kd_desc": [64, 128], "w_desc": [64, 128], "u_desc": [64, 64],
-         "p_desc": [64, 64]}
+         "p_desc": [64, 64], "vn_desc": [64, 64], "hb_desc": [128, 64]}
 KEY_WIDE = ("q_desc", "k_desc", "qg_desc", "kd_desc", "w_desc")  # boxes [64, K]
+KEY_TALL = ("hb_desc",)  # boxes [K, 64]
 
 
 def _require_gluon() -> None:

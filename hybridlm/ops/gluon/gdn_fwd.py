@@ -32,7 +32,7 @@ import triton
 from ..launch import TmaSpec, aligned, current_stream, direct_launch, direct_ok, tensor_map
 from ..offsets import host_offsets
 from ..validate import Dims, check_state_pool
-from .chain import _descriptors
+from .chain import _descriptors, _tma_desc
 from .parts import _IMPORT_ERROR, gluon_available
 from .solve import GATE_ROWS
 
@@ -186,8 +186,9 @@ def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final
     descs = _descriptors(call.q, call.k, call.v, o, Tbuf, Gbuf, BV)
     h0 = call.h0 if call.h0 is not None else o  # never read without HAS_H0
     ht = call.ht if call.ht is not None else o  # never written without STORE_HT
-    _gdn_chain_train_kernel[p.chain_grid](*descs, o, h0, ht, hb, vn, Pb, call.cu, call.chunk_off, call.H, call.HV,
-                                          K, V, BV, CHUNK, GATE_ROWS, call.h0 is not None, call.store_ht,
+    save_descs = (_tma_desc(hb.reshape(-1, V), K, BV), _tma_desc(vn.reshape(-1, vn.shape[-2] * V), CHUNK, BV))
+    _gdn_chain_train_kernel[p.chain_grid](*descs, *save_descs, o, h0, ht, vn, Pb, call.cu, call.chunk_off, call.H,
+                                          call.HV, K, V, BV, CHUNK, GATE_ROWS, call.h0 is not None, call.store_ht,
                                           num_warps=NUM_WARPS)
     return o, call.ht
 
