@@ -44,8 +44,8 @@ def interp_results(interp_job):
 
 CONV = ["conv_W2_bias_h0_T37_C70", "conv_W3_noact_h0_T5", "conv_W6_bias_h0_T40", "conv_W4_varlen_1_2_17_5",
         "conv_W4_varlen_h0_bias", "conv_W4_T1_h0", "conv_W4_varlen_h0_bias_blocks", "conv_W4_varlen_h0_bias_split",
-        "conv_W3_noact_split", "conv_W4_varlen_h0_bias_walk", "conv_W8_varlen_h0_bias_walk", "conv_W1_bias_h0_walk",
-        "conv_W4_noact_split_walk"]
+        "conv_W3_noact_split", "conv_W4_varlen_h0_bias_walk", "conv_W8_varlen_h0_bias_walk",
+        "conv_W8_varlen_h0_bias_walk_bt4", "conv_W1_bias_h0_walk", "conv_W4_noact_split_walk"]
 NORM = ["gnorm_silu_D128", "gnorm_silu_D128_blocks", "gnorm_silu_noweight_D100", "gnorm_sigmoid_fp32out_D64",
         "gnorm_silu_D256", "rms_zero_centered_D2048", "rms_llama_D96", "rms_fp32w_D2560", "rms_noweight_D48"]
 GATES = ["gates_gdn", "gates_gdn_beta2", "gates_kda_K16"]
@@ -55,6 +55,7 @@ EXPECTED_GRADS = {"conv_W2_bias_h0_T37_C70": 4, "conv_W3_noact_h0_T5": 3, "conv_
                   "conv_W4_varlen_h0_bias_blocks": 4, "gnorm_silu_D128_blocks": 3,
                   "conv_W4_varlen_h0_bias_split": 4, "conv_W3_noact_split": 3,
                   "conv_W4_varlen_h0_bias_walk": 4, "conv_W8_varlen_h0_bias_walk": 4,
+                  "conv_W8_varlen_h0_bias_walk_bt4": 4,
                   "conv_W1_bias_h0_walk": 4, "conv_W4_noact_split_walk": 2,
                   "gnorm_silu_noweight_D100": 2, "gnorm_sigmoid_fp32out_D64": 3, "gnorm_silu_D256": 3,
                   "rms_zero_centered_D2048": 2, "rms_llama_D96": 2, "rms_fp32w_D2560": 2, "rms_noweight_D48": 1,
@@ -220,18 +221,19 @@ def test_launch_tables_refuse_unknown_settings():
             pass
     with tuned(conv.TUNE, bwd_bt=32):
         assert conv.TUNE.bwd_bt == 32
-    assert conv.TUNE.bwd_bt == 16
+    assert conv.TUNE.bwd_bt == 64
 
 
 def test_conv_backward_settings_are_checked():
-    """A token block shorter than the W-1 rows a token's dx reads past it is a clear error (before any launch)."""
+    """A token block that is not four phases of a power of two rows is a clear error (before any launch)."""
     from hybridlm.ops.triton import conv
     from hybridlm.ops.triton.tune import tuned
 
     x, w = torch.randn(1, 12, 8), torch.randn(8, 8)
-    with tuned(conv.TUNE, bwd_bt=4), pytest.raises(ValueError,
-                                                   match=r"conv.TUNE.bwd_bt: expected >= W - 1 = 7 .* got 4"):
-        conv._bwd_launch((x,), x, w, None, None, None, True, False, 0, 0)
+    for bt in (2, 12):
+        with tuned(conv.TUNE, bwd_bt=bt), pytest.raises(
+                ValueError, match=rf"conv.TUNE.bwd_bt: expected a power of two >= 4 .* got {bt}"):
+            conv._bwd_launch((x,), x, w, None, None, None, True, False, 0, 0)
 
 
 def test_split_block_falls_back_below_the_default_channel_block():
@@ -239,7 +241,6 @@ def test_split_block_falls_back_below_the_default_channel_block():
     block straddles q and k; none at all keeps one output tensor."""
     from hybridlm.ops.triton import conv
 
-    assert conv.TUNE.bwd_bc == 128
     assert conv.split_block(1024, 1024, 128) == 128  # the 357M layer's q, k
     assert conv.split_block(2048, 192, 128) == 64
     assert conv.split_block(16, 32, 128) == 16

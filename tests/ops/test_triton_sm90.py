@@ -76,9 +76,8 @@ def glue_jobs() -> dict:
             conv._conv_final_state, dict(x=bf, h0=bf, ht=bf, cu=i32), dict(C=i32),
             dict(W=W, WP=W, BC=conv.BC, HAS_H0=on), 4, 3)
         jobs[f"_conv_bwd{tag}"] = (
-            conv._conv_bwd, dict(x=bf, w=bf, bias=bf, h0=bf, dy=bf, dy1=bf, dy2=bf, dx=bf, dwp=f32, dbp=f32, ring=f32,
-                                 cu=i32), dict(cints, NS=i32, CH=i32),
-            dict(cflags, W=W, WP=W, HP=4, BT=T.bwd_bt, BC=T.bwd_bc, HAS_H0=on), T.bwd_warps, 1)
+            conv._conv_bwd, dict(x=bf, w=bf, bias=bf, h0=bf, dy=bf, dy1=bf, dy2=bf, dx=bf, dwp=f32, dbp=f32, cu=i32),
+            dict(cints, NS=i32, CH=i32), dict(cflags, W=W, WP=W, BT=T.bwd_bt, BC=T.bwd_bc, HAS_H0=on), T.bwd_warps, 1)
         jobs[f"_conv_bwd_h0{tag}"] = (
             conv._conv_bwd_h0, dict(x=bf, w=bf, bias=bf, h0=bf, dy=bf, dy1=bf, dy2=bf, dh0=bf, cu=i32), cints,
             dict(cflags, W=W, WP=W, BC=T.bwd_bc), 4, 3)

@@ -9,10 +9,10 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
 - Arithmetic is fp32; the weight, bias and initial state are first rounded to x's dtype (the reference casts
   them to x.dtype before its conv).
 - The forward saves nothing of size [B, T, C] but its inputs. The backward is one kernel whose programs each walk a
-  token range of one document from its end to its start: each token's pre and dpre = dy * act'(pre) are computed
-  once, and dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes the later rows from the block walked just before, kept in a
-  small per-program fp32 ring in global memory (L1/L2-resident); only the W-1 rows after a range are computed
-  twice (0.323 ms against 0.522 for recomputing W pre-activations a token, the 357M layer's conv on an H100).
+  token range of one document in blocks taken as four phases (rows t, t+4, t+8, ... of a block in one tile): then
+  dx_t = sum_s w[:, W-1-s] * dpre_{t+s}, dpre = dy * act'(pre), adds whole tiles with no shifted rows. Each tile's
+  dpre is computed once from the block's inputs, read once; only the W-1 rows after a block are computed twice
+  (the 357M layer's conv on an H200: 229 us against 282 for a serial walk keeping shifted rows in a global ring).
   dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no atomics). Gradients flow
   to x, weight, bias and initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
@@ -50,10 +50,11 @@ class ConvLaunch(LaunchTable):
     fwd_bc: int = 256  # forward channel block; a split output takes the largest power of two <= it dividing C0, C1
     fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
     # backward times: H100, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 4 documents)
-    bwd_bt: int = 16  # backward token block (>= W - 1): 0.323 ms against 0.339 at 8 (bt 32 timed at bc 64: 0.503)
-    bwd_bc: int = 128  # backward channel block: 0.323 ms against 0.661 at 64 and at 256 (a split may take less)
-    bwd_warps: int = 4  # backward warps: 0.323 ms against 1.128 at 8 (at bc 64: 0.661 against 0.593 at 8)
-    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): 0.323 ms against 0.382 at 1024
+    # backward times: H200, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 16 documents)
+    bwd_bt: int = 64  # backward token block, four phases of bt / 4 rows (a power of two >= 4): 229 us
+    bwd_bc: int = 64  # backward channel block (a split may take less)
+    bwd_warps: int = 4  # backward warps
+    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): 229 us against 282 at 256
 
 TUNE = ConvLaunch()
 
@@ -170,92 +171,83 @@ def _conv_final_state(x, h0, ht, cu, C, W: tl.constexpr, WP: tl.constexpr, BC: t
 
 
 @triton.jit
-def _dw_acc(b_dp, x, h0, bos, L, i_n, pos, o_c, m_c, C, o_j, b_a0, b_a1, b_a2, b_a3, b_dw, W: tl.constexpr,
-            HAS_H0: tl.constexpr):
-    """dweight[:, i] += sum_t dpre_t * x_{t-(W-1)+i} over rows pos [R]: elementwise [R, BC] accumulators for taps
-    i < 4, summed over tokens once at the end (a reduction per block costs more than the block's loads); taps 4..
-    reduce per block into b_dw [BC, WP]."""
-    for i in tl.static_range(W):
-        b_pi = b_dp * _load_hist(x, h0, bos, L, i_n, pos - (W - 1) + i, o_c, m_c, C, W, HAS_H0)
-        if i == 0:
-            b_a0 += b_pi
-        elif i == 1:
-            b_a1 += b_pi
-        elif i == 2:
-            b_a2 += b_pi
-        elif i == 3:
-            b_a3 += b_pi
-        else:
-            b_dw += tl.where(o_j[None, :] == i, tl.sum(b_pi, 0)[:, None], 0.0)
-    return b_a0, b_a1, b_a2, b_a3, b_dw
-
-
-@triton.jit
-def _slot(p, BT: tl.constexpr):
-    """Ring row of in-document position p: block p // BT lives in ring block (p // BT) % 3."""
-    return ((p // BT) % 3) * BT + p % BT
-
-
-@triton.jit
-def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W: tl.constexpr,
-              WP: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, CH, W: tl.constexpr,
+              WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_H0: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr = False):
     """Grid (C / BC, NS, N): program (c, s, n) takes tokens [s * CH, (s + 1) * CH) of document n (CH a multiple of
-    BT) and walks their BT-row blocks from the last to the first, so that the dpre = dy * act'(pre) of the block
-    after the current one is already computed: each token's pre and dpre are computed once, and
-    dx_t = sum_s w[:, W-1-s] * dpre_{t+s} takes rows t+1 .. t+W-1 from this block or the one after it (W-1 <= BT).
-    The W-1 rows after the program's range (another program's, or past the document's end: 0) are computed once
-    before the walk. The shifted rows come from a per-program ring of 3 blocks of dpre [3 * BT, BC] fp32 in global
-    memory (L1/L2-resident; block j in ring block j % 3; one barrier per block: a ring block is rewritten two blocks
-    after it was last read; 0.323 against 0.385 ms a layer carrying the previous block in registers and picking
-    its rows with tl.gather). Partial dweight [BC, W] / dbias [BC] sums go to row n * NS + s of dwp [N * NS, C, W] /
-    dbp [N * NS, C] (programs past their document's end write zeros). SPLIT: dy comes as three tensors dy, dy1,
+    BT) in blocks of BT = 4 R rows, each block as four phases: phase p holds rows t0 + 4 k + p (k < R), so that
+    dx_t = sum_s w[:, W-1-s] * dpre_{t+s} needs no shifted rows. A block reads its inputs as 2 W + 2 tiles [R, BC]
+    (tile m: rows t0 + 4 k + m - (W - 1)) once; then for j < W + 3 the dpre = dy * act'(pre) of rows t0 + 4 k + j
+    is one tile, made once from tiles j.. j + W - 1, and adds w[:, W-1-(j-p)] times itself to phase p's dx for
+    every p with 0 <= j - p < W. The W - 1 tiles past the block's four phases are the only recomputed dpre (the
+    next block's rows). No scratch, no barrier, no order between blocks. Partial dweight [BC, W] / dbias [BC] sums
+    (elementwise [R, BC] accumulators, summed over rows once at the end) go to row n * NS + s of dwp [N * NS, C, W]
+    / dbp [N * NS, C] (programs past their document's end write zeros). SPLIT: dy comes as three tensors dy, dy1,
     dy2 (`_part`)."""
     i_c, i_s, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     DT = x.dtype.element_ty
+    R: tl.constexpr = BT // 4
     dyp, dys, dyc = _part(dy, dy1, dy2, i_c * BC, C0, C1, C, SPLIT)
     bos = tl.load(cu + i_n).to(tl.int64)
     L = tl.load(cu + i_n + 1).to(tl.int64) - bos
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, WP)
-    o_r = tl.arange(0, BT)
+    o_k = 4 * tl.arange(0, R)
     i_p = (i_n * NS + i_s).to(tl.int64)
-    p_ring = ring + (i_p * tl.num_programs(0) + i_c) * (3 * BT * BC) + tl.arange(0, BC)[None, :]
     c0 = i_s * CH
     nb = tl.cdiv(tl.minimum(c0 + CH, L) - c0, BT)  # blocks of this program; <= 0 past the document's end
+    taps = ()  # the weight's columns [1, BC], rounded to x's dtype as the forward rounds them
+    sums = ()  # dweight's elementwise partial sums, a tap each
+    for i in tl.static_range(W):
+        taps = taps + (tl.load(w + o_c * W + i, mask=m_c, other=0.0).to(DT).to(tl.float32)[None, :],)
+        sums = sums + (tl.zeros([R, BC], dtype=tl.float32),)
+    b_bias = tl.zeros([1, BC], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias += tl.load(bias + o_c, mask=m_c, other=0.0).to(DT).to(tl.float32)[None, :]
+    b_ab = tl.zeros([R, BC], dtype=tl.float32)
+    for b in range(0, nb):
+        base = c0 + b * BT + o_k
+        xs = ()
+        for m in tl.static_range(2 * W + 2):
+            xs = xs + (_load_hist(x, h0, bos, L, i_n, base + m - (W - 1), o_c, m_c, C, W, HAS_H0),)
+        b_d0 = tl.zeros([R, BC], dtype=tl.float32)
+        b_d1 = tl.zeros([R, BC], dtype=tl.float32)
+        b_d2 = tl.zeros([R, BC], dtype=tl.float32)
+        b_d3 = tl.zeros([R, BC], dtype=tl.float32)
+        for j in tl.static_range(W + 3):
+            pos = base + j
+            m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
+            b_dp = tl.load(dyp + (bos + pos)[:, None] * dys + (o_c - dyc)[None, :], mask=m, other=0.0)
+            b_dp = b_dp.to(tl.float32)
+            if SILU:
+                b_p = b_bias + taps[0] * xs[j]
+                for i in tl.static_range(1, W):
+                    b_p += taps[i] * xs[j + i]
+                b_sg = tl.sigmoid(b_p)
+                b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+            if j < 4:  # one of the block's own rows: the weight's and bias's sums
+                b_ab += b_dp
+                acc = ()
+                for i in tl.static_range(W):
+                    acc = acc + (sums[i] + b_dp * xs[j + i],)
+                sums = acc
+            if j < W:
+                b_d0 += taps[W - 1 - j] * b_dp
+            if j >= 1 and j - 1 < W:
+                b_d1 += taps[W - j] * b_dp
+            if j >= 2 and j - 2 < W:
+                b_d2 += taps[W + 1 - j] * b_dp
+            if j >= 3 and j - 3 < W:
+                b_d3 += taps[W + 2 - j] * b_dp
+        p_dx = dx + (bos + base)[:, None] * C + o_c[None, :]
+        tl.store(p_dx, b_d0.to(dx.dtype.element_ty), mask=(base < L)[:, None] & m_c[None, :])
+        tl.store(p_dx + C, b_d1.to(dx.dtype.element_ty), mask=(base + 1 < L)[:, None] & m_c[None, :])
+        tl.store(p_dx + 2 * C, b_d2.to(dx.dtype.element_ty), mask=(base + 2 < L)[:, None] & m_c[None, :])
+        tl.store(p_dx + 3 * C, b_d3.to(dx.dtype.element_ty), mask=(base + 3 < L)[:, None] & m_c[None, :])
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
-    b_a0 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_a1 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_a2 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_a3 = tl.zeros([BT, BC], dtype=tl.float32)
-    b_ab = tl.zeros([BT, BC], dtype=tl.float32)
-    if W > 1:
-        if nb > 0:
-            o_h = tl.arange(0, HP)
-            b_h = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, c0 + nb * BT + o_h, o_c, m_c, C, W, HAS_BIAS,
-                        HAS_H0, SILU)
-            tl.store(p_ring + _slot(c0 + nb * BT + o_h, BT)[:, None] * BC, b_h, mask=(o_h < W - 1)[:, None])
-    for k in range(0, nb):
-        t0 = c0 + (nb - 1 - k) * BT
-        pos = t0 + o_r
-        b_dp = _dpre(x, w, bias, h0, dyp, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0, SILU)
-        b_ab += b_dp
-        b_a0, b_a1, b_a2, b_a3, b_dw = _dw_acc(b_dp, x, h0, bos, L, i_n, pos, o_c, m_c, C, o_j, b_a0, b_a1, b_a2,
-                                               b_a3, b_dw, W, HAS_H0)
-        if W > 1:
-            tl.store(p_ring + _slot(pos, BT)[:, None] * BC, b_dp)
-            tl.debug_barrier()
-        b_dx = tl.load(w + o_c * W + (W - 1), mask=m_c, other=0.0).to(DT).to(tl.float32)[None, :] * b_dp
-        for s in tl.static_range(1, W):
-            b_w = tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.0).to(DT).to(tl.float32)
-            b_dx += b_w[None, :] * tl.load(p_ring + _slot(pos + s, BT)[:, None] * BC)
-        tl.store(dx + (bos + pos)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-                 mask=(pos < L)[:, None] & m_c[None, :])
-    b_dw += tl.where(o_j[None, :] == 0, tl.sum(b_a0, 0)[:, None], 0.0)
-    b_dw += tl.where(o_j[None, :] == 1, tl.sum(b_a1, 0)[:, None], 0.0)
-    b_dw += tl.where(o_j[None, :] == 2, tl.sum(b_a2, 0)[:, None], 0.0)
-    b_dw += tl.where(o_j[None, :] == 3, tl.sum(b_a3, 0)[:, None], 0.0)
+    for i in tl.static_range(W):
+        b_dw += tl.where(o_j[None, :] == i, tl.sum(sums[i], 0)[:, None], 0.0)
     tl.store(dwp + i_p * C * W + o_c[:, None] * W + o_j[None, :], b_dw, mask=m_c[:, None] & (o_j < W)[None, :])
     if HAS_BIAS:
         tl.store(dbp + i_p * C + o_c, tl.sum(b_ab, 0), mask=m_c)
@@ -420,19 +412,17 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     BC1 = split_block(C0, C1, TUNE.bwd_bc) if split else TUNE.bwd_bc
     NC = cdiv(C, BC1)
     BT = TUNE.bwd_bt
-    if BT < W - 1:
-        raise ValueError(f"conv.TUNE.bwd_bt: expected >= W - 1 = {W - 1} (the rows a token's dx reads past it), "
-                         f"got {BT}")
+    if BT < 4 or BT & (BT - 1):
+        raise ValueError(f"conv.TUNE.bwd_bt: expected a power of two >= 4 (four phases of R rows), got {BT}")
     CH = cdiv(max(TUNE.bwd_chunk, 1), BT) * BT
     NS = cdiv(max(Lmax, 1), CH)
     dx = _out((B, T, C), x, x.dtype)
     dwp = torch.empty(N * NS, C, W, device=x.device, dtype=torch.float32)
     dbp = torch.empty(N * NS, C, device=x.device, dtype=torch.float32) if bias is not None else dwp
-    ring = x if W == 1 else torch.empty(N * NS * NC * 3 * BT * BC1, device=x.device, dtype=torch.float32)
     if N > 0:
-        _conv_bwd[(NC, NS, N)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, ring, cu, C, C0, C1, NS, CH, W=W, WP=WP,
-                               HP=next_pow2(max(W - 1, 1)), BT=BT, BC=BC1, HAS_BIAS=bias is not None,
-                               HAS_H0=initial_state is not None, SILU=silu, SPLIT=split,
+        _conv_bwd[(NC, NS, N)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, CH, W=W, WP=WP, BT=BT,
+                               BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
+                               SPLIT=split,
                                num_warps=TUNE.bwd_warps, num_stages=1)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)

@@ -399,15 +399,18 @@ def ops_cases(gen) -> dict:
     with tuned(tconv.TUNE, fwd_bt=64, fwd_bc=128, bwd_bc=32, bwd_bt=8):
         res["conv_W4_varlen_h0_bias_blocks"] = conv_case(gen, B=1, T=27, C=33, W=4, bias=True, h0=True, silu=True,
                                                          cu=[0, 2, 22, 27])
-    # the backward's programs walking token ranges of 8 (one 8-row block each), so that documents span several
-    # programs: a document shorter than the W-1 rows a token's dx reads past it (2 < 3, and 3 < 7 at W = 8), ranges
-    # ending inside a document (the rows after them computed by both programs) and at its end (a partial block);
-    # W = 1 (no rows past a token)
+    # the backward's programs walking token ranges of 8 (one 8-row block each, or two 4-row blocks: one row a phase),
+    # so that documents span several programs: a document shorter than the W-1 rows a token's dx reads past it (2 <
+    # 3, and 3 < 7 at W = 8), ranges ending inside a document (the rows after them computed by both programs) and at
+    # its end (a partial block); W = 1 (no rows past a token)
     with tuned(tconv.TUNE, bwd_bt=8, bwd_chunk=8):
         res["conv_W4_varlen_h0_bias_walk"] = conv_case(gen, B=1, T=30, C=33, W=4, bias=True, h0=True, silu=True,
                                                        cu=[0, 2, 19, 30])
         res["conv_W8_varlen_h0_bias_walk"] = conv_case(gen, B=1, T=30, C=40, W=8, bias=True, h0=True, silu=True,
                                                        cu=[0, 3, 21, 30])
+    with tuned(tconv.TUNE, bwd_bt=4, bwd_chunk=8):
+        res["conv_W8_varlen_h0_bias_walk_bt4"] = conv_case(gen, B=1, T=30, C=40, W=8, bias=True, h0=True,
+                                                           silu=True, cu=[0, 3, 21, 30])
     with tuned(tconv.TUNE, bwd_bt=8, bwd_chunk=8, bwd_bc=16):
         res["conv_W1_bias_h0_walk"] = conv_case(gen, B=2, T=21, C=24, W=1, bias=True, h0=True, silu=True)
         res["conv_W4_noact_split_walk"] = conv_case(gen, B=1, T=25, C=64, W=4, bias=False, h0=False, silu=False,
