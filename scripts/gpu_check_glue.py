@@ -324,11 +324,11 @@ def sweep(title: str, tune: LaunchTable, settings, run):
 
 def sweep_conv(gen, quick: bool):
     """Time the conv forward, and forward+backward, (bf16, W=4, SiLU) under launch settings
-    (hybridlm.ops.triton.conv.TUNE). The GDN layer's conv at Qwen3-Next widths, B8 T2048, has this many elements."""
+    (hybridlm.ops.triton.conv.TUNE): the forward on as many elements as the GDN layer's conv at Qwen3-Next widths,
+    B8 T2048; the backward as the 357M hybrid's layer calls it (`bench train`)."""
     B, T, C = (2, 1024, 8192) if quick else (4, 4096, 8192)
     x = rnd(gen, B, T, C, dtype=torch.bfloat16).requires_grad_()
     w = rnd(gen, C, 4, scale=0.5).requires_grad_()
-    dy = rnd(gen, B, T, C, dtype=torch.bfloat16)
     fwd_settings = [("default", {})] + [
         (f"fwd bt {bt}, bc {bc}, {nw} warps", dict(fwd_bt=bt, fwd_bc=bc, fwd_warps=nw))
         for bt, bc, nw in [(64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4),
@@ -339,24 +339,24 @@ def sweep_conv(gen, quick: bool):
             return {"y": tconv.causal_conv1d(x, w, activation="silu")[0]}
 
     sweep(f"conv forward sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, fwd_settings, fwd)
-    settings = [
-        ("default", {}),
-        ("bt 8", dict(bwd_bt=8)),
-        ("bt 32, bc 64", dict(bwd_bt=32, bwd_bc=64)),
-        ("8 warps", dict(bwd_warps=8)),
-        ("chunk 256", dict(bwd_chunk=256)),
-        ("chunk 1024", dict(bwd_chunk=1024)),
-        ("bc 64", dict(bwd_bc=64)),
-        ("bc 64, 8 warps", dict(bwd_bc=64, bwd_warps=8)),
-        ("bc 256", dict(bwd_bc=256)),
-    ]
+    # the backward at the 357M hybrid's layer: q, k, v of 1024 channels each, 4 x 4096 tokens packed as 16 documents
+    Tb = 4096 if quick else 16384
+    xb = rnd(gen, 1, Tb, 3072, dtype=torch.bfloat16).requires_grad_()
+    wb = rnd(gen, 3072, 4, scale=0.5).requires_grad_()
+    dys = [rnd(gen, 1, Tb, 1024, dtype=torch.bfloat16) for _ in range(3)]
+    cuts = torch.randperm(Tb - 1, generator=torch.Generator().manual_seed(1))[:15].add(1).sort().values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([Tb])]).to(DEV, torch.int32)
+    settings = [("default", {})] + [
+        (f"bt {bt}, bc {bc}, {nw} warps, chunk {ch}", dict(bwd_bt=bt, bwd_bc=bc, bwd_warps=nw, bwd_chunk=ch))
+        for bt, bc, nw, ch in [(64, 64, 4, 512), (64, 64, 8, 512), (32, 128, 4, 512), (32, 64, 8, 512),
+                               (16, 128, 4, 512), (32, 64, 4, 256), (32, 64, 4, 1024), (64, 64, 4, 256)]]
 
     def fb():
-        y = tconv.causal_conv1d(x, w, activation="silu")[0]
-        dx, dw = torch.autograd.grad(y, [x, w], dy)
+        ys = tconv.causal_conv1d(xb, wb, activation="silu", cu_seqlens=cu, split=(1024, 1024, 1024))[0]
+        dx, dw = torch.autograd.grad(ys, [xb, wb], dys)
         return {"dx": dx, "dweight": dw}
 
-    sweep(f"conv fwd+bwd sweep, bf16 [{B},{T},{C}] W4 SiLU", tconv.TUNE, settings, fb)
+    sweep(f"conv fwd+bwd sweep, bf16 [1,{Tb},3072] split 1024 x 3, 16 documents, W4 SiLU", tconv.TUNE, settings, fb)
 
 
 def sweep_norm(gen, quick: bool):

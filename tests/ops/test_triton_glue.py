@@ -219,9 +219,9 @@ def test_launch_tables_refuse_unknown_settings():
     for table in (conv.TUNE, norm.TUNE):
         with pytest.raises(ValueError, match=r"unknown settings \['dw_acc'\]"), tuned(table, dw_acc=True):
             pass
-    with tuned(conv.TUNE, bwd_bt=32):
-        assert conv.TUNE.bwd_bt == 32
-    assert conv.TUNE.bwd_bt == 64
+    with tuned(conv.TUNE, bwd_bt=16):
+        assert conv.TUNE.bwd_bt == 16
+    assert conv.TUNE.bwd_bt == 32
 
 
 def test_conv_backward_settings_are_checked():

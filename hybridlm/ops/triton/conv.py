@@ -12,7 +12,7 @@ Same contract as `hybridlm.ops.causal_conv1d` / `causal_conv1d_update` (x: [B, T
   token range of one document in blocks taken as four phases (rows t, t+4, t+8, ... of a block in one tile): then
   dx_t = sum_s w[:, W-1-s] * dpre_{t+s}, dpre = dy * act'(pre), adds whole tiles with no shifted rows. Each tile's
   dpre is computed once from the block's inputs, read once; only the W-1 rows after a block are computed twice
-  (the 357M layer's conv on an H200: 229 us against 282 for a serial walk keeping shifted rows in a global ring).
+  (the 357M layer's conv on an H200: 165 us against 282 for a serial walk keeping shifted rows in a global ring).
   dweight/dbias are per-program fp32 partials, added up on the host (deterministic, no atomics). Gradients flow
   to x, weight, bias and initial_state; the returned final state is not differentiable.
 - `causal_conv1d_update(..., state_indices=)` reads and writes rows of a conv-state pool [P, C, W] in place, like
@@ -51,10 +51,10 @@ class ConvLaunch(LaunchTable):
     fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
     # backward times: H100, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 4 documents)
     # backward times: H200, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 16 documents)
-    bwd_bt: int = 64  # backward token block, four phases of bt / 4 rows (a power of two >= 4): 229 us
-    bwd_bc: int = 64  # backward channel block (a split may take less)
-    bwd_warps: int = 4  # backward warps
-    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): 229 us against 282 at 256
+    bwd_bt: int = 32  # backward token block, four phases of bt / 4 rows (a power of two >= 4): 165 us against 229 at 64
+    bwd_bc: int = 64  # backward channel block (a split may take less): 165 us against 196 at 128
+    bwd_warps: int = 4  # backward warps: (at bt 64) 229 us against 218 at 8
+    bwd_chunk: int = 512  # tokens a backward program walks (a multiple of bwd_bt): (at bt 64) 229 us against 282 at 256
 
 TUNE = ConvLaunch()
 
