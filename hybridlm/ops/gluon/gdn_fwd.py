@@ -197,8 +197,9 @@ def train_reason(q: torch.Tensor, v: torch.Tensor, N: int, BT: int) -> str | Non
     """None when `training_forward` takes a training forward of q [B, T, H, K], v [B, T, HV, V] over N sequences
     with chunks of BT, else why not (one line): the inference forward's rule, chunks of 64, and chain programs
     (value blocks x sequences x value heads) on at least a quarter of the multiprocessors: with fewer, the serial
-    chain leaves the GPU idle and the Triton forward's parallel launches are faster (16 programs lost in the 357M
-    step; 64 of 132, B1 T32768 H32, the inference chain runs at 2.5x the Triton forward: docs/kernels.md)."""
+    chain leaves the GPU idle and the Triton forward's parallel launches are faster (16 programs, one sequence of
+    the 357M model, lost; 64 of 132, B1 T32768 H32, the inference chain runs at 2.5x the Triton forward:
+    docs/kernels.md)."""
     why = unsupported_reason(q, v)
     if why is not None:
         return why
