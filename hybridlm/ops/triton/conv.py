@@ -49,7 +49,6 @@ class ConvLaunch(LaunchTable):
     fwd_bt: int = 16  # forward token block: 16 x 256 at 4 warps was the fastest forward tried on an H100
     fwd_bc: int = 256  # forward channel block; a split output takes the largest power of two <= it dividing C0, C1
     fwd_warps: int = 4  # 8 was slower where both were timed (64 x 64 blocks: 0.447 against 0.320 ms)
-    # backward times: H100, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 4 documents)
     # backward times: H200, the 357M layer's conv ([1, 16384, 3072] bf16 split 1024 x 3, W4, SiLU, 16 documents)
     bwd_bt: int = 32  # backward token block, four phases of bt / 4 rows (a power of two >= 4): 165 us against 229 at 64
     bwd_bc: int = 64  # backward channel block (a split may take less): 165 us against 196 at 128
@@ -98,10 +97,15 @@ def _dpre(x, w, bias, h0, dy, dys, dyc, bos, L, i_n, pos, o_c, m_c, C, W: tl.con
     m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
     b_dp = tl.load(dy + (bos + pos)[:, None] * dys + (o_c - dyc)[None, :], mask=m, other=0.0).to(tl.float32)
     if SILU:
-        b_p = _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0)
-        b_sg = tl.sigmoid(b_p)
-        b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+        b_dp = _silu_grad(b_dp, _pre_act(x, w, bias, h0, bos, L, i_n, pos, o_c, m_c, C, W, HAS_BIAS, HAS_H0))
     return b_dp
+
+
+@triton.jit
+def _silu_grad(dy, pre):
+    """dy * silu'(pre), fp32."""
+    sg = tl.sigmoid(pre)
+    return dy * sg * (1.0 + pre * (1.0 - sg))
 
 
 @triton.jit
@@ -211,10 +215,9 @@ def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, CH,
         xs = ()
         for m in tl.static_range(2 * W + 2):
             xs = xs + (_load_hist(x, h0, bos, L, i_n, base + m - (W - 1), o_c, m_c, C, W, HAS_H0),)
-        b_d0 = tl.zeros([R, BC], dtype=tl.float32)
-        b_d1 = tl.zeros([R, BC], dtype=tl.float32)
-        b_d2 = tl.zeros([R, BC], dtype=tl.float32)
-        b_d3 = tl.zeros([R, BC], dtype=tl.float32)
+        dxs = ()  # the four phases' dx
+        for _ in tl.static_range(4):
+            dxs = dxs + (tl.zeros([R, BC], dtype=tl.float32),)
         for j in tl.static_range(W + 3):
             pos = base + j
             m = ((pos >= 0) & (pos < L))[:, None] & m_c[None, :]
@@ -224,27 +227,23 @@ def _conv_bwd(x, w, bias, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, CH,
                 b_p = b_bias + taps[0] * xs[j]
                 for i in tl.static_range(1, W):
                     b_p += taps[i] * xs[j + i]
-                b_sg = tl.sigmoid(b_p)
-                b_dp = b_dp * b_sg * (1.0 + b_p * (1.0 - b_sg))
+                b_dp = _silu_grad(b_dp, b_p)
             if j < 4:  # one of the block's own rows: the weight's and bias's sums
                 b_ab += b_dp
                 acc = ()
                 for i in tl.static_range(W):
                     acc = acc + (sums[i] + b_dp * xs[j + i],)
                 sums = acc
-            if j < W:
-                b_d0 += taps[W - 1 - j] * b_dp
-            if j >= 1 and j - 1 < W:
-                b_d1 += taps[W - j] * b_dp
-            if j >= 2 and j - 2 < W:
-                b_d2 += taps[W + 1 - j] * b_dp
-            if j >= 3 and j - 3 < W:
-                b_d3 += taps[W + 2 - j] * b_dp
+            acc = ()
+            for p in tl.static_range(4):
+                if p <= j and j - p < W:
+                    acc = acc + (dxs[p] + taps[W - 1 - (j - p)] * b_dp,)
+                else:
+                    acc = acc + (dxs[p],)
+            dxs = acc
         p_dx = dx + (bos + base)[:, None] * C + o_c[None, :]
-        tl.store(p_dx, b_d0.to(dx.dtype.element_ty), mask=(base < L)[:, None] & m_c[None, :])
-        tl.store(p_dx + C, b_d1.to(dx.dtype.element_ty), mask=(base + 1 < L)[:, None] & m_c[None, :])
-        tl.store(p_dx + 2 * C, b_d2.to(dx.dtype.element_ty), mask=(base + 2 < L)[:, None] & m_c[None, :])
-        tl.store(p_dx + 3 * C, b_d3.to(dx.dtype.element_ty), mask=(base + 3 < L)[:, None] & m_c[None, :])
+        for p in tl.static_range(4):
+            tl.store(p_dx + p * C, dxs[p].to(dx.dtype.element_ty), mask=(base + p < L)[:, None] & m_c[None, :])
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
     for i in tl.static_range(W):
         b_dw += tl.where(o_j[None, :] == i, tl.sum(sums[i], 0)[:, None], 0.0)
@@ -422,8 +421,7 @@ def _bwd_launch(dys, x, weight, bias, initial_state, cu_seqlens, silu: bool, nee
     if N > 0:
         _conv_bwd[(NC, NS, N)](x, weight, b, h0, dy, dy1, dy2, dx, dwp, dbp, cu, C, C0, C1, NS, CH, W=W, WP=WP, BT=BT,
                                BC=BC1, HAS_BIAS=bias is not None, HAS_H0=initial_state is not None, SILU=silu,
-                               SPLIT=split,
-                               num_warps=TUNE.bwd_warps, num_stages=1)
+                               SPLIT=split, num_warps=TUNE.bwd_warps, num_stages=1)
     dw = dwp.sum(0).to(weight.dtype)
     db = dbp.sum(0).to(bias.dtype) if bias is not None else x.new_empty(0)
     dh0 = x.new_empty(0)
