@@ -241,6 +241,7 @@ def test_split_block_falls_back_below_the_default_channel_block():
     block straddles q and k; none at all keeps one output tensor."""
     from hybridlm.ops.triton import conv
 
+    assert conv.TUNE.bwd_bc == 64
     assert conv.split_block(1024, 1024, 128) == 128  # the 357M layer's q, k
     assert conv.split_block(2048, 192, 128) == 64
     assert conv.split_block(16, 32, 128) == 16

@@ -14,8 +14,7 @@ Non-standard here:
 - A training forward (`_gdn_chain_train_kernel`) also keeps each chunk's S and V' for the backward: the state
   warpgroup writes them untransposed into two staging tiles as it makes them and leaves them to TMA stores, which
   run while it goes on (the chain at B4 T4096 H16 on an H200: 152 us, against 194 storing them from its registers
-  and 129 saving P alone);
-  P leaves the output warpgroup by plain stores.
+  and 129 saving P alone). P leaves the output warpgroup by plain stores.
 
 Per chunk, with Kn, Qn the normalised keys and queries (scale in Qn) and gamma = e^b:
     R^T  = V^T - (S^T K^T) diag(gamma rk)              V'^T = R^T (T diag(beta))^T
