@@ -235,6 +235,18 @@ def jit_counts(monkeypatch):
     return gate, chain
 
 
+@pytest.fixture
+def counted(monkeypatch):
+    """The Gluon chain's host calls, with TF32 off (restored after): the float64 comparison needs true fp32 products."""
+    calls = []
+    real = gdn_bwd.state_grad_chain
+    monkeypatch.setattr(gdn_bwd, "state_grad_chain", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield calls
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _direct_plan():
     (plan,) = gdn_bwd._PLANS.values()
     return isinstance(plan.gate, launch.DirectLaunch) and isinstance(plan.chain, launch.DirectLaunch)
