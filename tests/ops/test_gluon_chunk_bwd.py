@@ -102,12 +102,12 @@ def _saved(seed, *, B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, c
     beta = (2.0 * torch.rand(B, T, HV, device=dev, generator=gen)).to(dtype)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     scale = K**-0.5
-    _, _, Tb, Wb, hb, vn, Pb = gdn._fwd_impl(q, k, v, g, beta, None, cu_t, scale, l2, False, True, 64)
+    _, _, Tb, Wb, hb, vn, Pb, Gb = gdn._fwd_impl(q, k, v, g, beta, None, cu_t, scale, l2, False, True, 64)
     lay = layout(cu_t, B, T, 64, dev)
     do = r(B, T, HV, V).to(dtype)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(lay.Ttot, HV, V, device=dev, dtype=dtype)
-    gdn._state_grad_pass(do, None, q, k, g, Wb, Pb, torch.empty(0, device=dev), dhb, dvn, lay, HV, V, scale, l2,
+    gdn._state_grad_pass(do, None, q, k, g, Wb, Pb, Gb, torch.empty(0, device=dev), dhb, dvn, lay, HV, V, scale, l2,
                          False)
     return dict(q=q, k=k, v=v, g=g, beta=beta, Tb=Tb, hb=hb, vn=vn, do=do, dhb=dhb, dvn=dvn, lay=lay, scale=scale,
                 l2=l2, H=H, HV=HV, K=K, V=V)

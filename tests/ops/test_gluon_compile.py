@@ -31,7 +31,7 @@ except ImportError as e:
     GLUON_ERROR = e
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 program may use
-FP32_PTRS = ("g", "h0", "ht", "Gbuf", "bl")
+FP32_PTRS = ("g", "h0", "ht", "Gbuf", "bl", "Gsave")
 INT_PTRS = ("cu", "chunk_off", "rows", "flags")
 INTS = ("H", "HV")
 FP32S = ("scale",)

@@ -96,11 +96,12 @@ def test_state_grad_pass_calls_the_chosen_chain(hopper, monkeypatch, dtype, take
     lay = layout(None, 1, 70, 64, "cpu")
     g = torch.zeros(1, 70, 4)
     dhb, dvn, dh0 = torch.empty(2, 4, 128, 128, dtype=dtype), torch.empty(70, 4, 128, dtype=dtype), torch.empty(0)
-    gdn._state_grad_pass(do, None, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, 4, 128, 0.1, True, False)
+    Gb = torch.empty(3, 4, 4, 64)
+    gdn._state_grad_pass(do, None, q, k, g, Wb, Pb, Gb, dh0, dhb, dvn, lay, 4, 128, 0.1, True, False)
     assert [c[0] for c in calls] == ["gluon" if taken else "triton"]
-    if taken:  # the chain writes the very buffers the chunk backward reads
+    if taken:  # the chain reads the forward's gate rows and writes the very buffers the chunk backward reads
         a = calls[0][1]
-        assert a[8] is dhb and a[9] is dvn and a[7] is dh0
+        assert a[4] is Gb and a[8] is dhb and a[9] is dvn and a[7] is dh0
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -146,8 +147,8 @@ def _saved(seed, *, B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l
     h0 = r(N, HV, K, V)
     cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
     scale = K**-0.5
-    _, _, _Tb, Wb, hb, _vn, Pb = gdn._fwd_impl(q, k, v, g, beta, h0, cu, scale, l2, False, True, 64)
-    return dict(q=q, k=k, g=g, Wb=Wb, hb=hb, Pb=Pb, cu=cu, scale=scale, l2=l2, lay=layout(cu, B, T, 64, dev),
+    _, _, _Tb, Wb, hb, _vn, Pb, Gb = gdn._fwd_impl(q, k, v, g, beta, h0, cu, scale, l2, False, True, 64)
+    return dict(q=q, k=k, g=g, Wb=Wb, hb=hb, Pb=Pb, Gb=Gb, cu=cu, scale=scale, l2=l2, lay=layout(cu, B, T, 64, dev),
                 do=r(B, T, HV, V).to(dtype), dht=r(N, HV, K, V), N=N, HV=HV, V=V, K=K)
 
 
@@ -159,8 +160,8 @@ def _state_grads(x, *, gluon: bool, dht: bool, has_h0: bool = True):
     dh0 = torch.full((x["N"], x["HV"], x["K"], x["V"]), float("nan"), device="cuda")
     with tuned(gdn.TUNE, gluon_chain=gluon):
         assert gdn._gluon_chain(x["q"], x["k"], x["do"], x["Wb"], x["Pb"]) == gluon
-        gdn._state_grad_pass(x["do"], x["dht"] if dht else None, x["q"], x["k"], x["g"], x["Wb"], x["Pb"], dh0, dhb,
-                             dvn, lay, x["HV"], x["V"], x["scale"], x["l2"], has_h0)
+        gdn._state_grad_pass(x["do"], x["dht"] if dht else None, x["q"], x["k"], x["g"], x["Wb"], x["Pb"], x["Gb"],
+                             dh0, dhb, dvn, lay, x["HV"], x["V"], x["scale"], x["l2"], has_h0)
     return dhb[:lay.nc], dvn, dh0
 
 
@@ -192,8 +193,8 @@ def test_dh0_without_dht_matches_triton():
     out = {}
     for gluon in (True, False):
         with tuned(gdn.TUNE, gluon_chain=gluon):
-            out[gluon] = gdn.dh0_without_dht(x["do"], x["q"], x["k"], x["g"], x["Wb"], x["hb"], x["Pb"], x["cu"],
-                                             x["scale"], x["l2"])
+            out[gluon] = gdn.dh0_without_dht(x["do"], x["q"], x["k"], x["g"], x["Wb"], x["hb"], x["Pb"], x["Gb"],
+                                             x["cu"], x["scale"], x["l2"])
     e = rel_f64(out[True], out[False])
     assert e <= BAR, f"dh0: rel {e:.3g} > {BAR} (seed {seed})"
 
@@ -227,12 +228,11 @@ class _Counted:
 
 @pytest.fixture
 def jit_counts(monkeypatch):
-    """(gate rows, chain) JIT-launch counters, and no plan from another test."""
-    gate, chain = _Counted(state_pass._bwd_gate_rows), _Counted(gdn_bwd._gdn_chain_bwd_kernel)
-    monkeypatch.setattr(state_pass, "_bwd_gate_rows", gate)
+    """The chain's JIT-launch counter, and no plan from another test."""
+    chain = _Counted(gdn_bwd._gdn_chain_bwd_kernel)
     monkeypatch.setattr(gdn_bwd, "_gdn_chain_bwd_kernel", chain)
     monkeypatch.setattr(gdn_bwd, "_PLANS", type(gdn_bwd._PLANS)())
-    return gate, chain
+    return chain
 
 
 @pytest.fixture
@@ -249,7 +249,7 @@ def counted(monkeypatch):
 
 def _direct_plan():
     (plan,) = gdn_bwd._PLANS.values()
-    return isinstance(plan.gate, launch.DirectLaunch) and isinstance(plan.chain, launch.DirectLaunch)
+    return isinstance(plan.chain, launch.DirectLaunch)
 
 
 @gluon_gpu
@@ -284,7 +284,7 @@ def test_direct_launches_see_new_tensors(counted, jit_counts):
     check_cache_reuse(fresh, check)  # A, returned, is freed here
     check(fresh(), None, "after A was freed")
     assert len(counted) == 4, f"seed {seed}: the Gluon chain ran {len(counted)} of 4 times"
-    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1) and _direct_plan(), f"seed {seed}: not launched directly"
+    assert jit_counts.n == 1 and _direct_plan(), f"seed {seed}: not launched directly"
 
 
 @gluon_gpu
@@ -297,14 +297,14 @@ def test_direct_equals_jit_bitwise(jit_counts, kw, dht):
     x = _saved(seed, **kw)
     first = _state_grads(x, gluon=True, dht=dht)
     direct = _state_grads(x, gluon=True, dht=dht)
-    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1) and _direct_plan(), f"not launched directly (seed {seed})"
+    assert jit_counts.n == 1 and _direct_plan(), f"not launched directly (seed {seed})"
     hook = lambda *a: None  # noqa: E731
     launch.knobs.runtime.launch_enter_hook.add(hook)
     try:
         jit = _state_grads(x, gluon=True, dht=dht)
     finally:
         launch.knobs.runtime.launch_enter_hook.remove(hook)
-    assert (jit_counts[0].n, jit_counts[1].n) == (2, 2), f"the hooked call launched directly (seed {seed})"
+    assert jit_counts.n == 2, f"the hooked call launched directly (seed {seed})"
     for name, d, j, f in zip(STATE_GRADS, direct, jit, first):
         assert torch.equal(d, j) and torch.equal(d, f), f"{name}: direct != JIT ({kw}, dht={dht}, seed {seed})"
 
@@ -317,15 +317,15 @@ def test_chain_in_a_cuda_graph(jit_counts):
     seed = draw_seed()
     kw = dict(lens=[15, 700, 100], H=2, HV=4)
     x = _saved(seed, **kw)
-    _state_grads(x, gluon=True, dht=True)  # compiles and loads both kernels outside the capture
+    _state_grads(x, gluon=True, dht=True)  # compiles and loads the chain outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = _state_grads(x, gluon=True, dht=True)
-    assert (jit_counts[0].n, jit_counts[1].n) == (1, 1), f"the capture launched through the JIT (seed {seed})"
+    assert jit_counts.n == 1, f"the capture launched through the JIT (seed {seed})"
     for replay in range(2):
         new = _saved(seed + 1 + replay, **kw)
-        for n in ("q", "k", "g", "Wb", "Pb", "do", "dht"):
+        for n in ("q", "k", "g", "Wb", "Pb", "Gb", "do", "dht"):
             x[n].copy_(new[n])
         graph.replay()
         eager = _state_grads(x, gluon=True, dht=True)

@@ -7,8 +7,8 @@ call of a signature launches through the JIT, later ones directly with the addre
 tensor maps encoded for those addresses and the signature's geometry; another shape, a misaligned pointer, a
 Triton hook or another current device go back to the JIT; the tensor-map cache returns a map only for the same
 address and spec and stays bounded; `direct_launch` refuses launchers it does not know. The backward's
-(`gdn_bwd.state_grad_chain`: the Triton gate-row launch and the Gluon chain) likewise, and a new final-state
-cotangent, initial state, length, saved-chunk count or l2norm flag is a new plan while a new scale is not. The
+(`gdn_bwd.state_grad_chain`: the Gluon chain, reading the forward's gate rows) likewise, and a new final-state
+cotangent, initial state, length or saved-chunk count is a new plan. The
 numerics of the direct launches are checked on an H100 (tests/ops/test_gluon_gdn.py and test_gluon_gdn_bwd.py:
 test_direct_launches_see_new_tensors; test_gluon_gdn_bwd.py::test_direct_equals_jit_bitwise).
 """
@@ -23,7 +23,6 @@ import torch
 pytest.importorskip("triton")
 from hybridlm.ops import launch  # noqa: E402
 from hybridlm.ops.gluon import gdn_bwd, gdn_fwd  # noqa: E402
-from hybridlm.ops.triton import state_pass  # noqa: E402
 from hybridlm.ops.triton.chunk_layout import layout  # noqa: E402
 
 if gdn_fwd._IMPORT_ERROR is not None:  # pragma: no cover - the compile test fails on such a Triton instead
@@ -306,58 +305,47 @@ BWD_METAS = [META16] * 5 + [META32] + [META16] * 2  # W, q, k, do, P, the gate r
 
 @pytest.fixture
 def bwd(host, monkeypatch):
-    """gdn_bwd on the CPU: recorders for the gate-row and chain kernels, the forward's for the rest."""
-    gate_raw, chain_raw = [], []
-    gate, chain = FakeKernel(0, gate_raw), FakeKernel(8, chain_raw, BWD_METAS)
-    monkeypatch.setattr(state_pass, "_bwd_gate_rows", gate)
+    """gdn_bwd on the CPU: a recorder for the chain kernel, the forward's for the rest."""
+    chain_raw = []
+    chain = FakeKernel(8, chain_raw, BWD_METAS)
     monkeypatch.setattr(gdn_bwd, "_gdn_chain_bwd_kernel", chain)
     monkeypatch.setattr(gdn_bwd, "_PLANS", type(gdn_bwd._PLANS)())
-    return types.SimpleNamespace(gate=gate, chain=chain, gate_raw=gate_raw, chain_raw=chain_raw,
-                                 encoded=host.encoded, current=host.current)
+    return types.SimpleNamespace(chain=chain, chain_raw=chain_raw, encoded=host.encoded, current=host.current)
 
 
 def bwd_inputs(B=2, T=100, H=2, HV=4, K=128, V=128, *, dht=True, h0=True, extra=1, offset=0, strided=False):
-    """What `_state_grad_pass` hands the chain (values unused: no kernel runs): the saved P and the dS' buffer with
-    `extra` chunks past the layout's (the forward sizes them by `max_chunks`); offset > 0 moves g's storage off
-    16-byte alignment; strided: do is a transposed view."""
+    """What `_state_grad_pass` hands the chain (values unused: no kernel runs): the saved P, gate rows and the dS'
+    buffer with `extra` chunks past the layout's (the forward sizes them by `max_chunks`); offset > 0 moves the
+    final-state cotangent's storage off 16-byte alignment (a plain pointer of the chain's); strided: do is a
+    transposed view."""
     lay = layout(None, B, T, 64, "cpu")
     e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
     nc = lay.nc + extra
     do = e(B, T, V, HV).transpose(2, 3) if strided else e(B, T, HV, V)
-    return dict(q=e(B, T, H, K), k=e(B, T, H, K), g=e(B * T * HV + offset, dt=torch.float32)[offset:].view(B, T, HV),
-                do=do, Wb=e(B * T, HV, K), Pb=e(nc, HV, 64, 64), dhb=e(nc, HV, K, V), dvn=e(B * T, HV, V),
-                dht=e(B, HV, K, V, dt=torch.float32) if dht else None,
+    n_ht = B * HV * K * V
+    return dict(q=e(B, T, H, K), k=e(B, T, H, K), G=e(nc, HV, 4, 64, dt=torch.float32), do=do, Wb=e(B * T, HV, K),
+                Pb=e(nc, HV, 64, 64), dhb=e(nc, HV, K, V), dvn=e(B * T, HV, V),
+                dht=e(n_ht + offset, dt=torch.float32)[offset:].view(B, HV, K, V) if dht else None,
                 dh0=e(B, HV, K, V, dt=torch.float32) if h0 else e(0, dt=torch.float32), h0=h0, lay=lay)
 
 
-def backward(x, scale=0.1, l2=True):
-    gdn_bwd.state_grad_chain(x["do"], x["dht"], x["q"], x["k"], x["g"], x["Wb"], x["Pb"], x["dh0"], x["dhb"],
-                             x["dvn"], x["lay"], scale, l2, x["h0"])
+def backward(x):
+    gdn_bwd.state_grad_chain(x["do"], x["dht"], x["q"], x["k"], x["G"], x["Wb"], x["Pb"], x["dh0"], x["dhb"],
+                             x["dvn"], x["lay"], x["h0"])
 
 
 def test_bwd_second_call_launches_directly_with_its_own_tensors(bwd):
     a, b = bwd_inputs(), bwd_inputs()
-    backward(a, scale=1)  # an int scale reaches both paths as the float
-    assert len(bwd.gate.jit_calls) == 1 and len(bwd.chain.jit_calls) == 1 and not bwd.gate_raw
+    backward(a)
+    assert len(bwd.chain.jit_calls) == 1 and not bwd.chain_raw
     backward(b)
-    assert len(bwd.gate.jit_calls) == 1 and len(bwd.chain.jit_calls) == 1
-    (gate_args,), (chain_args,) = bwd.gate_raw, bwd.chain_raw
+    assert len(bwd.chain.jit_calls) == 1
+    (chain_args,) = bwd.chain_raw
     lay = b["lay"]
-    # base: grid, stream, function, cooperative, pdl, two scratch, packed metadata, launch metadata, two hooks
-    assert gate_args[:4] == (4, 4, 1, 77) and gate_args[4:13] == (1234, False, False, None, None, (4, 1, 0), None,
-                                                                  None, None)
-    jit_grid, jit_args, jit_opts = bwd.gate.jit_calls[0]
-    direct = gate_args[13:]
-    assert jit_grid == (4, 4, 1) and jit_opts == {"num_warps": gdn_bwd.GATE_WARPS} and len(direct) == len(jit_args)
-    assert direct[:3] == (b["q"].data_ptr(), b["k"].data_ptr(), b["g"].data_ptr())
-    assert direct[4:7] == tuple(x.data_ptr() for x in (lay.cu_t, lay.chunk_seq, lay.chunk_start))
-    assert type(jit_args[7]) is float and jit_args[7] == 1.0 and direct[7] == 0.1
-    assert direct[8:] == jit_args[8:] == (2, 4, 128, 64, True)  # H, HV, K, BT, L2
     # the chain: eight (map, *shape, *strides) groups in `_descriptors`' order, then its pointers and integers
     shapes = [(200, 512), (200, 256), (200, 256), (200, 512), (5 * 4 * 64, 64), (4 * 4 * 4, 64), (5 * 4 * 128, 128),
               (200, 512)]
-    ptrs = [b[n].data_ptr() for n in ("Wb", "q", "k", "do", "Pb")] + [direct[3]] + [b[n].data_ptr()
-                                                                                     for n in ("dhb", "dvn")]
+    ptrs = [b[n].data_ptr() for n in ("Wb", "q", "k", "do", "Pb", "G", "dhb", "dvn")]
     groups = [chain_args[13 + 5 * i: 18 + 5 * i] for i in range(8)]
     for i, (grp, shape, ptr) in enumerate(zip(groups, shapes, ptrs)):
         tag, addr, _, block, enc_shape, enc_strides = grp[0]
@@ -376,13 +364,13 @@ def test_bwd_same_addresses_reuse_their_tensor_maps(bwd):
     a = bwd_inputs()
     for _ in range(3):
         backward(a)
-    fixed = {a[n].data_ptr() for n in ("Wb", "q", "k", "do", "Pb", "dhb", "dvn")}
+    fixed = {a[n].data_ptr() for n in ("Wb", "q", "k", "do", "Pb", "G", "dhb", "dvn")}
     assert sorted(p for p, _ in bwd.encoded if p in fixed) == sorted(fixed)
 
 
 def test_bwd_another_signature_is_another_plan(bwd):
     backward(bwd_inputs())
-    backward(bwd_inputs(), scale=0.3)  # a runtime argument: the same plan
+    backward(bwd_inputs())  # new tensors of the same signature: the same plan
     assert len(bwd.chain.jit_calls) == 1 and len(bwd.chain_raw) == 1
     for n, kw in enumerate([dict(dht=False), dict(h0=False), dict(T=130), dict(extra=2)], start=2):
         backward(bwd_inputs(**kw))
@@ -391,9 +379,7 @@ def test_bwd_another_signature_is_another_plan(bwd):
     assert consts[1] == (False, True) and consts[2] == (True, False)  # HAS_DHT, STORE_DH0
     no_dht, no_h0 = bwd.chain.jit_calls[1][1], bwd.chain.jit_calls[2][1]
     assert no_dht[8] is no_dht[9] and no_h0[9] is no_h0[10]  # stand-ins (dh0 for dht, dvn for dh0), never touched
-    backward(bwd_inputs(), l2=False)
-    assert len(bwd.gate.jit_calls) == 6 and bwd.gate.jit_calls[-1][1][-1] is False
-    assert len(gdn_bwd._PLANS) == 6
+    assert len(gdn_bwd._PLANS) == 5
 
 
 @pytest.mark.parametrize("case", ["misaligned", "strided", "device", "hook"])
@@ -410,11 +396,11 @@ def test_bwd_launches_through_the_jit_where_direct_is_not_equivalent(bwd, case):
     finally:
         if case == "hook":
             launch.knobs.runtime.launch_enter_hook.remove(hook)
-    assert len(bwd.gate.jit_calls) == 2 and len(bwd.chain.jit_calls) == 2, case
-    assert not bwd.gate_raw and not bwd.chain_raw, case
+    assert len(bwd.chain.jit_calls) == 2, case
+    assert not bwd.chain_raw, case
     bwd.current["device"] = None
     backward(bwd_inputs())
-    assert len(bwd.gate_raw) == 1 and len(bwd.chain_raw) == 1, case
+    assert len(bwd.chain_raw) == 1, case
 
 
 def test_bwd_unknown_launcher_stays_on_the_jit(bwd, monkeypatch):
@@ -423,6 +409,5 @@ def test_bwd_unknown_launcher_stays_on_the_jit(bwd, monkeypatch):
     for _ in range(3):
         backward(bwd_inputs())
     assert len(chain.jit_calls) == 3 and not bwd.chain_raw
-    assert len(bwd.gate.jit_calls) == 1 and len(bwd.gate_raw) == 2
     (plan,) = gdn_bwd._PLANS.values()
     assert plan.chain is False and plan.specs is None

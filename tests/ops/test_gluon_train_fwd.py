@@ -1,5 +1,6 @@
 """The Gluon training forward of GDN (`gdn_fwd.training_forward`), which `triton.gdn._fwd_impl` runs with save on
-sm_90 where its chain fills the GPU, keeping what the backward reads (T, W / m, the chunk states, V', P).
+sm_90 where its chain fills the GPU, keeping what the backward reads (T, W / m, the chunk states, V', P, and the
+backward chain's gate rows: against the Triton forward's, which launches `gdn_bwd.gate_rows` for them).
 
 CPU: the switch (`gdn._gluon_train_fwd`, `gdn_fwd.train_reason`) on a mocked Hopper of 32 multiprocessors.
 GPU (`gpu`, sm_90 with Gluon): every saved tensor and o, ht against the Triton forward's on the same inputs (the
@@ -68,7 +69,7 @@ def _inputs(seed, *, B=2, T=300, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, 
     return q, k, v, g, beta, (r(N, HV, K, V) if h0 else None), cu_t
 
 
-SAVED = ("o", "ht", "T", "W", "h", "Vn", "P")
+SAVED = ("o", "ht", "T", "W", "h", "Vn", "P", "G")
 CASES = {
     "T300 B2 GVA2": dict(),
     "T63 no-h0": dict(B=2, T=63, h0=False),
@@ -91,7 +92,7 @@ def test_saved_tensors_match_the_triton_forward(monkeypatch, name):
                                     True, 64)
     lay = layout(cu, q.shape[0], q.shape[1], 64, "cuda")
     for n, a, b in zip(SAVED, out[True], out[False]):
-        if n in ("T", "h", "P"):  # chunk slots past the layout's chunks are never written
+        if n in ("T", "h", "P", "G"):  # chunk slots past the layout's chunks are never written
             a, b = a[:lay.nc], b[:lay.nc]
         e = rel_f64(a, b)
         assert e <= 1e-2, f"{n}: rel {e:.3g} against the Triton forward ({name}, seed {seed})"

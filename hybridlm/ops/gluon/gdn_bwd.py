@@ -5,8 +5,9 @@ finds nothing: sm_90, 16-bit inputs, K 64 or 128, V 64 to 256 (the forward's rul
 backward reads it unchanged: dS' of every chunk [chunks, HV, K, V] and dVn [tokens, HV, V] in the storage dtype,
 and with an initial state its gradient [N, HV, K, V] fp32.
 
-Two launches: `state_pass._bwd_gate_rows` (Triton, every chunk at once: the row scales of the raw q and k, written
-once so the chain reads them by TMA), then the chain. Deterministic: every element is written by one program once.
+One launch: the chain. Its gate rows (the row scales of the raw q and k, qs / m, sk, e^{bL} / m and m: every
+chunk's, read by TMA) come from the forward: the Gluon training solve writes them, the Triton forward launches
+`gate_rows` (`state_pass._bwd_gate_rows`). Deterministic: every element is written by one program once.
 Non-standard: the host path is the forward's (`gdn_fwd`): what a call signature fixes is worked out once (`_Plan`);
 each kernel's first launch of a plan goes through the JIT, later ones through its C launcher with cached tensor
 maps (`launch.py`), wherever that launch is the JIT's (`_direct_ptrs` says when).
@@ -92,12 +93,23 @@ def _descriptors(q, k, do, Wb, Pb, G, dhb, dvn):
             _tma_desc(dhb.reshape(-1, V), K, BV), _tma_desc(dvn2, CHUNK, BV))
 
 
-def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale: float, l2: bool,
-                     has_h0: bool) -> None:
+def gate_rows(q, k, g, G, lay: Layout, scale: float, l2: bool) -> None:
+    """The chain's gate rows of every chunk into G [>= chunks, HV, GATE_ROWS, CHUNK] fp32 (`state_pass._bwd_gate_rows`)
+    from q, k [B, T, H, K] and g [B, T, HV], contiguous: what a Triton forward saves for this backward (the Gluon
+    training solve writes them itself)."""
+    if lay.nc == 0:
+        return
+    H, K, HV = q.shape[2], q.shape[3], g.shape[-1]
+    launcher(state_pass._bwd_gate_rows)[(lay.nc, HV)](
+        q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, float(scale), H, HV, K=K, BT=CHUNK, L2=bool(l2),
+        num_warps=GATE_WARPS)
+
+
+def state_grad_chain(do, dht, q, k, G, Wb, Pb, dh0, dhb, dvn, lay: Layout, has_h0: bool) -> None:
     """What `state_pass._recur_bwd` writes, by the Gluon chain: dS' of every chunk into dhb [chunks, HV, K, V],
     dVn into dvn [tokens, HV, V] (both in q's 16-bit dtype), and with has_h0 the initial-state gradient into dh0
-    [N, HV, K, V] fp32; from dht [N, HV, K, V] (None: no final-state cotangent). q, k: [B, T, H, K], g [B, T, HV],
-    do [B, T, HV, V], all contiguous; the caller checked `unsupported_reason`."""
+    [N, HV, K, V] fp32; from dht [N, HV, K, V] (None: no final-state cotangent) and the forward's gate rows G
+    (`gate_rows`). q, k: [B, T, H, K], do [B, T, HV, V], all contiguous; the caller checked `unsupported_reason`."""
     H, K = q.shape[2], q.shape[3]
     HV, V = do.shape[2], do.shape[3]
     if lay.nc == 0:  # no tokens: the gradients go through unchanged
@@ -105,47 +117,34 @@ def state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, scale
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return
     # one value for both launch paths (an int 1 would be a constexpr of the JIT's, not the plan's kernel)
-    scale, l2, has_h0 = float(scale), bool(l2), bool(has_h0)
+    has_h0 = bool(has_h0)
     dev = q.device
-    key = (dev.index, q.dtype, g.dtype, dhb.dtype, dvn.dtype, None if dht is None else dht.dtype,
+    key = (dev.index, q.dtype, dhb.dtype, dvn.dtype, None if dht is None else dht.dtype,
            dh0.dtype if has_h0 else None, H, HV, K, V, lay.N, lay.nc, lay.Ttot, Wb.shape[0], Pb.shape[0],
-           dhb.shape[0], l2, has_h0)
+           dhb.shape[0], has_h0)
     plan = cached_plan(_PLANS, key, lambda: _Plan(H=H, HV=HV, K=K, V=V, N=lay.N, nc=lay.nc, Ttot=lay.Ttot,
                                                   w_rows=Wb.shape[0], p_chunks=Pb.shape[0],
-                                                  dhb_chunks=dhb.shape[0], l2=l2, has_dht=dht is not None,
+                                                  dhb_chunks=dhb.shape[0], has_dht=dht is not None,
                                                   has_h0=has_h0))
-    G = torch.empty(lay.nc * HV, GATE_ROWS, CHUNK, device=dev, dtype=torch.float32)
     dht_arg = dht if dht is not None else dh0 if has_h0 else dvn  # never read without HAS_DHT
     dh0_arg = dh0 if has_h0 else dvn  # never written without STORE_DH0
-    # the launches' tensors in `_direct_ptrs`' order
-    ts = (q, k, g, G, lay.cu_t, lay.chunk_seq, lay.chunk_start, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg,
-          lay.chunk_off)
+    # the launch's tensors in `_direct_ptrs`' order (G: the chunks' rows only, as the plan's shapes have it)
+    ts = (q, k, G[: lay.nc], lay.cu_t, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg, lay.chunk_off)
     ptrs = _direct_ptrs(dev, ts)
     stream = None if ptrs is None else current_stream(dev.index)
-    _launch_gate_rows(plan, ts, ptrs, stream, (scale, H, HV, *plan.gate_consts))
     _launch_chain(plan, ts, ptrs, stream, (H, HV, *plan.chain_consts))
 
 
-def _launch_gate_rows(plan: _Plan, ts: tuple, ptrs: tuple | None, stream: int | None, tail: tuple) -> None:
-    """`state_pass._bwd_gate_rows` on ts[:7] and the scalars and constexprs `tail`: directly when ptrs (the
-    addresses of ts) is given and the plan has the launch, else through the JIT (the plan keeps its launch)."""
-    if ptrs is not None and plan.gate:
-        plan.gate(plan.gate_grid, stream, (*ptrs[:7], *tail))
-        return
-    compiled = state_pass._bwd_gate_rows[plan.gate_grid](*ts[:7], *tail, num_warps=GATE_WARPS)
-    if ptrs is not None and plan.gate is None:
-        plan.gate = direct_launch(compiled) or False
-
-
 def _launch_chain(plan: _Plan, ts: tuple, ptrs: tuple | None, stream: int | None, tail: tuple) -> None:
-    """The chain (`_gdn_chain_bwd_kernel`) as `_launch_gate_rows`; a direct launch takes each descriptor as
-    (tensor map, *shape, *strides), the maps from `launch.tensor_map`."""
-    q, k, _, G, cu, _, _, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg, chunk_off = ts
+    """The chain (`_gdn_chain_bwd_kernel`) on ts and the scalars and constexprs `tail`: directly when ptrs (the
+    addresses of ts) is given and the plan has the launch, each descriptor as (tensor map, *shape, *strides), the
+    maps from `launch.tensor_map`; else through the JIT (the plan keeps its launch)."""
+    q, k, G, cu, do, Wb, Pb, dhb, dvn, dht_arg, dh0_arg, chunk_off = ts
     if ptrs is not None and plan.chain:
         args = []
-        for i, spec in zip((8, 0, 1, 7, 9, 3, 10, 11), plan.specs):  # W, q, k, do, P, gate rows, dS', dVn
+        for i, spec in zip((5, 0, 1, 4, 6, 2, 7, 8), plan.specs):  # W, q, k, do, P, gate rows, dS', dVn
             args += (tensor_map(ptrs[i], spec), *spec.tail)
-        plan.chain(plan.chain_grid, stream, (*args, ptrs[12], ptrs[13], ptrs[11], ptrs[4], ptrs[14], *tail))
+        plan.chain(plan.chain_grid, stream, (*args, ptrs[9], ptrs[10], ptrs[8], ptrs[3], ptrs[11], *tail))
         return
     descs = _descriptors(q, k, do, Wb, Pb, G, dhb, dvn)
     compiled = _gdn_chain_bwd_kernel[plan.chain_grid](*descs, dht_arg, dh0_arg, dvn, cu, chunk_off, *tail,
@@ -168,34 +167,32 @@ _PLANS: OrderedDict = OrderedDict()
 
 
 class _Plan:
-    """What one call signature fixes: both grids, the constexprs after the integer arguments, the shapes of the
-    chain's eight descriptors (`_descriptors`' order); once each kernel was launched through the JIT from a call
-    that could launch directly, its direct launch (False: this Triton's launcher is not the one
-    `launch.direct_launch` knows) and the chain's tensor-map specs."""
+    """What one call signature fixes: the grid, the constexprs after the integer arguments, the shapes of the
+    chain's eight descriptors (`_descriptors`' order); once the chain was launched through the JIT from a call that
+    could launch directly, its direct launch (False: this Triton's launcher is not the one `launch.direct_launch`
+    knows) and its tensor-map specs."""
 
-    __slots__ = ("gate_grid", "chain_grid", "gate_consts", "chain_consts", "shapes", "gate", "chain", "specs")
+    __slots__ = ("chain_grid", "chain_consts", "shapes", "chain", "specs")
 
-    def __init__(self, *, H, HV, K, V, N, nc, Ttot, w_rows, p_chunks, dhb_chunks, l2, has_dht, has_h0):
-        self.gate_grid = (nc, HV, 1)
+    def __init__(self, *, H, HV, K, V, N, nc, Ttot, w_rows, p_chunks, dhb_chunks, has_dht, has_h0):
         self.chain_grid = (V // BV, N * HV, 1)
-        self.gate_consts = (K, CHUNK, l2)  # K, BT, L2
         self.chain_consts = (K, V, BV, CHUNK, GATE_ROWS, has_dht, has_h0)  # ... HAS_DHT, STORE_DH0
         # W, q, k, do, P, the gate rows, dS', dVn as 2-D tensors
         self.shapes = ((w_rows, HV * K), (Ttot, H * K), (Ttot, H * K), (Ttot, HV * V),
                        (p_chunks * HV * CHUNK, CHUNK), (nc * HV * GATE_ROWS, CHUNK), (dhb_chunks * HV * K, V),
                        (Ttot, HV * V))
-        self.gate = self.chain = self.specs = None
+        self.chain = self.specs = None
 
 
 def _direct_ptrs(dev: torch.device, ts: tuple) -> tuple[int, ...] | None:
-    """The addresses of ts (`state_grad_chain`'s order: the gate launch's seven tensors, then do, W, P, dS', dVn,
-    the chain's state pointers and the chunk offsets) when a direct launch is the JIT's: no Triton hook or debug
-    mode and dev the current device (`launch.direct_ok`), every pointer 16-byte aligned (the JIT specialises on
-    it), and every tensor the chain reads or writes by TMA contiguous (its tensor maps assume it; `_descriptors`
-    would reshape a strided one into a copy). Else None: the call launches through the JIT."""
+    """The addresses of ts (`state_grad_chain`'s order: q, k, the gate rows, the offsets, do, W, P, dS', dVn, the
+    chain's state pointers and the chunk offsets) when a direct launch is the JIT's: no Triton hook or debug mode
+    and dev the current device (`launch.direct_ok`), every pointer 16-byte aligned (the JIT specialises on it), and
+    every tensor the chain reads or writes by TMA contiguous (its tensor maps assume it; `_descriptors` would
+    reshape a strided one into a copy). Else None: the call launches through the JIT."""
     if not direct_ok(dev):
         return None
-    for x in ts[7:12] + ts[:2]:
+    for x in ts[4:9] + ts[:3]:
         if not x.is_contiguous():
             return None
     ptrs = tuple(x.data_ptr() for x in ts)

@@ -165,21 +165,22 @@ def gated_delta_rule_fwd(
 def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
                      use_qk_l2norm: bool, saved: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward that keeps what the Triton backward reads (`triton.gdn._fwd_impl` with save, on sm_90 where
-    `train_reason` finds nothing): the solve also writes the plain T and W / m, the chain each chunk's initial state,
-    V' and P. saved = (Tb [NC, HV, C, C], Wb [Ttot, HV, K], hb [NC, HV, K, V], vn [Ttot, HV, V], Pb [NC, HV, C, C])
-    in q's dtype, allocated by the caller in the Triton forward's layouts (chunk slot = global chunk x HV + value
-    head); written here. Inputs as `gated_delta_rule_fwd`'s, already checked. Returns (o, ht or None). Both launches
-    go through the JIT (no direct launches, no solve beside the chain)."""
+    `train_reason` finds nothing): the solve also writes the plain T, W / m and the backward chain's gate rows, the
+    chain each chunk's initial state, V' and P. saved = (Tb [NC, HV, C, C], Wb [Ttot, HV, K], hb [NC, HV, K, V],
+    vn [Ttot, HV, V], Pb [NC, HV, C, C]) in q's dtype and Gb [NC, HV, 4, C] fp32, allocated by the caller in the
+    Triton forward's layouts (chunk slot = global chunk x HV + value head); written here. Inputs as
+    `gated_delta_rule_fwd`'s, already checked. Returns (o, ht or None). Both launches go through the JIT (no direct
+    launches, no solve beside the chain)."""
     call = _Call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None, None,
                  True)
     call.outputs()
     p = call.plan
     Tbuf, Gbuf = call.buffers()
-    Tb, Wb, hb, vn, Pb = saved
+    Tb, Wb, hb, vn, Pb, Gb = saved
     K, V = q.shape[-1], v.shape[-1]
     l2 = bool(use_qk_l2norm)
     if p.solve_grid[1] > 0:
-        _gdn_solve_train_kernel[p.solve_grid](call.q, call.k, call.g, call.beta, Tbuf, Gbuf, Tb, Wb, call.cu,
+        _gdn_solve_train_kernel[p.solve_grid](call.q, call.k, call.g, call.beta, Tbuf, Gbuf, Tb, Wb, Gb, call.cu,
                                               call.chunk_off, call.scale, call.H, call.HV, K, CHUNK, GATE_ROWS, l2,
                                               num_warps=NUM_WARPS)
     o = call.o

@@ -110,16 +110,22 @@ if _IMPORT_ERROR is None:
         gl.atomic_xchg(flag, 1, sem="release", scope="gpu")
 
     @gluon.jit
+    def _chunk_scale(g_c, j_c):
+        """m = 2^floor(log2 e^{g_0}) within [2^-60, 1], g_0 = g_c[0] the chunk's first log-decay
+        (`chunk_jit._chunk_scale`)."""
+        g0 = gl.sum(gl.where(j_c == 0, g_c, 0.0), axis=0)
+        return gl.exp2(gl.minimum(gl.maximum(gl.floor(g0 * 1.4426950408889634), -60.0), 0.0))
+
+    @gluon.jit
     def _store_w(T, gam, bi, rk_r, g_c, j_c, k_st, Wbuf, bos, c0, seq_len, i_hv, HV, K: gl.constexpr,
                  C: gl.constexpr, MC: gl.constexpr):
         """W / m = (T diag(beta rk gamma / m)) K of one chunk into its rows of Wbuf [Ttot, HV, K] (the rows past the
-        sequence left alone): the column-scaled T as a 16-bit left operand against the raw keys in k_st; m =
-        2^floor(log2 e^{g_0}) within [2^-60, 1], g_0 the chunk's first log-decay (`chunk_jit._chunk_scale`)."""
+        sequence left alone): the column-scaled T as a 16-bit left operand against the raw keys in k_st; m as
+        `_chunk_scale`."""
         dt: gl.constexpr = k_st.dtype
         MK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
         COL_C: gl.constexpr = gl.SliceLayout(0, MC)
-        g0 = gl.sum(gl.where(j_c == 0, g_c, 0.0), axis=0)
-        m = gl.exp2(gl.minimum(gl.maximum(gl.floor(g0 * 1.4426950408889634), -60.0), 0.0))
+        m = _chunk_scale(g_c, j_c)
         s_w = gl.convert_layout(bi * rk_r * gam, COL_C) / m
         t_op = gl.convert_layout((T * gl.expand_dims(s_w, 0)).to(dt),
                                  gl.DotOperandLayout(operand_index=0, parent=MK, k_width=2))
@@ -132,6 +138,29 @@ if _IMPORT_ERROR is None:
         gl.store(gl.expand_dims(p, 1) + gl.expand_dims(c, 0), Wl, mask=gl.expand_dims(c0 + r < seq_len, 1))
 
     @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _store_bwd_rows(rows, g_c, rq, rk_r, valid, i_c, j_c, C: gl.constexpr, MC: gl.constexpr):
+        """The backward chain's gate rows of one chunk (what `state_pass._bwd_gate_rows` computes from q, k and g)
+        into rows [4, C] fp32: qs / m = e^b rq / m (rq with the scale), sk = rk e^{bL - b}, e^{bL} / m in every
+        column, and m on the sequence's tokens (rows 0, 1 and 3 zero past them). b is an fp64 running sum and
+        bL - b its fp64 difference from the total, as exact as `chunk_jit._cum_split`'s masked sums: fp32 running
+        sums would carry |b| x 6e-8 into the factors' exponents under strong decay. A scan of the C log-decays, not
+        a [C, C] masked sum, so the training solve keeps its registers (a masked fp64 sum took 45 more a thread)."""
+        ROW_C: gl.constexpr = gl.SliceLayout(1, MC)
+        SCAN: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])  # a warp's lanes hold all C
+        g64 = gl.convert_layout(g_c, SCAN).to(gl.float64)
+        tot = gl.sum(g64, axis=0)
+        b64 = gl.convert_layout(gl.associative_scan(g64, 0, _add), ROW_C)
+        m = _chunk_scale(g_c, j_c)
+        gl.store(rows + i_c, gl.where(valid, gl.exp(b64.to(gl.float32)) * rq / m, 0.0))
+        gl.store(rows + C + i_c, gl.where(valid, gl.exp((tot - b64).to(gl.float32)) * rk_r, 0.0))
+        gl.store(rows + 2 * C + i_c, gl.zeros_like(rk_r) + gl.exp(tot.to(gl.float32)) / m)
+        gl.store(rows + 3 * C + i_c, gl.where(valid, m, 0.0))
+
+    @gluon.jit
     def _gdn_solve_kernel(
         q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV,
         K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
@@ -142,25 +171,27 @@ if _IMPORT_ERROR is None:
         q, k: [Ttot, H, K]; g, beta: [Ttot, HV]; tokens past the sequence get g = beta = 0 (unit rows of T, zero
         weight in the chain). FLAG: flags[slot] (int32) is set to 1 once the slot is written, for a chain that runs
         beside this launch."""
-        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tbuf, Tbuf, K, C, R, L2, FLAG,
-                    False)
+        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tbuf, Tbuf, Gbuf, K, C, R, L2,
+                    FLAG, False)
 
     @gluon.jit
     def _gdn_solve_train_kernel(
-        q, k, g, beta, Tbuf, Gbuf, Tsave, Wbuf, cu, chunk_off, scale, H, HV,
+        q, k, g, beta, Tbuf, Gbuf, Tsave, Wbuf, Gsave, cu, chunk_off, scale, H, HV,
         K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
     ):
-        """`_gdn_solve_kernel` for a training forward: also the plain T into Tsave [slots, C, C] and W / m =
+        """`_gdn_solve_kernel` for a training forward: also the plain T into Tsave [slots, C, C], W / m =
         T diag(beta rk gamma / m) K (m: the chunk's power-of-two scale, `chunk_jit._chunk_scale`) into Wbuf
-        [Ttot, HV, K] (q's dtype), what the Triton forward keeps for the backward (`wy._wu_fwd`)."""
-        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, cu, scale, H, HV, Tsave, Wbuf, K, C, R, L2, False,
-                    True)
+        [Ttot, HV, K] (q's dtype), what the Triton forward keeps for the backward (`wy._wu_fwd`), and the backward
+        chain's gate rows into Gsave [slots, 4, C] fp32 (`_store_bwd_rows`)."""
+        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, cu, scale, H, HV, Tsave, Wbuf, Gsave, K, C, R, L2,
+                    False, True)
 
     @gluon.jit
-    def _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tsave, Wbuf,
+    def _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tsave, Wbuf, Gsave,
                     K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
                     SAVE: gl.constexpr):
-        """The solve of one program (`_gdn_solve_kernel`); SAVE: also Tsave and Wbuf (`_gdn_solve_train_kernel`)."""
+        """The solve of one program (`_gdn_solve_kernel`); SAVE: also Tsave, Wbuf and Gsave
+        (`_gdn_solve_train_kernel`)."""
         i_nh = gl.program_id(0)
         i_c0 = gl.program_id(1)
         i_n = i_nh // HV
@@ -220,6 +251,9 @@ if _IMPORT_ERROR is None:
                 rq = gl.full([C], 1.0, gl.float32, ROW_C) * scale
                 rk_r = gl.full([C], 1.0, gl.float32, ROW_C)
                 rk_c = gl.full([C], 1.0, gl.float32, COL_C)
+            slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
+            if SAVE:  # here, not with T and W: the scan's values then die before the inverse's products
+                _store_bwd_rows(Gsave + slot * 4 * C, g_c, rq, rk_r, c0 + i_c < seq_len, i_c, j_c, C, MC)
             lower = gl.expand_dims(i_c, 1) > gl.expand_dims(j_c, 0)
             diff = gl.expand_dims(b_r, 1) - gl.expand_dims(b_c, 0)
             A = kk * gl.exp(gl.where(lower, diff, float("-inf"))) * gl.expand_dims(bi * rk_r, 1) \
@@ -230,7 +264,6 @@ if _IMPORT_ERROR is None:
             else:  # raw keys bound nothing: tf32
                 T = _t_matrix(A, plain, d3, m_t, i_c, j_c, C, MC, MC,
                               gl.DotOperandLayout(operand_index=0, parent=MC, k_width=1))
-            slot = (gl.load(chunk_off + i_n) + i_c0).to(gl.int64) * HV + i_hv
             if SAVE:
                 gl.store(Tsave + slot * C * C + gl.expand_dims(i_c, 1) * C + gl.expand_dims(j_c, 0),
                          T.to(Tsave.dtype.element_ty))

@@ -183,7 +183,9 @@ def _fwd_impl(
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
     output_final_state: bool, save: bool, BT: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Returns (o, final_state or empty, T, W, h, Vn, P); the last five are empty unless save."""
+    """Returns (o, final_state or empty, T, W, h, Vn, P, G); the last six are empty unless save. G [chunks, HV, 4, BT]
+    fp32: the Gluon state-gradient chain's gate rows (`gluon.gdn_bwd.gate_rows`), written wherever that chain could
+    take the backward (`_chain_rows`), else left unwritten."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev, f32 = q.device, torch.float32
@@ -198,12 +200,17 @@ def _fwd_impl(
     Tb = e(NCb, HV, BT, BT, dt=_t_dtype(sd) if save else f32)
     Wb, hb, vn = e(Ttot, HV, K), e(NCb, HV, K, V), e(Ttot, HV, V)
     Pb = e(NCb if save else 0, HV, BT, BT)
+    Gb = e(NCb if save else 0, HV, 4, BT, dt=f32)
     if save and nc > 0 and _gluon_train_fwd(q, v, N, BT):
         from ..gluon import gdn_fwd
 
         o, ht = gdn_fwd.training_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                         use_qk_l2norm, (Tb, Wb, hb, vn, Pb))
-        return o, ht if ht is not None else q.new_empty(0, dtype=f32), Tb, Wb, hb, vn, Pb
+                                         use_qk_l2norm, (Tb, Wb, hb, vn, Pb, Gb))
+        return o, ht if ht is not None else q.new_empty(0, dtype=f32), Tb, Wb, hb, vn, Pb, Gb
+    if save and nc > 0 and _chain_rows(q, v, BT):
+        from ..gluon import gdn_bwd
+
+        gdn_bwd.gate_rows(q, k, g, Gb, lay, scale, use_qk_l2norm)
     Ub = e(Ttot, HV, V)
     sk, rk = e(Ttot, HV, dt=f32), e(Ttot, HV, dt=f32)  # the state write's key scales, the keys' inverse norms
     o = _out((B, T, HV, V), q, q.dtype)
@@ -227,8 +234,8 @@ def _fwd_impl(
     if nc > 0:
         _output_pass(q, k, g, rk, hb, vn, o, Pb, lay, H, HV, K, V, BT, scale, use_qk_l2norm, prec, lowp, save)
     if not save:  # distinct empties: custom-op outputs may not alias
-        return o, ht, e(0, dt=f32), e(0), e(0), e(0), e(0)
-    return o, ht, Tb, Wb, hb, vn, Pb
+        return o, ht, e(0, dt=f32), e(0), e(0), e(0), e(0), e(0, dt=f32)
+    return o, ht, Tb, Wb, hb, vn, Pb, Gb
 
 
 def _kkt_launch(k, g, beta, Tb, lay: Layout, H: int, HV: int, K: int, BT: int, l2: bool, prec: str) -> None:
@@ -260,8 +267,9 @@ def gdn_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
     output_final_state: bool, save: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (o, final_state or empty, T, W, h, Vn, P); the last five are empty unless save."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """Returns (o, final_state or empty, T, W, h, Vn, P, G); the last six are empty unless save (`_fwd_impl`)."""
     K, V = q.shape[-1], v.shape[-1]
     first = _bt_for(K, V, q.dtype, save)
     err = None
@@ -291,8 +299,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_
     if save:
         return (o, ht, q.new_empty(NC, HV, BT, BT, dtype=_t_dtype(sd)), q.new_empty(B * T, HV, K, dtype=sd),
                 q.new_empty(NC, HV, K, V, dtype=sd), q.new_empty(B * T, HV, V, dtype=sd),
-                q.new_empty(NC, HV, BT, BT, dtype=sd))
-    return (o, ht, q.new_empty(0, dtype=f32), *(q.new_empty(0, dtype=sd) for _ in range(4)))
+                q.new_empty(NC, HV, BT, BT, dtype=sd), q.new_empty(NC, HV, 4, BT, dtype=f32))
+    return (o, ht, q.new_empty(0, dtype=f32), *(q.new_empty(0, dtype=sd) for _ in range(4)),
+            q.new_empty(0, dtype=f32))
 
 
 def _bwd_impl(
@@ -300,10 +309,10 @@ def _bwd_impl(
     g: torch.Tensor, beta: torch.Tensor, saved: list[torch.Tensor | None],
     cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty). saved: the forward's [T, W, h, Vn, P]; W and P
-    serve only the state recurrence's backward, so their entries are cleared after its launch: when the list holds
-    the only references (recompute), their memory is free before dq, dk, dv are allocated."""
-    Tb, Wb, hb, vn, Pb = saved
+    """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty). saved: the forward's [T, W, h, Vn, P, G]; W, P and
+    G serve only the state recurrence's backward, so their entries are cleared after its launch: when the list
+    holds the only references (recompute), their memory is free before dq, dk, dv are allocated."""
+    Tb, Wb, hb, vn, Pb, Gb = saved
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
@@ -319,8 +328,8 @@ def _bwd_impl(
     dvn = torch.empty(Ttot, HV, V, device=dev, dtype=hb.dtype)
     lowp = hb.dtype != f32  # 16-bit dot operands for 16-bit intermediates
     dh0 = _out((N, HV, K, V), q, f32) if has_h0 else q.new_empty(0, dtype=f32)
-    _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm, has_h0)
-    saved[1] = saved[4] = Wb = Pb = None
+    _state_grad_pass(do, dht, q, k, g, Wb, Pb, Gb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm, has_h0)
+    saved[1] = saved[4] = saved[5] = Wb = Pb = Gb = None
     # the kernels write dq, dv in the input dtype (with GVA dq per value head, as fla writes it, summed over each
     # key head's value heads in fp32 below: 128 MiB less than fp32 partials at B8 T2048 HV32 bf16). dk is written
     # once per value head but its partial sum between the two launches is parked in fp32: with GVA dk itself
@@ -345,15 +354,16 @@ def _bwd_impl(
             db.to(beta.dtype), dh0)
 
 
-def _state_grad_pass(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay: Layout, HV: int, V: int, scale: float,
+def _state_grad_pass(do, dht, q, k, g, Wb, Pb, Gb, dh0, dhb, dvn, lay: Layout, HV: int, V: int, scale: float,
                      l2: bool, has_h0: bool) -> None:
     """`state_pass._recur_bwd` over every sequence: dS' of every chunk into dhb, dVn into dvn and, with has_h0, the
-    initial-state gradient into dh0; from dht (None: no final-state cotangent)."""
+    initial-state gradient into dh0; from dht (None: no final-state cotangent). Gb: the forward's gate rows for the
+    Gluon chain (`_fwd_impl` wrote them wherever that chain can run: `_chain_rows` takes every input it takes)."""
     H, K, BT = q.shape[2], q.shape[3], Pb.shape[-1]
     if _gluon_chain(q, k, do, Wb, Pb):
         from ..gluon import gdn_bwd
 
-        gdn_bwd.state_grad_chain(do, dht, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, scale, l2, has_h0)
+        gdn_bwd.state_grad_chain(do, dht, q, k, Gb, Wb, Pb, dh0, dhb, dvn, lay, has_h0)
         return
     BV = _recur_bv(K, V, lay.N * HV, q.device, TUNE.rbwd_bv, per_sm=1)
     launcher(state_pass._recur_bwd)[(V // BV, lay.N * HV)](
@@ -372,6 +382,17 @@ def _gluon_chain(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, Wb: torch.T
     from ..gluon import gdn_bwd
 
     return gdn_bwd.unsupported_reason(q, k, do, Wb, Pb) is None
+
+
+def _chain_rows(q: torch.Tensor, v: torch.Tensor, BT: int) -> bool:
+    """Whether a saving forward writes the Gluon state-gradient chain's gate rows: wherever that chain could take
+    the backward (`_gluon_chain` asks this and more: TUNE.gluon_chain, do's dtype, alignment), so that it always
+    finds them written."""
+    if BT != 64 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from ..gluon import gdn_fwd
+
+    return gdn_fwd.unsupported_reason(q, v) is None
 
 
 def _gluon_train_fwd(q: torch.Tensor, v: torch.Tensor, N: int, BT: int) -> bool:
@@ -397,28 +418,29 @@ def _gluon_chunk(q: torch.Tensor, v: torch.Tensor, BT: int) -> bool:
 
 
 def dh0_without_dht(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, Wb: torch.Tensor,
-                    hb: torch.Tensor, Pb: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
-                    use_qk_l2norm: bool) -> torch.Tensor:
+                    hb: torch.Tensor, Pb: torch.Tensor, Gb: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                    scale: float, use_qk_l2norm: bool) -> torch.Tensor:
     """The chunk backward's initial-state gradient [N, HV, K, V] fp32 for the output cotangent do [B, T, HV, V]
-    and no final-state cotangent, from the forward's saved W, chunk states (their shape only) and P: the
-    state-gradient chain alone (context parallelism's D, `hybridlm.ops.context_parallel`)."""
+    and no final-state cotangent, from the forward's saved W, chunk states (their shape only), P and gate rows:
+    the state-gradient chain alone (context parallelism's D, `hybridlm.ops.context_parallel`)."""
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     lay = layout(cu_seqlens, B, T, Pb.shape[-1], q.device)
     dhb = torch.empty_like(hb)
     dvn = torch.empty(lay.Ttot, HV, V, device=q.device, dtype=hb.dtype)
     dh0 = _out((lay.N, HV, K, V), q, torch.float32)
-    _state_grad_pass(do.contiguous(), None, q, k, g, Wb, Pb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm, True)
+    _state_grad_pass(do.contiguous(), None, q, k, g, Wb, Pb, Gb, dh0, dhb, dvn, lay, HV, V, scale, use_qk_l2norm,
+                     True)
     return dh0
 
 
 def _offered_dh0(node, K: int, V: int, do: torch.Tensor) -> torch.Tensor:
     """`dh0_without_dht` of the _ChunkGDN call whose backward node (its ctx) is node, for do [B, T, HV, V] of the
     unpadded output; the initial-state gradient [N, HV, K, V] of the unpadded state."""
-    q, k, v, g, beta, Tb, Wb, hb, vn, Pb, cu, h0 = node.saved_tensors
+    q, k, v, g, beta, Tb, Wb, hb, vn, Pb, Gb, cu, h0 = node.saved_tensors
     do = torch.nn.functional.pad(do, (0, v.shape[-1] - V))
     try:
-        dh0 = dh0_without_dht(do, q, k, g, Wb, hb, Pb, cu, node.scale, node.l2)
+        dh0 = dh0_without_dht(do, q, k, g, Wb, hb, Pb, Gb, cu, node.scale, node.l2)
     except OutOfResources as e:  # as the backward does: smaller chunks, the forward's intermediates recomputed
         dh0 = _bwd_recomputed(do, None, q, k, v, g, beta, cu, node.scale, node.l2, True, h0,
                               [b for b in BT_CHOICES if b < Tb.shape[-1]], e)[5]
@@ -475,12 +497,13 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
 def gdn_chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, Tb: torch.Tensor, Wb: torch.Tensor, hb: torch.Tensor, vn: torch.Tensor,
-    Pb: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool, has_h0: bool,
-    h0: torch.Tensor | None,
+    Pb: torch.Tensor, Gb: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+    has_h0: bool, h0: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dg, dbeta, dinitial_state or empty)."""
     try:
-        return _bwd_impl(do, dht, q, k, v, g, beta, [Tb, Wb, hb, vn, Pb], cu_seqlens, scale, use_qk_l2norm, has_h0)
+        return _bwd_impl(do, dht, q, k, v, g, beta, [Tb, Wb, hb, vn, Pb, Gb], cu_seqlens, scale, use_qk_l2norm,
+                         has_h0)
     except OutOfResources as e:
         err = e
     # the backward kernels need a smaller chunk than the forward used: recompute the forward's intermediates
@@ -525,7 +548,7 @@ def _(do, dht, q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
 
 
 @gdn_chunk_bwd.register_fake
-def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Pb, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
+def _(do, dht, q, k, v, g, beta, Tb, Wb, hb, vn, Pb, Gb, cu_seqlens, scale, use_qk_l2norm, has_h0, h0):
     return _bwd_fake(q, k, v, g, beta, cu_seqlens, has_h0)
 
 
