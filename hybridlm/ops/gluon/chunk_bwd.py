@@ -14,8 +14,9 @@ Non-standard here:
   tiles are the operands and the per-token scales (rk, beta, gamma) are applied to the fp32 products' rows or columns,
   so fewer products are rounded.
 - One launch where the Triton path has two: k, S and Vn are read once for both parts, dKK stays in shared memory and
-  the [C] sums (the l2 norm's share, dg's part) in registers; only dk's [C, K] part goes out between the parts (dkp,
-  the program's own rows, read back from cache), since holding it would spill.
+  the [C] sums (the l2 norm's share, dg's part) in registers; dk's [C, K] part (fp32; held in registers it would
+  spill) waits in the dS' tile's shared memory, read by then (V >= 128: C K 4 <= K V 2 bytes), else goes out to dkp
+  (the program's own rows, read back from cache).
 - Two warpgroups, each computing half of every product's columns: one warpgroup alone needs more registers than a
   thread has for a whole chunk's gradients (it spilled 200-250 bytes a thread).
 - The chunk's tiles arrive by masked asynchronous copies (rows past the sequence read as 0), each once, in three
@@ -146,6 +147,12 @@ if _IMPORT_ERROR is None:
         return gl.load(ptr + (tok0 + r).to(gl.int64) * HV + i_hv, mask=r < nval, other=0.0).to(gl.float32)
 
     @gluon.jit
+    def _dkp_view(ds_s, C: gl.constexpr, K: gl.constexpr):
+        """dS' tile [K, V] (16-bit, V >= 128) reused, once read, as dk's part [C, K] fp32 between the two parts:
+        C K 4 <= K V 2 bytes."""
+        return ds_s._reinterpret(gl.float32, [C, K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    @gluon.jit
     def _masked_sum(x, mask, MT: gl.constexpr):
         """sum_j where(mask[i, j], x_j) for x a vector along the rows of MT: a cumulative sum through a [C, C] mask
         (reverse for mask j >= i, exclusive for j < i)."""
@@ -210,7 +217,11 @@ if _IMPORT_ERROR is None:
         ed = gl.exp(ged)
         r = _rows_of(gl.sum(k_s.load(MK).to(gl.float32) * dKd, axis=1), MT) * (rk * ed)
         dk_acc = dk_acc + dKd * gl.expand_dims(_rows_of(ed, MK), 1)
-        _row_mask_store(dkp, dk_acc, tok0, nval, i_hv, HV, K, C)
+        if V >= 128:  # dS' is read (the MMA above is synchronous): its tile holds dk's part, fp32, for `_out_part`
+            gl.thread_barrier()  # both warpgroups are past their reads of dS'
+            _dkp_view(ds_s, C, K).store(dk_acc)
+        else:
+            _row_mask_store(dkp, dk_acc, tok0, nval, i_hv, HV, K, C)
         c = gl.exp(bL) * sds
         db = db + t * gam
         dgc = t * bg
@@ -243,8 +254,8 @@ if _IMPORT_ERROR is None:
 
 
     @gluon.jit
-    def _out_part(q_s, k_s, do_s, vn_s, s_s, x_s, t_s, hi, lo, rk, sk0, dg0, dq, dk, dkp, dg, scale, tok0, nval,
-                  i_hv, HV, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, L2: gl.constexpr):
+    def _out_part(q_s, k_s, do_s, vn_s, s_s, ds_s, x_s, t_s, hi, lo, rk, sk0, dg0, dq, dk, dkp, dg, scale, tok0,
+                  nval, i_hv, HV, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, L2: gl.constexpr):
         """`chunk_bwd._chunk_bwd_out_blk`'s math for one (chunk, value head) on its tiles in shared memory, after
         `_state_part` (what it returned; dKK in x_s, dkp read back: the program's own writes, from cache; t_s is
         free): the output's paths O = diag(scale gamma) Q^ S + P Vn, P = scale (Q^ K^^T) e^{b_i - b_j} (j <= i);
@@ -300,8 +311,11 @@ if _IMPORT_ERROR is None:
         # dk^ = dkp + (diag(rq) dPg)^T Q + ((dKK + dKK^T) diag(rk)) K: the transposed left operand through t_s
         t_s.store((dPg * gl.expand_dims(rq, 1)).to(dt))
         gl.thread_barrier()
-        dk_acc = warpgroup_mma(gl.convert_layout(t_s.permute((1, 0)).load(MT), A_K), q_s,
-                               _row_mask_load(dkp, tok0, nval, i_hv, HV, K, C, MK), use_acc=True)
+        if V >= 128:
+            dkp_part = _dkp_view(ds_s, C, K).load(MK)
+        else:
+            dkp_part = _row_mask_load(dkp, tok0, nval, i_hv, HV, K, C, MK)
+        dk_acc = warpgroup_mma(gl.convert_layout(t_s.permute((1, 0)).load(MT), A_K), q_s, dkp_part, use_acc=True)
         dk_acc = warpgroup_mma(x_s, k_s, dk_acc, use_acc=True)
         if L2:
             sk = sk0 + cs + rd
@@ -353,5 +367,5 @@ if _IMPORT_ERROR is None:
         async_copy.commit_group()
         hi, lo, rk, sk0, dg0 = _state_part(k_s, v_s, vn_s, dvn_s, s_s, ds_s, t_s, w_s, x_s, g, beta, dkp, dv, dbeta,
                                            tok0, nval, i_hv, HV, K, V, C, L2)
-        _out_part(q_s, k_s, do_s, vn_s, s_s, x_s, t_s, hi, lo, rk, sk0, dg0, dq, dk, dkp, dg, scale, tok0, nval,
-                  i_hv, HV, K, V, C, L2)
+        _out_part(q_s, k_s, do_s, vn_s, s_s, ds_s, x_s, t_s, hi, lo, rk, sk0, dg0, dq, dk, dkp, dg, scale, tok0,
+                  nval, i_hv, HV, K, V, C, L2)

@@ -70,8 +70,9 @@ def chunk_unsupported_reason(q: torch.Tensor, v: torch.Tensor, BT: int) -> str |
 def chunk_grads(q, k, v, g, beta, Tb, hb, dhb, vn, dvn, do, dq, dk, dkp, dv, dg, db, lay: Layout, scale: float,
                 l2: bool) -> None:
     """The chunk backward in Gluon, one launch: what `triton.gdn._chunk_bwd`'s two Triton launches write, into the same
-    buffers (dv, dbeta, dg, dq, dk; dkp holds dk's part between the kernel's two parts, each program's own rows, read
-    back from cache). The caller checked `chunk_unsupported_reason`; every tensor is contiguous."""
+    buffers (dv, dbeta, dg, dq, dk). dk's part between the kernel's two parts: at V >= 128 in the dS' tile's shared
+    memory (dkp not touched), else in dkp (fp32, each program's own rows, read back from cache). The caller checked
+    `chunk_unsupported_reason`; every tensor is contiguous."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     launcher(chunk_bwd._chunk_bwd_kernel)[(lay.nc, HV)](

@@ -338,7 +338,7 @@ def _bwd_impl(
     # the chunk backward writes dq in its second launch only: it allocates dq there, after freeing dS and dVn
     dq = None if nc > 0 else _out((Ttot, HV, K), q, q.dtype)
     dk = _out((Ttot, HV, K), q, gd)
-    dkp = dk if gd == f32 else torch.empty(Ttot, HV, K, device=dev, dtype=f32)
+    dkp = dk if gd == f32 else None  # allocated where a launch parks dk's part in it (`_chunk_bwd`)
     dv = _out((B, T, HV, V), q, v.dtype)
     dg = _out((B, T, HV), q, f32)
     db = _out((B, T, HV), q, f32)
@@ -469,7 +469,10 @@ def _chunk_bwd(q, k, v, g, beta, Tb, hb, state_grads: list, vn, do, dk, dkp, dv,
     [tokens, HV, K] in the input dtype."""
     dhb, dvn = state_grads
     state_grads.clear()
-    if _gluon_chunk(q, v, BT):
+    gluon = _gluon_chunk(q, v, BT)
+    if dkp is None:  # the Gluon kernel at V >= 128 parks dk's part in shared memory: dk stands in, never touched
+        dkp = dk if gluon and V >= 128 else torch.empty(lay.Ttot, HV, K, device=q.device, dtype=torch.float32)
+    if gluon:
         from ..gluon import gdn_bwd
 
         dq = _out((lay.Ttot, HV, K), q, q.dtype)
