@@ -113,8 +113,9 @@ CASES = [  # name, dtype, l2, state, pool, K, overlap (the solve publishes chunk
     ("_gdn_chain_kernel", "bf16", True, True, False, 128, True),
     ("_gdn_chain_kernel", "fp16", True, False, False, 64, False),
     ("_gdn_chain_kernel", "bf16", True, True, True, 128, False),  # states read from / written to a pool's rows
-    ("_gdn_solve_train_kernel", "bf16", True, False, False, 128, False),  # also the plain T and W / m
-    ("_gdn_chain_train_kernel", "bf16", True, True, False, 128, False),  # also S, V' and P
+    ("_gdn_solve_train_kernel", "bf16", True, False, False, 128, True),  # also the plain T, W / m, gate rows
+    ("_gdn_solve_train_kernel", "fp16", False, False, False, 64, False),
+    ("_gdn_chain_train_kernel", "bf16", True, True, False, 128, True),  # also S, V' and P
     ("_gdn_chain_train_kernel", "fp16", False, False, False, 64, False),
     ("_kda_chain_kernel", "bf16", True, True, False, 128, False),
     ("_kda_chain_kernel", "fp16", True, False, False, 64, False),

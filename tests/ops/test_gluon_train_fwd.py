@@ -78,24 +78,48 @@ CASES = {
 }
 
 
-@gluon_gpu
-@pytest.mark.parametrize("name", list(CASES))
-def test_saved_tensors_match_the_triton_forward(monkeypatch, name):
-    monkeypatch.setattr(gdn_fwd, "_multiprocessors", lambda dev: 1)
+def _compare_saved(kw: dict, what: str) -> None:
+    """Every saved tensor of the Gluon training forward against the Triton forward's on one random case."""
     seed = draw_seed()
-    q, k, v, g, beta, h0, cu = _inputs(seed, **CASES[name])
+    q, k, v, g, beta, h0, cu = _inputs(seed, **kw)
     out = {}
     for on in (True, False):
         with tuned(gdn.TUNE, gluon_train_fwd=on):
-            assert gdn._gluon_train_fwd(q, v, 1 if cu is not None else q.shape[0], 64) == on
-            out[on] = gdn._fwd_impl(q, k, v, g, beta, h0, cu, q.shape[-1] ** -0.5, CASES[name].get("l2", True), True,
-                                    True, 64)
+            assert gdn._gluon_train_fwd(q, v, len(cu) - 1 if cu is not None else q.shape[0], 64) == on
+            out[on] = gdn._fwd_impl(q, k, v, g, beta, h0, cu, q.shape[-1] ** -0.5, kw.get("l2", True), True, True, 64)
     lay = layout(cu, q.shape[0], q.shape[1], 64, "cuda")
     for n, a, b in zip(SAVED, out[True], out[False]):
         if n in ("T", "h", "P", "G"):  # chunk slots past the layout's chunks are never written
             a, b = a[:lay.nc], b[:lay.nc]
         e = rel_f64(a, b)
-        assert e <= 1e-2, f"{n}: rel {e:.3g} against the Triton forward ({name}, seed {seed})"
+        assert e <= 1e-2, f"{n}: rel {e:.3g} against the Triton forward ({what}, seed {seed})"
+
+
+@gluon_gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_saved_tensors_match_the_triton_forward(monkeypatch, name):
+    monkeypatch.setattr(gdn_fwd, "_multiprocessors", lambda dev: 1)
+    _compare_saved(CASES[name], name)
+
+
+BESIDE = {  # chain programs (value blocks x sequences x value heads) p, on a GPU told it has 2p multiprocessors
+    "T4160 GVA2": (dict(B=1, T=4160, H=2, HV=4), 16),
+    "varlen 100,4200 no-h0": (dict(B=1, T=4300, H=2, HV=4, cu=[0, 100, 4300], h0=False), 32),
+}
+
+
+@gluon_gpu
+@pytest.mark.parametrize("name", list(BESIDE))
+def test_solve_beside_the_chain_matches_the_triton_forward(monkeypatch, name):
+    """The overlapped form (`gdn_fwd._overlaps`: the chain's programs leave half the multiprocessors to the solve,
+    whose chunk flags the chain waits on) keeps the same saved tensors."""
+    kw, sms = BESIDE[name]
+    monkeypatch.setattr(gdn_fwd, "_multiprocessors", lambda dev: sms)
+    forks = []
+    real = gdn_fwd._beside
+    monkeypatch.setattr(gdn_fwd, "_beside", lambda *a: (forks.append(1), real(*a))[1])
+    _compare_saved(kw, name)
+    assert forks == [1], f"{name}: the solve ran beside the chain {len(forks)} times, expected once"
 
 
 def _check_cases():

@@ -264,16 +264,16 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _gdn_chain_train_kernel(
-        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, hb_desc, vn_desc, o, h0, ht, vn, Pb, cu, chunk_off, H, HV,
-        K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
-        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+        q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, hb_desc, vn_desc, o, h0, ht, vn, Pb, cu, chunk_off, flags,
+        H, HV, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+        HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WAIT: gl.constexpr,
     ):
-        """`_gdn_chain_kernel` for a training forward (after the solve, no state pool): also what the Triton
+        """`_gdn_chain_kernel` for a training forward (no state pool): also what the Triton
         backward reads, each chunk's initial state S into hb [slots, K, V] (hb_desc: hb as [slots * K, V] in [K, BV]
         boxes), V' into vn [Ttot, HV, V] (vn_desc: as o_desc over vn), both in o's dtype (`_chain_state`), and P
-        into Pb [slots, C, C] (`_chain_output`)."""
+        into Pb [slots, C, C] (`_chain_output`). WAIT: as `_gdn_chain_kernel`'s, beside the training solve."""
         _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, hb_desc, vn_desc, o, h0, ht, cu, cu, chunk_off,
-                    cu, H, HV, vn, Pb, K, V, BV, C, R, HAS_H0, STORE_HT, False, False, True)
+                    flags, H, HV, vn, Pb, K, V, BV, C, R, HAS_H0, STORE_HT, False, WAIT, True)
 
     @gluon.jit
     def _chain_body(q_desc, k_desc, v_desc, t_desc, g_desc, o_desc, hb_desc, vn_desc, o, h0, ht, rows, cu,

@@ -1,6 +1,6 @@
 """Gated DeltaNet forward for Hopper (sm_90) in Gluon: a parallel T solve, then one state chain per head and value
-block. What `impl="auto"` runs for inference on sm_90 (bf16/fp16, K 64 or 128, V 64 to 256); training keeps the
-Triton forward, whose chunk states the Triton backward reads.
+block. What `impl="auto"` runs for inference on sm_90 (bf16/fp16, K 64 or 128, V 64 to 256); `training_forward` is
+the same pair of launches also writing what the Triton backward reads.
 
 Two launches: `solve._gdn_solve_kernel` (every chunk of every head at once: T diag(beta) in the inputs' 16-bit dtype,
 and the per-token gate rows) and `chain._gdn_chain_kernel` (one program per value block of 64 and sequence x value head,
@@ -169,8 +169,9 @@ def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final
     chain each chunk's initial state, V' and P. saved = (Tb [NC, HV, C, C], Wb [Ttot, HV, K], hb [NC, HV, K, V],
     vn [Ttot, HV, V], Pb [NC, HV, C, C]) in q's dtype and Gb [NC, HV, 4, C] fp32, allocated by the caller in the
     Triton forward's layouts (chunk slot = global chunk x HV + value head); written here. Inputs as
-    `gated_delta_rule_fwd`'s, already checked. Returns (o, ht or None). Both launches go through the JIT (no direct
-    launches, no solve beside the chain)."""
+    `gated_delta_rule_fwd`'s, already checked. Returns (o, ht or None). Both launches go through the JIT; where the
+    chain's programs leave half the multiprocessors idle, the solve runs beside the chain as in the inference
+    forward (`_overlaps`, `_beside`)."""
     call = _Call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, None, None,
                  True)
     call.outputs()
@@ -179,18 +180,30 @@ def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final
     Tb, Wb, hb, vn, Pb, Gb = saved
     K, V = q.shape[-1], v.shape[-1]
     l2 = bool(use_qk_l2norm)
-    if p.solve_grid[1] > 0:
-        _gdn_solve_train_kernel[p.solve_grid](call.q, call.k, call.g, call.beta, Tbuf, Gbuf, Tb, Wb, Gb, call.cu,
-                                              call.chunk_off, call.scale, call.H, call.HV, K, CHUNK, GATE_ROWS, l2,
-                                              num_warps=NUM_WARPS)
+    solve_args = (call.q, call.k, call.g, call.beta, Tbuf, Gbuf, Tb, Wb, Gb, call.cu, call.chunk_off, call.flags,
+                  call.scale, call.H, call.HV, K, CHUNK, GATE_ROWS, l2, p.overlap)
     o = call.o
     descs = _descriptors(call.q, call.k, call.v, o, Tbuf, Gbuf, BV)
     h0 = call.h0 if call.h0 is not None else o  # never read without HAS_H0
     ht = call.ht if call.ht is not None else o  # never written without STORE_HT
     save_descs = (_tma_desc(hb.reshape(-1, V), K, BV), _tma_desc(vn.reshape(-1, vn.shape[-2] * V), CHUNK, BV))
-    _gdn_chain_train_kernel[p.chain_grid](*descs, *save_descs, o, h0, ht, vn, Pb, call.cu, call.chunk_off, call.H,
-                                          call.HV, K, V, BV, CHUNK, GATE_ROWS, call.h0 is not None, call.store_ht,
-                                          num_warps=NUM_WARPS)
+
+    def solve() -> None:
+        if p.solve_grid[1] > 0:
+            _gdn_solve_train_kernel[p.solve_grid](*solve_args, num_warps=NUM_WARPS)
+
+    def chain(side: _Side | None = None) -> None:
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side.stream):
+            _gdn_chain_train_kernel[p.chain_grid](*descs, *save_descs, o, h0, ht, vn, Pb, call.cu, call.chunk_off,
+                                                  call.flags, call.H, call.HV, K, V, BV, CHUNK, GATE_ROWS,
+                                                  call.h0 is not None, call.store_ht, p.overlap, num_warps=NUM_WARPS)
+
+    if p.overlap:  # the solve's kernel loaded first: `_Call._load_solve`
+        _gdn_solve_train_kernel.warmup(*solve_args, grid=p.solve_grid, num_warps=NUM_WARPS)._init_handles()
+        _beside(solve, chain, call.dev)
+    else:
+        solve()
+        chain()
     return o, call.ht
 
 

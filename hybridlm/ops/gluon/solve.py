@@ -176,15 +176,16 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _gdn_solve_train_kernel(
-        q, k, g, beta, Tbuf, Gbuf, Tsave, Wbuf, Gsave, cu, chunk_off, scale, H, HV,
-        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr,
+        q, k, g, beta, Tbuf, Gbuf, Tsave, Wbuf, Gsave, cu, chunk_off, flags, scale, H, HV,
+        K: gl.constexpr, C: gl.constexpr, R: gl.constexpr, L2: gl.constexpr, FLAG: gl.constexpr,
     ):
         """`_gdn_solve_kernel` for a training forward: also the plain T into Tsave [slots, C, C], W / m =
         T diag(beta rk gamma / m) K (m: the chunk's power-of-two scale, `chunk_jit._chunk_scale`) into Wbuf
         [Ttot, HV, K] (q's dtype), what the Triton forward keeps for the backward (`wy._wu_fwd`), and the backward
-        chain's gate rows into Gsave [slots, 4, C] fp32 (`_store_bwd_rows`)."""
-        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, cu, scale, H, HV, Tsave, Wbuf, Gsave, K, C, R, L2,
-                    False, True)
+        chain's gate rows into Gsave [slots, 4, C] fp32 (`_store_bwd_rows`). FLAG: flags[slot] set once the slot's
+        Tbuf and Gbuf rows are written, for a training chain beside this launch."""
+        _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tsave, Wbuf, Gsave, K, C, R, L2,
+                    FLAG, True)
 
     @gluon.jit
     def _solve_body(q, k, g, beta, Tbuf, Gbuf, cu, chunk_off, flags, scale, H, HV, Tsave, Wbuf, Gsave,
