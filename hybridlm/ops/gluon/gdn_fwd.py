@@ -198,7 +198,8 @@ def training_forward(q, k, v, g, beta, scale: float, initial_state, output_final
                                                   call.flags, call.H, call.HV, K, V, BV, CHUNK, GATE_ROWS,
                                                   call.h0 is not None, call.store_ht, p.overlap, num_warps=NUM_WARPS)
 
-    if p.overlap:  # the solve's kernel loaded first: `_Call._load_solve`
+    if p.overlap:  # the solve's kernel loaded before the chain waits on it (`_Call._load_solve`); every call, since
+        # another specialization of the same plan (an alignment) would be another kernel, loaded at its launch
         _gdn_solve_train_kernel.warmup(*solve_args, grid=p.solve_grid, num_warps=NUM_WARPS)._init_handles()
         _beside(solve, chain, call.dev)
     else:
