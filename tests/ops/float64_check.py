@@ -48,29 +48,32 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
-def gpu_check_row(monkeypatch, module, fn_name: str, name: str, kw: dict) -> tuple[dict, list, int]:
-    """One case of scripts/gpu_check_gdn.py (`check`) on a fresh seed, as the Gluon kernels' GPU tests run it:
-    module.fn_name counted (a host entry of the kernel under test), the Triton kernels' outputs NaN-poisoned and
-    TF32 off (restored after). Returns (the case's row, one entry per call of fn_name, the seed)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-    import gpu_check_gdn as check
-
+def count_calls(monkeypatch, module, fn_name: str) -> list:
+    """module.fn_name counted (a host entry of the kernel under test: one entry a call), the Triton kernels' outputs
+    NaN-poisoned and TF32 off, as the Gluon kernels' GPU tests run their float64 checks; monkeypatch undoes all."""
     from hybridlm.ops.triton import gdn
 
     calls = []
     real = getattr(module, fn_name)
     monkeypatch.setattr(module, fn_name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     monkeypatch.setattr(gdn, "POISON", True)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        seed = draw_seed()
-        row = check.check(torch.Generator(device="cuda").manual_seed(seed), name, **kw)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    return calls
+
+
+def gpu_check_row(monkeypatch, module, fn_name: str, name: str, kw: dict) -> tuple[dict, list, int]:
+    """One case of scripts/gpu_check_gdn.py (`check`) on a fresh seed under `count_calls`. Returns (the case's row,
+    one entry per call of fn_name, the seed)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import gpu_check_gdn as check
+
+    calls = count_calls(monkeypatch, module, fn_name)
+    seed = draw_seed()
+    row = check.check(torch.Generator(device="cuda").manual_seed(seed), name, **kw)
     return row, calls, seed
 
 

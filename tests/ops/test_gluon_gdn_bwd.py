@@ -23,7 +23,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from float64_check import check_cache_reuse, draw_seed, gluon_gpu, gpu_check_row, rel_f64  # noqa: E402
+from float64_check import check_cache_reuse, count_calls, draw_seed, gluon_gpu, gpu_check_row, rel_f64  # noqa: E402
 from gluon_switch import Recorder  # noqa: E402
 
 from hybridlm.ops import gated_delta_rule, launch  # noqa: E402
@@ -237,14 +237,8 @@ def jit_counts(monkeypatch):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The Gluon chain's host calls, with TF32 off (restored after): the float64 comparison needs true fp32 products."""
-    calls = []
-    real = gdn_bwd.state_grad_chain
-    monkeypatch.setattr(gdn_bwd, "state_grad_chain", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield calls
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    """The Gluon chain's host calls (`count_calls`: outputs NaN-poisoned, TF32 off for the float64 comparison)."""
+    return count_calls(monkeypatch, gdn_bwd, "state_grad_chain")
 
 
 def _direct_plan():
